@@ -1,0 +1,1 @@
+"""jaxinfra: a JAX/Flax-NNX LLM training stack."""

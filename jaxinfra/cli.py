@@ -1,0 +1,91 @@
+"""`jaxinfra` command line: thin wrappers over Python functions that tests call directly.
+
+    jaxinfra train [CONFIG] [--run-dir DIR] [KEY=VALUE ...]
+    jaxinfra info  [CONFIG] [KEY=VALUE ...]
+
+Bad input (config, mesh, data) exits with status 2 and one line on stderr, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import pathlib
+import sys
+
+from jaxinfra.config import ConfigError, load_config, preset_names
+
+EXIT_BAD_INPUT = 2
+
+
+def _config_stem(source: str) -> str:
+    return pathlib.Path(source).stem if source.endswith((".yaml", ".yml")) else source
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)  # fails before jax is even imported
+    from jaxinfra.train import train
+
+    run_dir = args.run_dir or f"runs/{_config_stem(args.config)}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    train(cfg, run_dir)
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides) if args.config else None
+    from jaxinfra.info import describe
+
+    print(describe(cfg))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxinfra", description="JAX/XLA training stack for LLMs")
+    sub = parser.add_subparsers(dest="command", required=True)
+    presets = ", ".join(preset_names())
+
+    p = sub.add_parser("train", help="train a model from a preset or YAML config")
+    p.add_argument("config", nargs="?", default="tiny", help=f"preset name ({presets}) or YAML path; default tiny")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. model.num_layers=8 train.steps=100")
+    p.add_argument("--run-dir", help="output directory (default runs/<config>-<time>)")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("info", help="devices, versions, and the mesh and parameter layout a config would get")
+    p.add_argument("config", nargs="?", help=f"preset name ({presets}) or YAML path")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    p.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    # Overrides may come after options (`train tiny --run-dir X a.b=1`): argparse leaves those as extras.
+    args, extra = parser.parse_known_args(argv)
+    unknown = [x for x in extra if "=" not in x or x.startswith("-")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        args.overrides = [*getattr(args, "overrides", []), *extra]
+    if getattr(args, "config", None) and "=" in args.config:  # `jaxinfra train a.b=1`: no config given
+        args.overrides = [args.config, *args.overrides]
+        args.config = "tiny" if args.command == "train" else None
+    from jaxinfra.data import DataError
+    from sharding.mesh import MeshError
+
+    try:
+        return args.func(args)
+    except (ConfigError, DataError, MeshError) as e:
+        print(f"jaxinfra: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("jaxinfra: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+def main_exit() -> None:
+    """Console-script entry: exit with main()'s status."""
+    sys.exit(main())

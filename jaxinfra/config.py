@@ -1,0 +1,323 @@
+"""One typed run configuration: YAML preset + dotted overrides -> frozen, validated Config.
+
+Every section is a frozen dataclass. Loading is strict: unknown keys (with the
+closest known key suggested), wrong types and inconsistent values raise
+`ConfigError` with a one-line message that names the key, the value and what is
+allowed. Nothing here touches jax, so a bad config fails before any compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.resources
+import pathlib
+import types
+import typing
+from typing import Any, Literal
+
+import yaml
+
+from jaxinfra.data.config import DataConfig
+from models.config import REMAT_POLICIES, ModelConfig
+from sharding.mesh import MESH_AXES, MeshConfig, MeshError, resolve_mesh_sizes
+
+class ConfigError(ValueError):
+    """A bad configuration; the message is one line naming the key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelismConfig:
+    """How logical axes map onto the mesh (see sharding/rules.py)."""
+
+    # fsdp: ZeRO-3 (params, grads, optimizer state sharded over `fsdp`, gathered per layer).
+    strategy: Literal["fsdp"] = "fsdp"
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with decoupled weight decay and global-norm clipping."""
+
+    name: Literal["adamw"] = "adamw"
+    lr: float = 3e-3
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    # Norm scales and embeddings are not decayed unless asked (common practice, e.g. nanoGPT).
+    decay_norms: bool = False
+    decay_embeddings: bool = False
+    clip_grad_norm: float | None = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleConfig:
+    """Learning-rate schedule: linear warmup, then the named decay to lr * min_lr_ratio."""
+
+    name: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    # wsd (warmup-stable-decay): the last decay_fraction of steps decay linearly.
+    decay_fraction: float = 0.2
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 200
+    batch_size: int = 16  # global, in sequences
+    seq_len: int = 128
+    seed: int = 0
+    grad_accum_steps: int = 1  # microbatches per step; batch_size must divide evenly
+    eval_every: int = 50  # 0: evaluate only at the end
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 0  # steps between checkpoints; 0 = only at the end (when enabled)
+    keep: int = 3
+    enabled: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class LogConfig:
+    every: int = 10  # steps between metric lines (the only host syncs of the loop)
+    tensorboard: bool = True
+    progress: bool = True
+    peak_tflops: float | None = None  # per-device peak for MFU; None: table or CPU probe
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig = ModelConfig()
+    mesh: MeshConfig = MeshConfig()
+    parallelism: ParallelismConfig = ParallelismConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    log: LogConfig = LogConfig()
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(dataclasses.asdict(self))
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def preset_names() -> list[str]:
+    root = importlib.resources.files("jaxinfra") / "presets"
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def load_yaml(source: str) -> dict[str, Any]:
+    """A preset name (`tiny`) or a path to a YAML file -> nested dict."""
+    path = pathlib.Path(source)
+    if source.endswith((".yaml", ".yml")) or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {source}")
+        text = path.read_text()
+    else:
+        resource = importlib.resources.files("jaxinfra") / "presets" / f"{source}.yaml"
+        if not resource.is_file():
+            raise ConfigError(f"unknown preset '{source}': choose one of {preset_names()} or give a YAML path")
+        text = resource.read_text()
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: invalid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: top level must be a mapping of sections")
+    return data
+
+
+def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b=value` overrides (values parsed as YAML scalars) to a nested dict."""
+    tree = _deep_copy(tree)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must look like key.sub=value")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        if len(parts) < 2 or not all(parts):
+            raise ConfigError(f"override key '{key}' must name a section and a field, e.g. model.num_layers")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            value = raw
+        node = tree
+        for p in parts[:-1]:
+            child = node.setdefault(p, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override '{key}': '{p}' is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return tree
+
+
+def load_config(source: str | None = "tiny", overrides: list[str] | None = None) -> Config:
+    """Preset or YAML path, then overrides, then type checks and consistency checks."""
+    tree = load_yaml(source) if source else {}
+    tree = apply_overrides(tree, overrides or [])
+    cfg = from_dict(Config, tree, "")
+    validate(cfg)
+    return cfg
+
+
+def from_dict(cls: type, data: Any, path: str) -> Any:
+    """Build dataclass `cls` from a dict, rejecting unknown keys and wrong types."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or 'config'}: expected a mapping, got {_show(data)}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{path}.{key}" if path else str(key)
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" (did you mean '{path + '.' if path else ''}{close[0]}'?)" if close else ""
+            raise ConfigError(f"unknown key '{full}'{hint}; allowed: {', '.join(fields)}")
+        kwargs[key] = _coerce(hints[key], value, full)
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, key)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(arg, value, key)
+            except ConfigError as e:
+                errors.append(e)
+        allowed = " or ".join(_describe(a) for a in args)
+        raise ConfigError(f"{key}: expected {allowed}, got {_show(value)}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: {_show(value)} is not allowed; choose one of {list(args)}")
+        return value
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {_show(value)}")
+        return tuple(_coerce(args[0], v, f"{key}[{i}]") for i, v in enumerate(value))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {_show(value)}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key}: expected an integer, got {_show(value)}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected a number, got {_show(value)}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {_show(value)}")
+    raise TypeError(f"config field {key} has unsupported type {tp}")  # a bug in a dataclass
+
+
+def _describe(tp: Any) -> str:
+    if tp is type(None):
+        return "null"
+    if typing.get_origin(tp) is Literal:
+        return f"one of {list(typing.get_args(tp))}"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true/false"}.get(tp, str(tp))
+
+
+def _show(value: Any) -> str:
+    return repr(value) if not isinstance(value, dict) else "a mapping"
+
+
+def _deep_copy(tree: dict[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in tree.items()}
+
+
+def _to_plain(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_to_plain(v) for v in obj]
+    return obj
+
+
+# ---------------------------------------------------------------- consistency
+
+
+def validate(cfg: Config, device_count: int | None = None) -> None:
+    """Cross-field checks; with device_count also the mesh checks."""
+    for section, problems in (("model", cfg.model.problems()), ("data", cfg.data.problems())):
+        for key, value, allowed in problems:
+            raise ConfigError(f"{section}.{key}={value!r} is invalid: must be {allowed}")
+    t = cfg.train
+    for key in ("steps", "batch_size", "seq_len", "grad_accum_steps"):
+        if getattr(t, key) < 1:
+            raise ConfigError(f"train.{key}={getattr(t, key)} is invalid: must be a positive integer")
+    if t.batch_size % t.grad_accum_steps:
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} is not divisible by train.grad_accum_steps={t.grad_accum_steps}")
+    if cfg.log.every < 1:
+        raise ConfigError(f"log.every={cfg.log.every} is invalid: must be a positive integer")
+    if cfg.optimizer.lr <= 0:
+        raise ConfigError(f"optimizer.lr={cfg.optimizer.lr} is invalid: must be > 0")
+    if not 0 <= cfg.schedule.min_lr_ratio <= 1:
+        raise ConfigError(f"schedule.min_lr_ratio={cfg.schedule.min_lr_ratio} is invalid: must be in [0, 1]")
+    if cfg.schedule.warmup_steps < 0:
+        raise ConfigError(f"schedule.warmup_steps={cfg.schedule.warmup_steps} is invalid: must be >= 0")
+    if not 0 < cfg.schedule.decay_fraction <= 1:
+        raise ConfigError(f"schedule.decay_fraction={cfg.schedule.decay_fraction} is invalid: must be in (0, 1]")
+    if cfg.model.remat_policy not in REMAT_POLICIES:  # pragma: no cover - Literal already checks
+        raise ConfigError(f"model.remat_policy: choose one of {REMAT_POLICIES}")
+    from jaxinfra.data import vocab_size_of  # the data section knows its vocabulary
+
+    data_vocab = vocab_size_of(cfg.data)
+    if data_vocab > cfg.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the data's vocabulary "
+            f"({data_vocab} ids from data.source={cfg.data.source}); set model.vocab_size>={data_vocab}")
+    validate_mesh(cfg, device_count)
+
+
+def validate_mesh(cfg: Config, device_count: int | None) -> None:
+    """Axis sizes against the device count and against the dimensions they shard."""
+    for axis in ("stage", "expert", "context"):
+        if getattr(cfg.mesh, axis) not in (1, -1):
+            raise ConfigError(f"mesh.{axis}={getattr(cfg.mesh, axis)} is not supported yet: must be 1")
+    if device_count is None:
+        return
+    try:
+        sizes = resolve_mesh_sizes(cfg.mesh, device_count)
+    except MeshError as e:
+        raise ConfigError(str(e)) from None
+    batch_shards = sizes["data"] * sizes["fsdp"]
+    micro = cfg.train.batch_size // cfg.train.grad_accum_steps
+    if micro % batch_shards:
+        raise ConfigError(
+            f"train.batch_size={cfg.train.batch_size} (microbatch {micro}) is not divisible by the "
+            f"data-parallel size mesh.data x mesh.fsdp = {batch_shards}")
+    m, tp = cfg.model, sizes["tensor"]
+    for key, value in (("num_heads", m.num_heads), ("num_kv_heads", m.kv_heads), ("mlp_dim", m.mlp_dim),
+                       ("vocab_size", m.vocab_size)):
+        if value % tp:
+            raise ConfigError(f"model.{key}={value} is not divisible by mesh.tensor={tp}")
+    if m.d_model % sizes["fsdp"]:
+        raise ConfigError(f"model.d_model={m.d_model} is not divisible by mesh.fsdp={sizes['fsdp']}")

@@ -1,0 +1,155 @@
+"""The grain pipelines the train loop consumes: shard, shuffle, repeat, pack, batch."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Any
+
+import grain
+import numpy as np
+
+from jaxinfra.data import synthetic
+from jaxinfra.data.config import DataConfig, DataError
+from jaxinfra.data.sources import (
+    ArrayReader, ByteReader, TokenFileReader, WindowSource, common_root, expand_paths, open_token_file,
+    split_documents, split_streams, stdlib_files)
+from jaxinfra.data.tokenizer import tokenize_files, tokenizer_vocab_size
+
+_EVAL_SEED = 0x5EED  # eval batches do not depend on the run's seed, so runs compare on the same batches
+_MIN_PACKING_BINS = 16  # more bins than rows per batch packs short documents more tightly
+
+
+def vocab_size_of(cfg: DataConfig) -> int:
+    """Token ids the data can contain; 0 for the tokens source (checked per window when read)."""
+    cfg.check()
+    if cfg.source == "synthetic":
+        return cfg.synthetic_vocab
+    if cfg.source == "tokens":
+        return 0
+    return tokenizer_vocab_size(cfg.tokenizer) if cfg.tokenizer else 256
+
+
+def make_train_iterator(cfg: DataConfig, *, seq_len: int, global_batch_size: int, vocab_size: int, seed: int,
+                        process_index: int = 0, process_count: int = 1) -> grain.DatasetIterator:
+    """An infinite iterator of this process's share of each global batch (see `get_state`/`set_state`).
+
+    Batches are dicts of int32 [global_batch_size // process_count, seq_len] arrays:
+    inputs, targets, segment_ids (1, 2, ... per packed document; 0 = padding) and positions.
+    """
+    local_batch = _check_args(cfg, seq_len, global_batch_size, vocab_size, process_index, process_count)
+    train, _ = _split_sources(cfg, seq_len, vocab_size, seed)
+    ds = _pipeline(train, seq_len=seq_len, local_batch=local_batch, seed=seed, shuffle=cfg.shuffle,
+                   process_index=process_index, process_count=process_count, what="training")
+    if cfg.worker_count > 0:
+        _allow_absl_workers()
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count))
+    return iter(ds)
+
+
+def make_eval_batches(cfg: DataConfig, *, seq_len: int, global_batch_size: int, vocab_size: int, seed: int,
+                      process_index: int = 0, process_count: int = 1) -> list[dict[str, np.ndarray]]:
+    """`cfg.eval_batches` held-out batches (same layout as training), identical on every call."""
+    local_batch = _check_args(cfg, seq_len, global_batch_size, vocab_size, process_index, process_count)
+    if cfg.eval_batches == 0:
+        return []
+    _, held = _split_sources(cfg, seq_len, vocab_size, seed)
+    ds = _pipeline(held, seq_len=seq_len, local_batch=local_batch, seed=_EVAL_SEED, shuffle=True,
+                   process_index=process_index, process_count=process_count, what="evaluation")
+    return list(itertools.islice(iter(ds), cfg.eval_batches))
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _check_args(cfg: DataConfig, seq_len: int, global_batch_size: int, vocab_size: int,
+                process_index: int, process_count: int) -> int:
+    cfg.check()
+    for name, value in (("seq_len", seq_len), ("global_batch_size", global_batch_size),
+                        ("vocab_size", vocab_size), ("process_count", process_count)):
+        if not isinstance(value, (int, np.integer)) or value < 1:
+            raise DataError(f"{name}={value!r} is invalid: must be a positive integer")
+    if not 0 <= process_index < process_count:
+        raise DataError(f"process_index={process_index} is invalid: must be in [0, {process_count})")
+    if global_batch_size % process_count:
+        raise DataError(
+            f"global_batch_size={global_batch_size} is not divisible by process_count={process_count}")
+    return global_batch_size // process_count
+
+
+def _split_sources(cfg: DataConfig, seq_len: int, vocab_size: int, seed: int) -> tuple[Any, Any]:
+    """(train, eval) random-access sources for cfg.source."""
+    if cfg.source == "synthetic":
+        return synthetic.split(cfg.synthetic_vocab, seq_len, _seed32(seed), cfg.eval_fraction)
+    if cfg.source == "tokens":
+        files = expand_paths(cfg.paths)
+        reader = TokenFileReader(files, cfg.token_dtype, vocab_size)
+        train, held = split_streams([len(open_token_file(f, cfg.token_dtype)) for f in files], cfg.eval_fraction)
+        return _window_pair(reader, train, held, seq_len, cfg)
+    if cfg.paths:
+        files = expand_paths(cfg.paths)
+        root = common_root(files)
+    else:
+        root, files = stdlib_files()
+    if cfg.tokenizer:
+        arrays = tokenize_files(cfg.tokenizer, files)
+        reader, lengths = ArrayReader(arrays), [len(a) for a in arrays]
+    else:
+        reader, lengths = ByteReader(files), [os.stat(f).st_size for f in files]
+    usable = [i for i, n in enumerate(lengths) if n >= 2]  # a document needs one next-token pair
+    names = [os.path.relpath(files[i], root) for i in usable]
+    train_ids, held_ids = split_documents(names, cfg.eval_fraction)
+    docs = np.asarray([(i, 0, lengths[i]) for i in usable], np.int64)
+    return _window_pair(reader, docs[train_ids], docs[held_ids], seq_len, cfg)
+
+
+def _window_pair(reader: Any, train: np.ndarray, held: np.ndarray, seq_len: int,
+                 cfg: DataConfig) -> tuple[WindowSource, WindowSource]:
+    train_src, held_src = WindowSource(reader, train, seq_len), WindowSource(reader, held, seq_len)
+    for src, what in ((train_src, "training"), (held_src, "evaluation")):
+        if len(src) == 0:
+            raise DataError(
+                f"data.paths: no {what} tokens left after holding out data.eval_fraction={cfg.eval_fraction} "
+                f"(every document needs at least 2 tokens)")
+    return train_src, held_src
+
+
+def _pipeline(source: Any, *, seq_len: int, local_batch: int, seed: int, shuffle: bool,
+              process_index: int, process_count: int, what: str) -> grain.IterDataset:
+    ds = grain.MapDataset.source(source)[process_index::process_count]
+    if len(ds) == 0:
+        raise DataError(
+            f"data.paths: {len(source)} {what} windows cannot be shared by {process_count} processes "
+            f"(process {process_index} gets none)")
+    if shuffle:
+        ds = ds.shuffle(seed=_seed32(seed))
+    ds = ds.repeat(None)  # reshuffled every epoch
+    # Reading a window is one small pread; threads would only fight over the GIL.
+    it = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+    it = grain.experimental.FirstFitPackIterDataset(
+        it, length_struct={"inputs": seq_len, "targets": seq_len},
+        num_packing_bins=max(local_batch, _MIN_PACKING_BINS), seed=_seed32(seed), shuffle_bins=shuffle)
+    return it.map(_model_layout).batch(local_batch, drop_remainder=True)
+
+
+def _model_layout(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {
+        "inputs": packed["inputs"],
+        "targets": packed["targets"],
+        "segment_ids": packed["inputs_segment_ids"],
+        "positions": packed["inputs_positions"],
+    }
+
+
+def _seed32(seed: int) -> int:
+    return int(seed) % (1 << 32)
+
+
+def _allow_absl_workers() -> None:
+    # grain's spawned workers read absl flags; outside absl.app they are unparsed.
+    try:
+        from absl import flags
+    except ImportError:
+        return
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()

@@ -1,0 +1,17 @@
+"""Training metrics: analytic FLOP counts, device peaks, and metric writers."""
+
+from jaxinfra.metrics.flops import flops_per_token, param_counts
+from jaxinfra.metrics.peak import PEAK_FLOPS_PER_DEVICE, measure_matmul_flops, peak_flops_per_device
+from jaxinfra.metrics.writers import MetricsLogger, ProgressBar, mfu, write_summary
+
+__all__ = [
+    "PEAK_FLOPS_PER_DEVICE",
+    "MetricsLogger",
+    "ProgressBar",
+    "flops_per_token",
+    "measure_matmul_flops",
+    "mfu",
+    "param_counts",
+    "peak_flops_per_device",
+    "write_summary",
+]

@@ -1,0 +1,186 @@
+"""Where metrics go: a JSONL file (+ TensorBoard), a console progress bar, a run summary.
+
+Only one process (process 0) should write; choosing it is the caller's job.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+import pathlib
+import sys
+import tempfile
+from typing import Any
+
+from tqdm import tqdm
+
+
+def _json_value(value: Any) -> Any:
+    """A JSON-legal version of `value`: numpy / jax scalars become Python numbers and
+    non-finite floats become None (JSON has no NaN/inf; `null` keeps every line
+    parseable by strict readers such as jq or pandas)."""
+    if isinstance(value, dict):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    if value is None or isinstance(value, (str, bool)):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if hasattr(value, "item") and getattr(value, "size", 1) == 1:  # numpy / jax scalar or 0-d array
+        value = value.item()
+        if isinstance(value, (bool, int)):
+            return value
+    if isinstance(value, numbers.Real):
+        value = float(value)
+        return value if math.isfinite(value) else None
+    return value  # anything else: json.dumps decides (and fails loudly if it must)
+
+
+class MetricsLogger:
+    """Appends one JSON line per `log` call to run_dir/metrics.jsonl and mirrors the
+    scalars to TensorBoard (tensorboardX event files under run_dir).
+
+    Non-finite values (NaN, +-inf) are written to the JSONL file as `null`; TensorBoard
+    receives the raw float, which its format represents (a NaN loss shows up there).
+    The file is opened in append mode, so a resumed run continues the same file.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        *,
+        tensorboard: bool = True,
+        jsonl_name: str = "metrics.jsonl",
+    ) -> None:
+        self.run_dir = pathlib.Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl_path = self.run_dir / jsonl_name
+        self._file = open(self.jsonl_path, "a", encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter  # imported lazily: optional dependency
+
+            self._tb = SummaryWriter(logdir=str(self.run_dir))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Write `{"step": step, **metrics}`; nothing is added or renamed."""
+        if self._file is None:
+            raise RuntimeError("MetricsLogger.log called after close()")
+        if "step" in metrics and metrics["step"] != step:
+            raise ValueError(f"metrics['step']={metrics['step']!r} disagrees with step={step}")
+        record = {"step": int(step), **{k: _json_value(v) for k, v in metrics.items() if k != "step"}}
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        # Flush per line: a crash (OOM, preemption, NaN abort) must not lose logged lines.
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in metrics.items():
+                if key == "step" or isinstance(value, (str, bool)) or value is None:
+                    continue
+                try:
+                    scalar = float(value)
+                except (TypeError, ValueError):
+                    continue  # not a scalar: JSONL only
+                self._tb.add_scalar(key, scalar, global_step=int(step))
+            self._tb.flush()
+
+    def close(self) -> None:
+        """Flush and close both outputs; safe to call twice."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _format_rate(value: float) -> str:
+    """Compact tokens/s: 950, 12.3k, 4.56M."""
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g}{suffix}"
+    return f"{value:.3g}"
+
+
+class ProgressBar:
+    """A tqdm bar on stderr over training steps; postfix shows loss, tok/s and MFU (%).
+
+    tqdm supplies the rate and ETA. With enabled=False nothing is printed (non-zero
+    processes, or logs captured to a file where a bar would be noise).
+    """
+
+    def __init__(self, total_steps: int, *, initial: int = 0, enabled: bool = True) -> None:
+        self._bar = tqdm(
+            total=total_steps,
+            initial=initial,
+            disable=not enabled,
+            file=sys.stderr,
+            unit="step",
+            dynamic_ncols=True,
+        )
+        self._step = initial
+
+    def update(self, step: int, metrics: dict[str, float]) -> None:
+        """Move the bar to `step` (absolute, not an increment) and refresh the postfix."""
+        postfix: dict[str, str] = {}
+        if metrics.get("loss") is not None:
+            postfix["loss"] = f"{float(metrics['loss']):.4f}"
+        if metrics.get("tokens_per_s") is not None:
+            postfix["tok/s"] = _format_rate(float(metrics["tokens_per_s"]))
+        if metrics.get("mfu") is not None:
+            postfix["MFU"] = f"{100.0 * float(metrics['mfu']):.1f}%"
+        if postfix:
+            self._bar.set_postfix(postfix, refresh=False)
+        delta = step - self._step
+        self._step = step
+        if delta > 0:
+            self._bar.update(delta)
+        else:
+            self._bar.refresh()
+
+    def write(self, message: str) -> None:
+        """Print a line to stdout without breaking the bar (printed even when the bar is disabled)."""
+        tqdm.write(message, file=sys.stdout)
+
+    @property
+    def n(self) -> int:
+        """The step the bar is at."""
+        return self._step
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def write_summary(run_dir: str | os.PathLike, summary: dict) -> pathlib.Path:
+    """Write run_dir/summary.json atomically: a temp file in the same directory, fsync,
+    then os.replace, so readers never see a half-written file. Non-finite floats -> null."""
+    run_dir = pathlib.Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "summary.json"
+    text = json.dumps(_json_value(summary), indent=2, sort_keys=True, allow_nan=False) + "\n"
+    fd, tmp = tempfile.mkstemp(prefix=".summary.", suffix=".tmp", dir=run_dir)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def mfu(tokens_per_s_per_device: float, flops_per_token: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s per device over the device's peak."""
+    if peak_flops <= 0:
+        raise ValueError(f"peak_flops must be positive, got {peak_flops}")
+    return tokens_per_s_per_device * flops_per_token / peak_flops

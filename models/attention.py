@@ -1,0 +1,48 @@
+"""Multi-head attention with grouped K/V heads: MHA (kv = heads), GQA, MQA (kv = 1)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+import kernels
+from models.config import ModelConfig
+from models.layers import DTYPES, apply_rope, ones_param, param, rms_norm
+from sharding.rules import constrain
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, h, kv, dh, std = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.resolved_head_dim, cfg.init_std
+        self.wq = param(rngs, (d, h, dh), ("embed", "heads", "head_dim"), std, cfg.param_dtype)
+        self.wk = param(rngs, (d, kv, dh), ("embed", "kv_heads", "head_dim"), std, cfg.param_dtype)
+        self.wv = param(rngs, (d, kv, dh), ("embed", "kv_heads", "head_dim"), std, cfg.param_dtype)
+        self.wo = param(rngs, (h, dh, d), ("heads", "head_dim", "embed"),
+                        std / math.sqrt(2 * cfg.num_layers), cfg.param_dtype)
+        if cfg.qk_norm:  # per-head RMSNorm of q and k before RoPE (OLMo-2, Qwen-3)
+            self.q_norm = ones_param((dh,), ("head_dim",), cfg.param_dtype)
+            self.k_norm = ones_param((dh,), ("head_dim",), cfg.param_dtype)
+        self.qk_norm = cfg.qk_norm
+        self.eps = cfg.norm_eps
+        self.dtype = DTYPES[cfg.dtype]
+        self.impl = cfg.attention_impl
+
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
+                 rope_freqs: jax.Array) -> jax.Array:
+        dt = self.dtype
+        q = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt)), "query_proj")
+        k = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt)), "key_proj")
+        v = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt)), "value_proj")
+        if self.qk_norm:
+            q = rms_norm(q, self.q_norm[...], self.eps)
+            k = rms_norm(k, self.k_norm[...], self.eps)
+        q = constrain(apply_rope(q, positions, rope_freqs), ("batch", "length", "heads", "head_dim"))
+        k = constrain(apply_rope(k, positions, rope_freqs), ("batch", "length", "kv_heads", "head_dim"))
+        v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+        out = kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=self.impl)
+        out = checkpoint_name(out, "attn_out")
+        return jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(dt))

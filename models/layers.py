@@ -1,0 +1,87 @@
+"""Building blocks: parameters with logical axes, RMSNorm, RoPE, SwiGLU MLP."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from models.config import ModelConfig
+from sharding.rules import constrain
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def param(rngs: nnx.Rngs, shape: Sequence[int], names: Sequence[str], std: float, dtype: str) -> nnx.Param:
+    """A normal(0, std) weight tagged with logical axis names (sharding is applied by the runtime)."""
+    value = std * jax.random.normal(rngs.params(), tuple(shape), DTYPES[dtype])
+    return nnx.Param(value, out_sharding=tuple(names), eager_sharding=False)
+
+
+def ones_param(shape: Sequence[int], names: Sequence[str], dtype: str) -> nnx.Param:
+    return nnx.Param(jnp.ones(tuple(shape), DTYPES[dtype]), out_sharding=tuple(names), eager_sharding=False)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm in float32 (the mean of squares is precision-sensitive), result in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, cfg: ModelConfig, names: Sequence[str] = ("norm",)):
+        self.scale = ones_param((dim,), names, cfg.param_dtype)
+        self.eps = cfg.norm_eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.scale[...], self.eps)
+
+
+def rope_frequencies(cfg: ModelConfig) -> jnp.ndarray:
+    """Inverse frequencies theta^(-2i/d), with Llama-3.1's long-context scaling when configured."""
+    dim = cfg.resolved_head_dim
+    freqs = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    if cfg.rope_scaling_factor is None:
+        return freqs
+    factor, orig = cfg.rope_scaling_factor, cfg.rope_original_max_len
+    low_wavelen = orig / cfg.rope_low_freq_factor
+    high_wavelen = orig / cfg.rope_high_freq_factor
+    wavelen = 2 * math.pi / freqs
+    # Long wavelengths (low frequencies) are divided by `factor`, short ones kept,
+    # and the band in between is interpolated smoothly.
+    smooth = (orig / wavelen - cfg.rope_low_freq_factor) / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
+    blended = (1 - smooth) * freqs / factor + smooth * freqs
+    return jnp.where(wavelen < high_wavelen, freqs, jnp.where(wavelen > low_wavelen, freqs / factor, blended))
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, freqs: jax.Array) -> jax.Array:
+    """Rotary embedding on [batch, length, heads, head_dim], rotate-half convention (as HF Llama)."""
+    angles = positions[..., None].astype(jnp.float32) * freqs  # [B, T, D/2]
+    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(x @ gate) * (x @ up))."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, f, std = cfg.d_model, cfg.mlp_dim, cfg.init_std
+        self.w_gate = param(rngs, (d, f), ("embed", "mlp"), std, cfg.param_dtype)
+        self.w_up = param(rngs, (d, f), ("embed", "mlp"), std, cfg.param_dtype)
+        # Residual-branch outputs are scaled down with depth (GPT-2) so the stream's variance stays flat.
+        self.w_down = param(rngs, (f, d), ("mlp", "embed"), std / math.sqrt(2 * cfg.num_layers), cfg.param_dtype)
+        self.dtype = DTYPES[cfg.dtype]
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate = jnp.einsum("btd,df->btf", x, self.w_gate[...].astype(self.dtype))
+        up = jnp.einsum("btd,df->btf", x, self.w_up[...].astype(self.dtype))
+        hidden = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")
+        hidden = constrain(hidden, ("batch", "length", "mlp"))
+        return jnp.einsum("btf,fd->btd", hidden, self.w_down[...].astype(self.dtype))

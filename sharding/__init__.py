@@ -1,0 +1,1 @@
+"""Meshes, logical-axis rules and the activation-sharding context."""
