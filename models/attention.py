@@ -34,9 +34,15 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                  rope_freqs: jax.Array) -> jax.Array:
         dt = self.dtype
-        q = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt)), "query_proj")
-        k = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt)), "key_proj")
-        v = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt)), "value_proj")
+        b, t, d = x.shape
+        rows = x.reshape(b * t, d)  # 2-D matmuls: see models/layers.py MLP for why
+
+        def project(w: nnx.Param, name: str) -> jax.Array:
+            _, heads, dh = w.shape
+            out = rows @ w[...].astype(dt).reshape(d, heads * dh)
+            return checkpoint_name(out.reshape(b, t, heads, dh), name)
+
+        q, k, v = project(self.wq, "query_proj"), project(self.wk, "key_proj"), project(self.wv, "value_proj")
         if self.qk_norm:
             q = rms_norm(q, self.q_norm[...], self.eps)
             k = rms_norm(k, self.k_norm[...], self.eps)
@@ -45,4 +51,5 @@ class Attention(nnx.Module):
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
         out = kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=self.impl)
         out = checkpoint_name(out, "attn_out")
-        return jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(dt))
+        heads, dh = out.shape[2:]
+        return (out.reshape(b * t, heads * dh) @ self.wo[...].astype(dt).reshape(heads * dh, d)).reshape(b, t, d)

@@ -1,0 +1,303 @@
+"""Tests for the train step, state creation under a mesh, schedules, the decay mask and
+one short end-to-end run.
+
+Parity is the backbone: gradient accumulation and every mesh layout must reproduce the
+1-device, 1-microbatch run in float32 (relative 1e-5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxinfra.config import Config, OptimizerConfig, ScheduleConfig, load_config
+from jaxinfra.optim import decay_mask, make_optimizer, make_schedule
+from jaxinfra.state import create_train_state, init_params, model_graphdef
+from jaxinfra.step import make_train_step
+from jaxinfra.train import batch_sharding, to_global
+from models import ModelConfig
+from sharding.mesh import MeshConfig, make_mesh
+from sharding.rules import activation_sharding, rules_for
+
+MODEL = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                    mlp_dim=64, tie_embeddings=True, param_dtype="float32", dtype="float32")
+# eps: Adam's step lr * g / (|g| + eps) has slope lr / eps for gradient elements much smaller
+# than eps. A few elements here are ~1e-8 (wo, w_down) or ~1e-6 (tied-embedding rows whose
+# output-path terms nearly cancel), and their float32 summation-order noise (different for
+# accumulation and for each mesh) is amplified by that slope: with eps=1e-8 one wo element
+# differed by 1.7e-4 after a single step. eps=1e-5 bounds the slope at 1e3.
+OPT = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad_norm=1.0, eps=1e-5)
+SCHED = ScheduleConfig(name="cosine", warmup_steps=0, min_lr_ratio=0.1)  # lr > 0 from the first step
+TOTAL_STEPS = 10
+BATCH, SEQ, N_STEPS = 8, 16, 3
+
+
+def _batches():
+    """N_STEPS packed batches. Rows 4..7 are mostly padding, so the two microbatches of
+    grad_accum_steps=2 hold very different token counts (a mean of per-microbatch means
+    would differ from the large-batch mean)."""
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(N_STEPS):
+        seg = np.zeros((BATCH, SEQ), np.int32)
+        pos = np.zeros((BATCH, SEQ), np.int32)
+        for r in range(BATCH):
+            if r < 4:
+                cut = int(rng.integers(3, SEQ - 3))
+                seg[r, :cut], seg[r, cut:] = 1, 2
+                pos[r, :cut], pos[r, cut:] = np.arange(cut), np.arange(SEQ - cut)
+            else:
+                n = int(rng.integers(2, 5))
+                seg[r, :n], pos[r, :n] = 1, np.arange(n)
+        inputs = rng.integers(0, MODEL.vocab_size, size=(BATCH, SEQ)).astype(np.int32)
+        targets = rng.integers(0, MODEL.vocab_size, size=(BATCH, SEQ)).astype(np.int32)
+        out.append(dict(inputs=inputs, targets=targets, segment_ids=seg, positions=pos))
+    return out
+
+
+def run_steps(mesh, grad_accum_steps=1):
+    """Create the state on `mesh` and run N_STEPS jitted steps the way jaxinfra/train.py does."""
+    rules = rules_for("fsdp")
+    schedule = make_schedule(SCHED, OPT.lr, TOTAL_STEPS)
+    tx = make_optimizer(OPT, schedule)
+    graphdef = model_graphdef(MODEL)
+    state, shardings = create_train_state(MODEL, tx, jax.random.key(0), mesh, rules)
+    initial_params = jax.device_get(state.params)
+    bsh = batch_sharding(mesh, rules)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    step = jax.jit(make_train_step(graphdef, MODEL, tx, schedule, grad_accum_steps),
+                   in_shardings=(shardings, bsh), out_shardings=(shardings, replicated))
+    metrics = []
+    with jax.set_mesh(mesh), activation_sharding(mesh, rules):
+        for batch in _batches():
+            state, m = step(state, to_global(batch, bsh))
+            metrics.append(jax.device_get(m))
+    return dict(state=state, metrics=metrics, initial_params=initial_params,
+                params=jax.device_get(state.params), shardings=shardings)
+
+
+@pytest.fixture(scope="module")
+def single():
+    return run_steps(make_mesh(MeshConfig(data=1), jax.devices()[:1]))
+
+
+def _assert_trees_close(a, b, rtol, atol):
+    assert len(jax.tree.leaves(a)) == len(jax.tree.leaves(b))
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+# Parameters: summation noise (~3e-9 on the smallest gradients) x lr / eps (1e3) ~ 3e-6 observed;
+# a real error moves parameters by ~lr = 1e-2 per step. Gradient *scale* errors are invisible in
+# Adam's parameters (it normalises the gradient) and are caught by the loss / grad_norm checks.
+PARAM_ATOL = 2e-5
+
+
+def _series(run, key):
+    return np.array([float(m[key]) for m in run["metrics"]])
+
+
+def test_single_device_run_trains(single):
+    losses = _series(single, "loss")
+    assert np.all(np.isfinite(losses))
+    assert abs(losses[0] - math.log(MODEL.vocab_size)) < 0.2  # near-uniform predictions at init
+    assert int(single["state"].step) == N_STEPS
+    tokens = sum(int((b["segment_ids"] > 0).sum()) for b in _batches()[:1])
+    assert float(single["metrics"][0]["tokens"]) == tokens
+    # The lr reported for step s is the schedule at s (cosine from the peak, no warmup).
+    np.testing.assert_allclose(_series(single, "lr"), [float(make_schedule(SCHED, OPT.lr, TOTAL_STEPS)(s))
+                                                       for s in range(N_STEPS)], rtol=1e-6)
+
+
+def test_grad_accumulation_equals_large_batch(single):
+    accum = run_steps(make_mesh(MeshConfig(data=1), jax.devices()[:1]), grad_accum_steps=2)
+    for key in ("loss", "grad_norm", "tokens"):
+        np.testing.assert_allclose(_series(accum, key), _series(single, key), rtol=1e-5, err_msg=key)
+    _assert_trees_close(accum["params"], single["params"], rtol=1e-5, atol=PARAM_ATOL)
+
+
+@pytest.mark.parametrize("layout", [dict(fsdp=4, tensor=2), dict(data=8)], ids=["fsdp4-tensor2", "data8"])
+def test_sharded_matches_single_device(single, layout):
+    assert jax.device_count() == 8, "conftest must give 8 fake CPU devices"
+    mesh = make_mesh(MeshConfig(**{"data": 1, **layout}), jax.devices())
+    run = run_steps(mesh)
+    _assert_trees_close(run["initial_params"], single["initial_params"], rtol=0, atol=0)
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose(_series(run, key), _series(single, key), rtol=1e-5, err_msg=key)
+    _assert_trees_close(run["params"], single["params"], rtol=1e-5, atol=PARAM_ATOL)
+
+    wq = run["state"].params["layers"]["attn"]["wq"][...]
+    shard = wq.addressable_shards[0].data
+    if "fsdp" in layout:  # [layers, embed/fsdp, heads/tensor, head_dim]
+        assert wq.shape == (2, 32, 4, 8)
+        assert shard.shape == (2, 32 // 4, 4 // 2, 8)
+        assert shard.size < wq.size
+    else:  # pure data parallelism: parameters replicated
+        assert shard.shape == wq.shape
+
+
+# ---------------------------------------------------------------- schedules
+
+
+def _hand_schedule(name, step, *, peak, total, warmup, floor_ratio, decay_fraction):
+    floor = peak * floor_ratio
+    if step < warmup:
+        return peak * step / warmup
+    frac = min((step - warmup) / (total - warmup), 1.0)
+    if name == "constant":
+        return peak
+    if name == "cosine":
+        return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * frac))
+    if name == "linear":
+        return peak + (floor - peak) * frac
+    if name == "wsd":
+        decay_start = total - round(total * decay_fraction)
+        if step <= decay_start:
+            return peak
+        return peak + (floor - peak) * min((step - decay_start) / (total - decay_start), 1.0)
+    raise ValueError(name)
+
+
+@pytest.mark.parametrize("name", ["cosine", "linear", "wsd", "constant"])
+def test_schedule_matches_hand_computation(name):
+    peak, total, warmup, ratio, frac = 2e-3, 100, 10, 0.1, 0.2
+    sched = make_schedule(ScheduleConfig(name=name, warmup_steps=warmup, min_lr_ratio=ratio, decay_fraction=frac),
+                          peak, total)
+    steps = np.arange(0, total + 1)
+    got = np.array(jax.vmap(sched)(jnp.asarray(steps)))
+    want = np.array([_hand_schedule(name, int(s), peak=peak, total=total, warmup=warmup, floor_ratio=ratio,
+                                    decay_fraction=frac) for s in steps])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-10)
+    assert got[0] == 0.0
+    assert got[warmup] == pytest.approx(peak, rel=1e-6)
+    assert got.max() == pytest.approx(peak, rel=1e-6)
+    if name == "constant":
+        assert got[total] == pytest.approx(peak, rel=1e-6)
+    else:
+        assert got[total] == pytest.approx(peak * ratio, rel=1e-5)
+    if name == "wsd":  # at the peak until the last decay_fraction of steps, then strictly lower
+        assert np.allclose(got[warmup:81], peak, rtol=1e-6)
+        assert np.all(np.diff(got[80:]) < 0)
+
+
+def test_schedule_without_warmup_starts_at_peak():
+    sched = make_schedule(ScheduleConfig(name="cosine", warmup_steps=0, min_lr_ratio=0.0), 1.0, 10)
+    assert float(sched(0)) == pytest.approx(1.0)
+    assert float(sched(10)) == pytest.approx(0.0, abs=1e-7)
+
+
+# ---------------------------------------------------------------- decay mask
+
+
+def _flat_mask(model_cfg, opt):
+    abstract = jax.eval_shape(lambda: init_params(model_cfg, jax.random.key(0)))
+    mask = decay_mask(abstract, opt)
+    return {tuple(p.key for p in path if isinstance(p, jax.tree_util.DictKey)): bool(v)
+            for path, v in jax.tree_util.tree_flatten_with_path(mask)[0]}
+
+
+NORMS = {("final_norm", "scale"), ("layers", "attn_norm", "scale"), ("layers", "mlp_norm", "scale"),
+         ("layers", "attn", "q_norm"), ("layers", "attn", "k_norm")}
+EMBEDDINGS = {("embed",), ("unembed",)}
+MATRICES = {("layers", "attn", w) for w in ("wq", "wk", "wv", "wo")} | {
+    ("layers", "mlp", w) for w in ("w_gate", "w_up", "w_down")}
+
+
+@pytest.mark.parametrize("decay_norms, decay_embeddings", [(False, False), (True, False), (False, True),
+                                                           (True, True)])
+def test_decay_mask(decay_norms, decay_embeddings):
+    cfg = dataclasses.replace(MODEL, tie_embeddings=False, qk_norm=True)
+    mask = _flat_mask(cfg, OptimizerConfig(decay_norms=decay_norms, decay_embeddings=decay_embeddings))
+    assert set(mask) == NORMS | EMBEDDINGS | MATRICES
+    for key in NORMS:
+        assert mask[key] is decay_norms, key
+    for key in EMBEDDINGS:
+        assert mask[key] is decay_embeddings, key
+    for key in MATRICES:
+        assert mask[key] is True, key
+
+
+def test_optimizer_applies_weight_decay_only_where_masked():
+    """With zero gradients Adam's step is 0, so one update is exactly the decoupled decay
+    p <- p * (1 - lr * wd) on masked parameters and nothing elsewhere."""
+    cfg = dataclasses.replace(MODEL, tie_embeddings=False)
+    lr, wd = 0.1, 0.5
+    opt = OptimizerConfig(lr=lr, weight_decay=wd, clip_grad_norm=1.0)
+    tx = make_optimizer(opt, optax.constant_schedule(lr))
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype),
+                          jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))))
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = jax.jit(tx.update)(zeros, tx.init(params), params)
+    new = jax.device_get(optax.apply_updates(params, updates))
+    old = jax.device_get(params)
+    mask = _flat_mask(cfg, opt)
+    for path, value in jax.tree_util.tree_flatten_with_path(new)[0]:
+        key = tuple(p.key for p in path if isinstance(p, jax.tree_util.DictKey))
+        before = np.asarray(_get(old, key))
+        if mask[key]:
+            np.testing.assert_allclose(value, before * (1 - lr * wd), rtol=1e-6, err_msg=str(key))
+        else:
+            np.testing.assert_array_equal(value, before, err_msg=str(key))
+
+
+def _get(tree, key):
+    for k in key:
+        tree = tree[k]
+    return tree[...]
+
+
+# ---------------------------------------------------------------- end to end
+
+
+def test_train_end_to_end(tmp_path):
+    cfg = load_config("tiny", [
+        "data.source=synthetic", "data.eval_batches=2",
+        "model.vocab_size=64", "model.d_model=32", "model.num_layers=2", "model.num_heads=4",
+        "model.num_kv_heads=2", "model.mlp_dim=64",
+        "train.steps=30", "train.batch_size=8", "train.seq_len=16", "train.eval_every=15",
+        "schedule.warmup_steps=5", "optimizer.lr=1e-2",
+        "log.every=5", "log.progress=false", "log.tensorboard=false", "mesh.data=1",
+    ])
+    from jaxinfra.train import train
+
+    summary = train(cfg, tmp_path, devices=jax.devices()[:1])
+
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train_lines = [x for x in lines if "loss" in x]
+    eval_lines = [x for x in lines if "eval_loss" in x]
+    required = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu", "step_time_s"}
+    assert [x["step"] for x in train_lines] == [5, 10, 15, 20, 25, 30]
+    for line in train_lines:
+        assert required <= set(line), required - set(line)
+        for key in required:
+            assert isinstance(line[key], (int, float)) and math.isfinite(line[key]), (key, line)
+        assert line["tokens_per_s"] > 0 and line["step_time_s"] > 0 and line["mfu"] > 0
+        np.testing.assert_allclose(line["tokens_per_s"] * line["step_time_s"], 8 * 16, rtol=1e-6)
+    # lr on the step-5 line: the step with state.step=4, inside the 5-step linear warmup.
+    assert train_lines[0]["lr"] == pytest.approx(1e-2 * 4 / 5, rel=1e-6)
+    # Later lines: cosine from the peak to 0.1 * peak over the remaining 25 steps.
+    for line in train_lines[1:]:
+        frac = (line["step"] - 1 - 5) / 25
+        assert line["lr"] == pytest.approx(1e-3 + 9e-3 * 0.5 * (1 + math.cos(math.pi * frac)), rel=1e-5)
+    assert [x["step"] for x in eval_lines] == [0, 15, 30]
+    assert all(math.isfinite(x["eval_loss"]) for x in eval_lines)
+    assert eval_lines[-1]["eval_loss"] < eval_lines[0]["eval_loss"] - 0.1
+
+    reloaded = load_config(str(tmp_path / "config.yaml"))
+    assert isinstance(reloaded, Config)
+    assert reloaded == cfg
+
+    written = json.loads((tmp_path / "summary.json").read_text())
+    assert written["steps"] == 30
+    assert written["final_eval_loss"] == pytest.approx(eval_lines[-1]["eval_loss"])
+    assert summary["final_eval_loss"] == pytest.approx(written["final_eval_loss"])
