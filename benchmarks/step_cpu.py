@@ -20,12 +20,7 @@ import numpy as np
 
 from jaxinfra.config import Config, load_config
 from jaxinfra.metrics import flops_per_token, measure_matmul_flops
-from jaxinfra.optim import make_optimizer, make_schedule
-from jaxinfra.state import create_train_state, model_graphdef
-from jaxinfra.step import make_train_step
-from jaxinfra.train import batch_sharding
-from sharding.mesh import make_mesh
-from sharding.rules import activation_sharding, rules_for
+from jaxinfra.runtime import build_runtime
 
 
 def random_batch(cfg: Config, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -36,43 +31,36 @@ def random_batch(cfg: Config, rng: np.random.Generator) -> dict[str, np.ndarray]
 
 
 def build_step(cfg: Config):
-    devices = jax.devices()[:1]
-    mesh = make_mesh(dataclasses.replace(cfg.mesh, data=1), devices)
-    rules = rules_for(cfg.parallelism.strategy)
-    schedule = make_schedule(cfg.schedule, cfg.optimizer.lr, cfg.train.steps)
-    tx = make_optimizer(cfg.optimizer, schedule)
-    state, shardings = create_train_state(cfg.model, tx, jax.random.key(0), mesh, rules)
-    step = jax.jit(make_train_step(model_graphdef(cfg.model), cfg.model, tx, schedule, cfg.train.grad_accum_steps),
-                   in_shardings=(shardings, batch_sharding(mesh, rules)), donate_argnums=0)
-    return mesh, rules, state, step
+    """1-device runtime and its initial state."""
+    cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, data=1))
+    rt = build_runtime(cfg, jax.devices()[:1])
+    return rt, rt.init_state()
 
 
 def time_steps(cfg: Config, steps: int) -> tuple[float, float]:
     """(compile+first step seconds, median steady-state step seconds)."""
-    mesh, rules, state, step = build_step(cfg)
-    batch = {k: jnp.asarray(v) for k, v in random_batch(cfg, np.random.default_rng(0)).items()}
-    with jax.set_mesh(mesh), activation_sharding(mesh, rules):
+    rt, state = build_step(cfg)
+    batch = rt.to_global(random_batch(cfg, np.random.default_rng(0)))
+    t0 = time.perf_counter()
+    state, metrics = rt.train_step(state, batch)
+    jax.block_until_ready(metrics)
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(steps):
         t0 = time.perf_counter()
-        state, metrics = step(state, batch)
+        state, metrics = rt.train_step(state, batch)
         jax.block_until_ready(metrics)
-        first = time.perf_counter() - t0
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            state, metrics = step(state, batch)
-            jax.block_until_ready(metrics)
-            times.append(time.perf_counter() - t0)
+        times.append(time.perf_counter() - t0)
     return first, float(np.median(times))
 
 
 def compile_seconds(cfg: Config) -> float:
     """Lower + compile of the train step (no execution)."""
-    mesh, rules, state, step = build_step(cfg)
-    batch = {k: jnp.asarray(v) for k, v in random_batch(cfg, np.random.default_rng(0)).items()}
-    with jax.set_mesh(mesh), activation_sharding(mesh, rules):
-        t0 = time.perf_counter()
-        step.lower(state, batch).compile()
-        return time.perf_counter() - t0
+    rt, state = build_step(cfg)
+    batch = rt.to_global(random_batch(cfg, np.random.default_rng(0)))
+    t0 = time.perf_counter()
+    rt.lower_train_step(state, batch).compile()
+    return time.perf_counter() - t0
 
 
 def main() -> None:

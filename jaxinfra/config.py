@@ -28,10 +28,17 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ParallelismConfig:
-    """How logical axes map onto the mesh (see sharding/rules.py)."""
+    """How logical axes map onto the mesh (see sharding/rules.py for the tables)."""
 
-    # fsdp: ZeRO-3 (params, grads, optimizer state sharded over `fsdp`, gathered per layer).
-    strategy: Literal["fsdp"] = "fsdp"
+    # dp: replicated params and optimizer state; zero1: optimizer state sharded over
+    # data+fsdp (ZeRO-1); fsdp: params, grads and optimizer state sharded over fsdp (ZeRO-3).
+    # Tensor parallelism (heads, MLP, vocab on `tensor`) applies in every strategy.
+    strategy: Literal["dp", "zero1", "fsdp"] = "fsdp"
+    sequence_parallel: bool = False  # residual stream split over `tensor` along the sequence
+    context_impl: Literal["allgather", "ring"] = "allgather"  # when mesh.context > 1
+    load_balance: bool = True  # ring: reorder sequence chunks so causal work is even
+    # Logical axis -> mesh axes overrides, applied to the param, optimizer and activation tables.
+    rules: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,6 +211,10 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if value not in args:
             raise ConfigError(f"{key}: {_show(value)} is not allowed; choose one of {list(args)}")
         return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {_show(value)}")
+        return {str(k): _coerce(args[1], v, f"{key}.{k}") for k, v in value.items()}
     if origin is tuple:
         if isinstance(value, str):
             value = [value]
@@ -299,9 +310,13 @@ def validate(cfg: Config, device_count: int | None = None) -> None:
 
 def validate_mesh(cfg: Config, device_count: int | None) -> None:
     """Axis sizes against the device count and against the dimensions they shard."""
-    for axis in ("stage", "expert", "context"):
-        if getattr(cfg.mesh, axis) not in (1, -1):
+    for axis in ("stage", "expert"):
+        if getattr(cfg.mesh, axis) not in (1, -1) or getattr(cfg.mesh, f"dcn_{axis}") != 1:
             raise ConfigError(f"mesh.{axis}={getattr(cfg.mesh, axis)} is not supported yet: must be 1")
+    for name, axes in cfg.parallelism.rules.items():
+        for axis in axes:
+            if axis not in MESH_AXES:
+                raise ConfigError(f"parallelism.rules.{name}: unknown mesh axis {axis!r}; choose from {list(MESH_AXES)}")
     if device_count is None:
         return
     try:
@@ -315,9 +330,15 @@ def validate_mesh(cfg: Config, device_count: int | None) -> None:
             f"train.batch_size={cfg.train.batch_size} (microbatch {micro}) is not divisible by the "
             f"data-parallel size mesh.data x mesh.fsdp = {batch_shards}")
     m, tp = cfg.model, sizes["tensor"]
-    for key, value in (("num_heads", m.num_heads), ("num_kv_heads", m.kv_heads), ("mlp_dim", m.mlp_dim),
-                       ("vocab_size", m.vocab_size)):
+    # KV heads are not checked: fewer KV heads than `tensor` are replicated (usual GQA practice).
+    for key, value in (("num_heads", m.num_heads), ("mlp_dim", m.mlp_dim), ("vocab_size", m.vocab_size)):
         if value % tp:
             raise ConfigError(f"model.{key}={value} is not divisible by mesh.tensor={tp}")
     if m.d_model % sizes["fsdp"]:
         raise ConfigError(f"model.d_model={m.d_model} is not divisible by mesh.fsdp={sizes['fsdp']}")
+    cp = sizes["context"]
+    if cp > 1:
+        need = 2 * cp if cfg.parallelism.context_impl == "ring" and cfg.parallelism.load_balance else cp
+        if cfg.train.seq_len % need:
+            raise ConfigError(f"train.seq_len={cfg.train.seq_len} is not divisible by {need} "
+                              f"({'2 x ' if need != cp else ''}mesh.context={cp})")

@@ -18,7 +18,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models import ModelConfig, Transformer
-from sharding.rules import LogicalRules, logical_to_mesh
+from jaxinfra.config import ParallelismConfig
+from sharding.rules import ShardingRules, Table, logical_to_mesh, rules_for
 
 
 @flax.struct.dataclass
@@ -47,31 +48,53 @@ def init_params(cfg: ModelConfig, rng: jax.Array) -> nnx.State:
     return params
 
 
-def shardings_for(tree: Any, mesh: Mesh, rules: LogicalRules) -> Any:
+def sharding_rules(parallelism: ParallelismConfig) -> ShardingRules:
+    """The config's parallelism section -> sharding tables."""
+    return rules_for(parallelism.strategy, sequence_parallel=parallelism.sequence_parallel,
+                     context_impl=parallelism.context_impl, load_balance=parallelism.load_balance,
+                     overrides=parallelism.rules)
+
+
+def tree_shardings(tree: Any, mesh: Mesh, table: Table) -> Any:
     """NamedSharding for every leaf: variables by their logical axes, anything else replicated."""
 
     def one(x: Any) -> Any:
         if _is_variable(x):
             names = x.get_metadata().get("out_sharding") or (None,) * x.ndim
-            return x.replace(NamedSharding(mesh, logical_to_mesh(names, rules, mesh)))
+            return x.replace(NamedSharding(mesh, logical_to_mesh(names, table, mesh, x.shape)))
         return NamedSharding(mesh, PartitionSpec())
 
     return jax.tree.map(one, tree, is_leaf=_is_variable)
 
 
-def create_train_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, rng: jax.Array,
-                       mesh: Mesh, rules: LogicalRules) -> tuple[TrainState, Any]:
-    """Initialise params + optimizer state under jit, each shard created on its own device.
+def shardings_for(state: TrainState, mesh: Mesh, rules: ShardingRules) -> TrainState:
+    """Shardings of a (possibly abstract) TrainState: params and optimizer state by their own tables."""
+    return TrainState(step=NamedSharding(mesh, PartitionSpec()),
+                      params=tree_shardings(state.params, mesh, rules.params),
+                      opt_state=tree_shardings(state.opt_state, mesh, rules.opt_state))
 
-    Returns (state, state_shardings); the shardings are reused as the step's in/out shardings.
-    """
 
+def _init_fn(model_cfg: ModelConfig, tx: optax.GradientTransformation):
     def init(rng: jax.Array) -> TrainState:
         params = init_params(model_cfg, rng)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
-    abstract = jax.eval_shape(init, rng)
-    state_shardings = shardings_for(abstract, mesh, rules)
+    return init
+
+
+def abstract_state(model_cfg: ModelConfig, tx: optax.GradientTransformation) -> TrainState:
+    """Shapes, dtypes and logical metadata of the TrainState, without allocating it."""
+    return jax.eval_shape(_init_fn(model_cfg, tx), jax.random.key(0))
+
+
+def create_train_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, rng: jax.Array,
+                       mesh: Mesh, rules: ShardingRules) -> tuple[TrainState, Any]:
+    """Initialise params + optimizer state under jit, each shard created on its own device.
+
+    Returns (state, state_shardings); the shardings are reused as the step's in/out shardings.
+    """
+    init = _init_fn(model_cfg, tx)
+    state_shardings = shardings_for(jax.eval_shape(init, rng), mesh, rules)
     with jax.set_mesh(mesh):
         state = jax.jit(init, out_shardings=state_shardings)(rng)
     return state, state_shardings

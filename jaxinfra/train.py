@@ -15,9 +15,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
 
-from jaxinfra.config import Config, validate
+from jaxinfra.config import Config
 from jaxinfra.data import make_eval_batches, make_train_iterator
 from jaxinfra.metrics import (
     MetricsLogger,
@@ -28,48 +27,21 @@ from jaxinfra.metrics import (
     peak_flops_per_device,
     write_summary,
 )
-from jaxinfra.optim import make_optimizer, make_schedule
-from jaxinfra.state import TrainState, bytes_per_device, create_train_state, model_graphdef
-from jaxinfra.step import make_eval_step, make_train_step
-from sharding.mesh import make_mesh
-from sharding.rules import LogicalRules, activation_sharding, logical_to_mesh, rules_for
-
-
-def batch_sharding(mesh: Mesh, rules: LogicalRules) -> NamedSharding:
-    return NamedSharding(mesh, logical_to_mesh(("batch", "length"), rules, mesh))
-
-
-def to_global(batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
-    """This process's rows -> one global array per key, sharded on the batch axes."""
-    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+from jaxinfra.runtime import build_runtime
+from jaxinfra.state import TrainState, bytes_per_device
 
 
 class Trainer:
-    """Everything a run needs, built once from a validated Config; `run()` trains."""
+    """A runtime (mesh, state, jitted steps) plus data and logging; `run()` trains."""
 
     def __init__(self, cfg: Config, run_dir: str | os.PathLike, devices: Sequence[jax.Device] | None = None):
         self.devices = list(devices) if devices is not None else jax.devices()
-        validate(cfg, len(self.devices))
+        self.rt = build_runtime(cfg, self.devices)
         self.cfg = cfg
         self.run_dir = pathlib.Path(run_dir)
-        self.mesh = make_mesh(cfg.mesh, self.devices)
-        self.rules = rules_for(cfg.parallelism.strategy)
+        self.mesh = self.rt.mesh
+        self.state = self.rt.init_state()
         t = cfg.train
-        self.schedule = make_schedule(cfg.schedule, cfg.optimizer.lr, t.steps)
-        self.tx = make_optimizer(cfg.optimizer, self.schedule)
-        self.graphdef = model_graphdef(cfg.model)
-        self.batch_sharding = batch_sharding(self.mesh, self.rules)
-        self.state, self.state_shardings = create_train_state(
-            cfg.model, self.tx, jax.random.key(t.seed), self.mesh, self.rules)
-        replicated = NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-        self.train_step = jax.jit(
-            make_train_step(self.graphdef, cfg.model, self.tx, self.schedule, t.grad_accum_steps),
-            in_shardings=(self.state_shardings, self.batch_sharding),
-            out_shardings=(self.state_shardings, replicated),
-            donate_argnums=0)
-        self.eval_step = jax.jit(make_eval_step(self.graphdef, cfg.model),
-                                 in_shardings=(self.state_shardings.params, self.batch_sharding),
-                                 out_shardings=replicated)
         data_args = dict(seq_len=t.seq_len, global_batch_size=t.batch_size, vocab_size=cfg.model.vocab_size,
                          seed=t.seed, process_index=jax.process_index(), process_count=jax.process_count())
         self.train_iter = make_train_iterator(cfg.data, **data_args)
@@ -78,20 +50,14 @@ class Trainer:
     def batches(self):
         """Global batches, forever."""
         for local in self.train_iter:
-            yield to_global(local, self.batch_sharding)
+            yield self.rt.to_global(local)
 
     def step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
-        with jax.set_mesh(self.mesh), activation_sharding(self.mesh, self.rules):
-            return self.train_step(state, batch)
+        return self.rt.train_step(state, batch)
 
     def evaluate(self, state: TrainState) -> float:
         """Token-weighted mean cross-entropy over the held-out batches."""
-        ce, tokens = 0.0, 0.0
-        with jax.set_mesh(self.mesh), activation_sharding(self.mesh, self.rules):
-            outs = [self.eval_step(state.params, to_global(b, self.batch_sharding)) for b in self.eval_batches]
-        for out in jax.device_get(outs):
-            ce += float(out["ce_sum"])
-            tokens += float(out["tokens"])
+        ce, tokens = self.rt.eval_sums(state.params, self.eval_batches)
         return ce / max(tokens, 1.0)
 
     def run(self) -> dict[str, Any]:

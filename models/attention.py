@@ -9,9 +9,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-import kernels
 from models.config import ModelConfig
 from models.layers import DTYPES, apply_rope, ones_param, param, rms_norm
+from sharding.context import attention as context_attention
 from sharding.rules import constrain
 
 
@@ -49,7 +49,8 @@ class Attention(nnx.Module):
         q = constrain(apply_rope(q, positions, rope_freqs), ("batch", "length", "heads", "head_dim"))
         k = constrain(apply_rope(k, positions, rope_freqs), ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
-        out = kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=self.impl)
+        # Plain attention, or context-parallel when the mesh splits the sequence.
+        out = context_attention(q, k, v, segment_ids=segment_ids, impl=self.impl)
         out = checkpoint_name(out, "attn_out")
         heads, dh = out.shape[2:]
         return (out.reshape(b * t, heads * dh) @ self.wo[...].astype(dt).reshape(heads * dh, d)).reshape(b, t, d)

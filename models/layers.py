@@ -88,5 +88,5 @@ class MLP(nnx.Module):
         gate = rows @ self.w_gate[...].astype(self.dtype)
         up = rows @ self.w_up[...].astype(self.dtype)
         hidden = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")
-        hidden = constrain(hidden, ("batch", "mlp"))
+        hidden = constrain(hidden, ("rows", "mlp"))
         return (hidden @ self.w_down[...].astype(self.dtype)).reshape(b, t, d)

@@ -57,7 +57,7 @@ class Block(nnx.Module):
                  rope_freqs: jax.Array) -> jax.Array:
         h = h + self.attn(self.attn_norm(h), positions, segment_ids, rope_freqs)
         h = h + self.mlp(self.mlp_norm(h))
-        return constrain(h, ("batch", "length", "embed"))
+        return constrain(h, ("batch", "residual_length", "embed"))
 
 
 class Transformer(nnx.Module):
@@ -83,7 +83,7 @@ class Transformer(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         h = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
-        h = constrain(h, ("batch", "length", "embed"))
+        h = constrain(h, ("batch", "residual_length", "embed"))
         rope_freqs = rope_frequencies(cfg)
 
         graphdef, stacked = nnx.split(self.layers)

@@ -1,75 +1,142 @@
 """Logical axis names -> mesh axes. The only place that knows both vocabularies.
 
 Models annotate parameters and activations with logical names (`batch`,
-`embed`, `heads`, ...). A rule maps each name to a tuple of mesh axes. When a
-mesh axis is already used by an earlier dimension of the same array it is
-skipped, so activations [batch, length, embed] shard the batch over
-(data, fsdp) while the weights [embed, mlp] shard embed over fsdp: one table
-serves both (the same convention as MaxText's logical_axis_rules).
+`embed`, `heads`, ...). A strategy is three tables, one each for parameters,
+optimizer state and activations, mapping each name to a tuple of mesh axes:
+
+    strategy  params                   optimizer state            (ZeRO stage)
+    dp        replicated over data     replicated                 -
+    zero1     replicated over data     sharded over data, fsdp    ZeRO-1
+    fsdp      sharded over fsdp        sharded over fsdp          ZeRO-3 (= FSDP)
+
+In every strategy, Megatron tensor parallelism puts attention heads, the MLP
+hidden dimension and the vocabulary on `tensor`, and activations shard their
+batch over (data, fsdp) and their sequence over `context`. With
+`sequence_parallel`, the residual stream between blocks (norms, residual adds)
+is also split over `tensor` along the sequence (Korthikanti et al. 2022).
+
+A mesh axis already used by an earlier dimension of the same array is skipped,
+and, when the array's shape is known, a mesh axis that does not divide the
+dimension is dropped (so 2 KV heads stay replicated under tensor=8, the usual
+GQA practice). The config validation rejects the layouts where dropping would
+hide a mistake (heads, MLP width, batch).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-LogicalRules = Mapping[str, tuple[str, ...]]
+Table = Mapping[str, tuple[str, ...]]
 
-# ZeRO-3 / FSDP with Megatron-style tensor parallelism on `tensor`:
-# params, grads and optimizer state are sharded over fsdp (gathered per layer by XLA),
-# attention heads and the MLP hidden dimension over tensor.
-FSDP_RULES: dict[str, tuple[str, ...]] = {
-    "batch": ("data", "fsdp"),
-    "length": (),
-    "embed": ("fsdp",),
+STRATEGIES: tuple[str, ...] = ("dp", "zero1", "fsdp")
+
+_TENSOR: dict[str, tuple[str, ...]] = {
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
-    "head_dim": (),
     "mlp": ("tensor",),
     "vocab": ("tensor",),
+    "head_dim": (),
     "layers": (),
+}
+
+_ACTIVATIONS: dict[str, tuple[str, ...]] = {
+    **_TENSOR,
+    "batch": ("data", "fsdp"),
+    "length": ("context",),  # queries (and K/V under ring attention) split along the sequence
+    "kv_length": (),  # all-gather context parallelism: every device sees all keys
+    "residual_length": ("context",),  # the residual stream between blocks
+    "rows": ("data", "fsdp", "context"),  # batch*length flattened for 2-D matmuls
+    "embed": (),
     "norm": (),
 }
 
-STRATEGIES: dict[str, dict[str, tuple[str, ...]]] = {"fsdp": FSDP_RULES}
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+    """One strategy's three tables; `strategy` and `sequence_parallel` are for display."""
+
+    params: Table
+    opt_state: Table
+    activations: Table
+    strategy: str = "fsdp"
+    sequence_parallel: bool = False
+    context_impl: str = "allgather"  # or "ring" (see sharding/context.py)
+    load_balance: bool = True  # ring only: reorder sequence chunks for causal balance
+
+    def describe(self) -> str:
+        zero = {"dp": "no ZeRO: params and optimizer state replicated over data/fsdp",
+                "zero1": "ZeRO-1: optimizer state sharded over data+fsdp, params replicated",
+                "fsdp": "ZeRO-3/FSDP: params, grads and optimizer state sharded over fsdp"}[self.strategy]
+        sp = ", sequence-parallel norms on tensor" if self.sequence_parallel else ""
+        cp = f", context parallel: {self.context_impl}"
+        return f"{self.strategy} ({zero}; Megatron TP on tensor{sp}{cp})"
 
 
-def rules_for(strategy: str) -> LogicalRules:
+def rules_for(strategy: str = "fsdp", *, sequence_parallel: bool = False, context_impl: str = "allgather",
+              load_balance: bool = True, overrides: Mapping[str, Sequence[str]] | None = None) -> ShardingRules:
+    """The tables of a named strategy; `overrides` replaces entries in all three tables."""
     if strategy not in STRATEGIES:
-        raise ValueError(f"parallelism.strategy={strategy!r}: choose one of {sorted(STRATEGIES)}")
-    return dict(STRATEGIES[strategy])
+        raise ValueError(f"parallelism.strategy={strategy!r}: choose one of {list(STRATEGIES)}")
+    replicated = {**_TENSOR, "embed": (), "norm": ()}
+    sharded = {**_TENSOR, "embed": ("fsdp",), "norm": ("fsdp",)}
+    zero1 = {**_TENSOR, "embed": ("data", "fsdp"), "norm": ("data", "fsdp")}
+    params, opt_state = {"dp": (replicated, replicated), "zero1": (replicated, zero1),
+                         "fsdp": (sharded, sharded)}[strategy]
+    activations = dict(_ACTIVATIONS)
+    if sequence_parallel:
+        activations["residual_length"] = ("context", "tensor")
+    tables = [dict(params), dict(opt_state), activations]
+    for name, axes in (overrides or {}).items():
+        for table in tables:
+            table[name] = tuple(axes)
+    if context_impl not in ("allgather", "ring"):
+        raise ValueError(f"parallelism.context_impl={context_impl!r}: choose 'allgather' or 'ring'")
+    return ShardingRules(*tables, strategy=strategy, sequence_parallel=sequence_parallel,
+                         context_impl=context_impl, load_balance=load_balance)
 
 
-def logical_to_mesh(names: Sequence[str | None], rules: LogicalRules, mesh: Mesh | None = None) -> PartitionSpec:
+def logical_to_mesh(names: Sequence[str | None], table: Table, mesh: Mesh | None = None,
+                    shape: Sequence[int] | None = None) -> PartitionSpec:
     """PartitionSpec for an array whose dimensions carry `names`.
 
-    Mesh axes of size 1 are dropped (they shard nothing) so specs print cleanly.
+    Mesh axes of size 1 are dropped (they shard nothing), as are axes already used
+    by an earlier dimension and, given `shape`, axes that do not divide the dimension.
     """
     used: set[str] = set()
     out = []
-    for name in names:
+    for dim, name in enumerate(names):
         if name is None:
             out.append(None)
             continue
-        if name not in rules:
-            raise KeyError(f"logical axis {name!r} has no sharding rule; known: {sorted(rules)}")
-        axes = tuple(a for a in rules[name]
-                     if a not in used and (mesh is None or mesh.shape[a] > 1))
+        if name not in table:
+            raise KeyError(f"logical axis {name!r} has no sharding rule; known: {sorted(table)}")
+        axes: list[str] = []
+        split = 1
+        for axis in table[name]:
+            size = mesh.shape[axis] if mesh is not None else 1
+            if axis in used or (mesh is not None and size == 1):
+                continue
+            if shape is not None and shape[dim] % (split * size):
+                continue
+            axes.append(axis)
+            split *= size
         used.update(axes)
-        out.append(axes[0] if len(axes) == 1 else (axes or None))
+        out.append(axes[0] if len(axes) == 1 else (tuple(axes) or None))
     return PartitionSpec(*out)
 
 
-_ACTIVE: contextvars.ContextVar[tuple[Mesh, LogicalRules] | None] = contextvars.ContextVar(
+_ACTIVE: contextvars.ContextVar[tuple[Mesh, ShardingRules] | None] = contextvars.ContextVar(
     "jaxinfra_activation_sharding", default=None)
 
 
 @contextlib.contextmanager
-def activation_sharding(mesh: Mesh, rules: LogicalRules) -> Iterator[None]:
+def activation_sharding(mesh: Mesh, rules: ShardingRules) -> Iterator[None]:
     """While tracing inside this context, `constrain` pins activations to the mesh."""
     token = _ACTIVE.set((mesh, rules))
     try:
@@ -78,10 +145,16 @@ def activation_sharding(mesh: Mesh, rules: LogicalRules) -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
+def active() -> tuple[Mesh, ShardingRules] | None:
+    """The (mesh, rules) of the enclosing `activation_sharding`, if any."""
+    return _ACTIVE.get()
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Sharding constraint by logical names; a no-op outside `activation_sharding`."""
-    active = _ACTIVE.get()
-    if active is None:
+    current = _ACTIVE.get()
+    if current is None:
         return x
-    mesh, rules = active
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_mesh(names, rules, mesh)))
+    mesh, rules = current
+    spec = logical_to_mesh(names, rules.activations, mesh, x.shape)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

@@ -18,11 +18,12 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxinfra.config import Config, OptimizerConfig, ScheduleConfig, load_config
+from jaxinfra.config import Config, OptimizerConfig, ScheduleConfig, TrainConfig, load_config
+from jaxinfra.data import DataConfig
+from jaxinfra.runtime import build_runtime
 from jaxinfra.optim import decay_mask, make_optimizer, make_schedule
 from jaxinfra.state import create_train_state, init_params, model_graphdef
 from jaxinfra.step import make_train_step
-from jaxinfra.train import batch_sharding, to_global
 from models import ModelConfig
 from sharding.mesh import MeshConfig, make_mesh
 from sharding.rules import activation_sharding, rules_for
@@ -63,30 +64,26 @@ def _batches():
     return out
 
 
-def run_steps(mesh, grad_accum_steps=1):
-    """Create the state on `mesh` and run N_STEPS jitted steps the way jaxinfra/train.py does."""
-    rules = rules_for("fsdp")
-    schedule = make_schedule(SCHED, OPT.lr, TOTAL_STEPS)
-    tx = make_optimizer(OPT, schedule)
-    graphdef = model_graphdef(MODEL)
-    state, shardings = create_train_state(MODEL, tx, jax.random.key(0), mesh, rules)
+def run_steps(mesh_cfg, grad_accum_steps=1, devices=None):
+    """Build the runtime the way jaxinfra/train.py does and run N_STEPS steps."""
+    cfg = Config(model=MODEL, optimizer=OPT, schedule=SCHED, mesh=mesh_cfg,
+                 data=DataConfig(source="synthetic", synthetic_vocab=MODEL.vocab_size),
+                 train=TrainConfig(steps=TOTAL_STEPS, batch_size=BATCH, seq_len=SEQ,
+                                   grad_accum_steps=grad_accum_steps))
+    rt = build_runtime(cfg, devices if devices is not None else jax.devices())
+    state = rt.init_state()
     initial_params = jax.device_get(state.params)
-    bsh = batch_sharding(mesh, rules)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    step = jax.jit(make_train_step(graphdef, MODEL, tx, schedule, grad_accum_steps),
-                   in_shardings=(shardings, bsh), out_shardings=(shardings, replicated))
     metrics = []
-    with jax.set_mesh(mesh), activation_sharding(mesh, rules):
-        for batch in _batches():
-            state, m = step(state, to_global(batch, bsh))
-            metrics.append(jax.device_get(m))
+    for batch in _batches():
+        state, m = rt.train_step(state, rt.to_global(batch))
+        metrics.append(jax.device_get(m))
     return dict(state=state, metrics=metrics, initial_params=initial_params,
-                params=jax.device_get(state.params), shardings=shardings)
+                params=jax.device_get(state.params), shardings=rt.state_shardings)
 
 
 @pytest.fixture(scope="module")
 def single():
-    return run_steps(make_mesh(MeshConfig(data=1), jax.devices()[:1]))
+    return run_steps(MeshConfig(data=1), devices=jax.devices()[:1])
 
 
 def _assert_trees_close(a, b, rtol, atol):
@@ -119,7 +116,7 @@ def test_single_device_run_trains(single):
 
 
 def test_grad_accumulation_equals_large_batch(single):
-    accum = run_steps(make_mesh(MeshConfig(data=1), jax.devices()[:1]), grad_accum_steps=2)
+    accum = run_steps(MeshConfig(data=1), grad_accum_steps=2, devices=jax.devices()[:1])
     for key in ("loss", "grad_norm", "tokens"):
         np.testing.assert_allclose(_series(accum, key), _series(single, key), rtol=1e-5, err_msg=key)
     _assert_trees_close(accum["params"], single["params"], rtol=1e-5, atol=PARAM_ATOL)
@@ -128,8 +125,7 @@ def test_grad_accumulation_equals_large_batch(single):
 @pytest.mark.parametrize("layout", [dict(fsdp=4, tensor=2), dict(data=8)], ids=["fsdp4-tensor2", "data8"])
 def test_sharded_matches_single_device(single, layout):
     assert jax.device_count() == 8, "conftest must give 8 fake CPU devices"
-    mesh = make_mesh(MeshConfig(**{"data": 1, **layout}), jax.devices())
-    run = run_steps(mesh)
+    run = run_steps(MeshConfig(**{"data": 1, **layout}))
     _assert_trees_close(run["initial_params"], single["initial_params"], rtol=0, atol=0)
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose(_series(run, key), _series(single, key), rtol=1e-5, err_msg=key)

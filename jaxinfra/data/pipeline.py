@@ -116,14 +116,17 @@ def _window_pair(reader: Any, train: np.ndarray, held: np.ndarray, seq_len: int,
 
 def _pipeline(source: Any, *, seq_len: int, local_batch: int, seed: int, shuffle: bool,
               process_index: int, process_count: int, what: str) -> grain.IterDataset:
-    ds = grain.MapDataset.source(source)[process_index::process_count]
-    if len(ds) == 0:
+    if len(source) < process_count:
         raise DataError(
             f"data.paths: {len(source)} {what} windows cannot be shared by {process_count} processes "
-            f"(process {process_index} gets none)")
+            f"(process {process_index} would get none)")
+    ds = grain.MapDataset.source(source)
+    # Shuffle globally, then give each process every process_count-th example: the union over
+    # processes is the same examples whatever the process count, and each process reads only
+    # its own share (the index permutation is all that every process computes).
     if shuffle:
         ds = ds.shuffle(seed=_seed32(seed))
-    ds = ds.repeat(None)  # reshuffled every epoch
+    ds = ds[process_index::process_count].repeat(None)
     # Reading a window is one small pread; threads would only fight over the GIL.
     it = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
     it = grain.experimental.FirstFitPackIterDataset(

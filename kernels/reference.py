@@ -1,0 +1,70 @@
+"""Dense jnp attention: the float32 HIGHEST-precision reference for tests, and (in the
+input dtype, float32 accumulation) the `xla` path's fallback for what
+`jax.nn.dot_product_attention` lacks (softcap, d_qk != d_v, log-sum-exp output).
+
+Both materialise the [B, H, Tq, Tkv] scores: fine for references and short sequences,
+not a kernel. Empty rows (no visible key) give output 0 and lse -inf, like the kernels.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kernels.masks import Band, dense_mask, make_band
+
+
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, band: Band, q_seg: jax.Array | None,
+                    kv_seg: jax.Array | None, scale: float, softcap: float | None, *,
+                    upcast: bool, precision: lax.Precision | None) -> tuple[jax.Array, jax.Array]:
+    """(out [B, Tq, Hq, d_v] float32, lse [B, Hq, Tq] float32). Differentiable by autodiff.
+
+    GQA without repeating k/v: q heads are viewed as [kv_heads, group] (query head h reads
+    kv head h // group, the convention of jax.nn.dot_product_attention)."""
+    b, tq, hq, _ = q.shape
+    hkv = k.shape[2]
+    if upcast:
+        q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    qg = q.reshape(b, tq, hkv, hq // hkv, q.shape[-1])
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, precision=precision, preferred_element_type=jnp.float32)
+    s = s * scale
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
+    mask = dense_mask(band, q_seg, kv_seg)  # [B|1, 1, Tq, Tkv]
+    if mask is not None:
+        s = jnp.where(mask[:, :, None], s, -jnp.inf)
+    # Shift by the row max; a row with no visible key has max -inf: shift by 0 instead so
+    # exp gives exact zeros (not NaN), then l == 0 marks the row empty.
+    m = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+    m = jnp.where(jnp.isneginf(m), 0.0, m)
+    p = jnp.exp(s - m)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    empty = l == 0
+    l_safe = jnp.where(empty, 1.0, l)
+    o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, precision=precision,
+                   preferred_element_type=jnp.float32)
+    o = o / jnp.moveaxis(l_safe, -2, 1)  # l as [B, Tq, Hkv, G, 1]
+    lse = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))[..., 0]  # [B, Hkv, G, Tq]
+    return o.reshape(b, tq, hq, v.shape[-1]), lse.reshape(b, hq, tq)
+
+
+def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
+                        segment_ids: jax.Array | tuple[jax.Array, jax.Array] | None = None,
+                        window: tuple[int | None, int | None] | None = None, scale: float | None = None,
+                        softcap: float | None = None, return_lse: bool = False,
+                        out_dtype: jnp.dtype | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Plain float32 jnp attention at HIGHEST precision: the reference for tests.
+
+    Same arguments and conventions as `kernels.attention`; output in `out_dtype`
+    (default q.dtype); with `return_lse`, also the float32 log-sum-exp [B, Hq, Tq]."""
+    if isinstance(segment_ids, (tuple, list)):
+        q_seg, kv_seg = segment_ids
+    else:
+        q_seg = kv_seg = segment_ids
+    band = make_band(causal, window, q.shape[1], k.shape[1])
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out, lse = dense_attention(q, k, v, band, q_seg, kv_seg, scale, softcap, upcast=True,
+                               precision=lax.Precision.HIGHEST)
+    out = out.astype(q.dtype if out_dtype is None else out_dtype)
+    return (out, lse) if return_lse else out
