@@ -22,8 +22,15 @@ def _config_stem(source: str) -> str:
     return pathlib.Path(source).stem if source.endswith((".yaml", ".yml")) else source
 
 
+def _join_process_group(args: argparse.Namespace) -> None:
+    from jaxinfra.distributed import from_flags_and_env, initialize
+
+    initialize(from_flags_and_env(args.coordinator, args.num_processes, args.process_id))
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # fails before jax is even imported
+    _join_process_group(args)
     from jaxinfra.train import train
 
     run_dir = args.run_dir or f"runs/{_config_stem(args.config)}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
@@ -33,6 +40,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_info(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides) if args.config else None
+    _join_process_group(args)
     from jaxinfra.info import describe
 
     print(describe(cfg))
@@ -48,18 +56,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?", default="tiny", help=f"preset name ({presets}) or YAML path; default tiny")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. model.num_layers=8 train.steps=100")
     p.add_argument("--run-dir", help="output directory (default runs/<config>-<time>)")
+    _add_process_flags(p)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("info", help="devices, versions, and the mesh and parameter layout a config would get")
     p.add_argument("config", nargs="?", help=f"preset name ({presets}) or YAML path")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    _add_process_flags(p)
     p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("launch", help="start N local processes of a jaxinfra command (multi-host testing)")
+    p.add_argument("--local-processes", type=int, required=True, metavar="N")
+    p.add_argument("--devices-per-process", type=int, default=1, metavar="M", help="fake CPU devices each")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="e.g. -- train tiny mesh.data=-1")
+    p.set_defaults(func=cmd_launch)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    # Overrides may come after options (`train tiny --run-dir X a.b=1`): argparse leaves those as extras.
+def _add_process_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--coordinator", metavar="HOST:PORT", help="multi-host: process 0's address (or JAX_COORDINATOR_ADDRESS)")
+    p.add_argument("--num-processes", type=int, help="multi-host: process count (or JAX_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, help="multi-host: this process (or JAX_PROCESS_ID)")
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from jaxinfra.launch import launch_local
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise ConfigError("launch: give the command after --, e.g. jaxinfra launch --local-processes 2 -- train tiny")
+    return launch_local(command, args.local_processes, args.devices_per_process)
+
+
+def _parse_with_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     args, extra = parser.parse_known_args(argv)
     unknown = [x for x in extra if "=" not in x or x.startswith("-")]
     if unknown:
@@ -69,12 +98,24 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "config", None) and "=" in args.config:  # `jaxinfra train a.b=1`: no config given
         args.overrides = [args.config, *args.overrides]
         args.config = "tiny" if args.command == "train" else None
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    # Overrides may come after options (`train tiny --run-dir X a.b=1`): argparse leaves those as extras.
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["launch"]:  # everything after the launcher's own flags belongs to the child
+        args = parser.parse_args(argv)
+    else:
+        args = _parse_with_overrides(parser, argv)
     from jaxinfra.data import DataError
+    from jaxinfra.distributed import DistributedError
     from sharding.mesh import MeshError
 
     try:
         return args.func(args)
-    except (ConfigError, DataError, MeshError) as e:
+    except (ConfigError, DataError, MeshError, DistributedError) as e:
         print(f"jaxinfra: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
@@ -82,10 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def main_exit() -> None:
     """Console-script entry: exit with main()'s status."""
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    main_exit()

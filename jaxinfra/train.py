@@ -63,8 +63,8 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         cfg, t = self.cfg, self.cfg.train
         is_main = jax.process_index() == 0
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         if is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
         n_dev = len(self.devices)
         fpt = flops_per_token(cfg.model, t.seq_len)

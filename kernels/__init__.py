@@ -1,5 +1,13 @@
-"""Attention kernels behind one entry point, `kernels.attention`."""
+"""Attention kernels behind one entry point, `kernels.attention` (and `attention_with_lse`).
 
-from kernels.attention import IMPLEMENTATIONS, attention, validate_attention_args
+Modules: `attention` (public entry, validation, dispatch), `masks` (visibility and block
+skipping shared by every implementation), `reference` (dense jnp reference / XLA fallback),
+`flash` (the custom_vjp), `flash_triton` (GPU), `flash_tpu` (TPU), `block_sizes`.
+"""
 
-__all__ = ["IMPLEMENTATIONS", "attention", "validate_attention_args"]
+from kernels.attention import (IMPLEMENTATIONS, attention, attention_with_lse, reference_attention, resolve_impl,
+                               validate_attention_args)
+from kernels.block_sizes import BlockSizes
+
+__all__ = ["IMPLEMENTATIONS", "BlockSizes", "attention", "attention_with_lse", "reference_attention",
+           "resolve_impl", "validate_attention_args"]

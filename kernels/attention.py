@@ -1,22 +1,78 @@
 """`attention(q, k, v, ...)`: one entry point for every attention implementation.
 
-Layout [batch, length, heads, head_dim]. GQA/MQA when heads_q is a multiple of
-heads_kv. Only the `xla` implementation (jax.nn.dot_product_attention) exists
-so far; `auto` resolves to it. Pallas kernels plug in behind the same signature.
+Layout [batch, length, heads, head_dim]: q [B, Tq, Hq, d_qk], k [B, Tkv, Hkv, d_qk],
+v [B, Tkv, Hkv, d_v]. GQA/MQA when Hq is a multiple of Hkv (query head h reads kv head
+h // (Hq / Hkv)); d_v may differ from d_qk (MLA, e.g. 192 / 128).
+
+Masking (all optional, combined by AND; see `kernels/masks.py`):
+* ``causal``: key j visible from query i iff j <= i (top-left aligned, as jax.nn);
+* ``window=(left, right)``: i - left <= j <= i + right; either side None = unbounded;
+  with causal, right is clipped to 0;
+* ``segment_ids``: one [B, T] array for both sides (Tq == Tkv) or a
+  (q_segment_ids [B, Tq], kv_segment_ids [B, Tkv]) pair; a key is visible only to queries
+  of the same id (packed sequences).
+
+Convention for a query row with no visible key (e.g. a padding id with no matching key):
+output 0, log-sum-exp -inf, and zero (finite) gradients through that row, in every
+implementation. (jax.nn.dot_product_attention alone would average all values there.)
+
+Implementations (`impl`):
+* ``xla``: jax.nn.dot_product_attention; our dense jnp path where it lacks a feature
+  (softcap, d_qk != d_v, the log-sum-exp output).
+* ``pallas_triton``: Pallas flash attention, Triton lowering (GPU). Interpret mode on CPU.
+* ``pallas_mosaic_tpu``: Pallas flash attention, Mosaic lowering (TPU). Interpret mode on CPU.
+* ``cudnn``: jax.nn.dot_product_attention(implementation="cudnn"), GPU only, for the cases
+  cuDNN supports (bf16/fp16, d_qk == d_v, no softcap, no segment ids); others raise.
+* ``auto``: GPU -> pallas_triton, TPU -> pallas_mosaic_tpu, else xla; falls back to xla
+  (logging once per reason) where the chosen kernel does not support the problem.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import numbers
+from typing import Sequence
+
 import jax
 import jax.numpy as jnp
 
-IMPLEMENTATIONS = ("xla", "auto")
+from kernels import block_sizes as block_table
+from kernels.block_sizes import BlockSizes
+from kernels.flash import FlashParams, flash_attention
+from kernels.masks import Band, dense_mask, make_band, may_have_empty_rows
+from kernels.reference import dense_attention, reference_attention
+
+__all__ = ["IMPLEMENTATIONS", "attention", "attention_with_lse", "reference_attention", "resolve_impl",
+           "validate_attention_args"]
+
+IMPLEMENTATIONS = ("auto", "xla", "pallas_triton", "pallas_mosaic_tpu", "cudnn")
+MAX_PALLAS_HEAD_DIM = 256  # larger tiles do not fit GPU shared memory / TPU VMEM at useful blocks
+
+logger = logging.getLogger(__name__)
+_logged: set[str] = set()
+
+SegmentIds = jax.Array | tuple[jax.Array, jax.Array] | None
+Window = tuple[int | None, int | None] | None
 
 
-def validate_attention_args(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None) -> None:
-    """Shape checks in Python, before any kernel runs: a wrong head count must not run silently."""
+# ---------------------------------------------------------------- validation
+
+
+def _shape_of(x, name: str) -> tuple[int, ...]:
+    shape = getattr(x, "shape", None)
+    if shape is None:
+        raise ValueError(f"attention: {name} must be an array, got {type(x).__name__}")
+    return tuple(shape)
+
+
+def validate_attention_args(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: SegmentIds = None,
+                            window: Window = None, scale: float | None = None, softcap: float | None = None,
+                            causal: bool = True) -> tuple[jax.Array | None, jax.Array | None]:
+    """Checks in Python, before any kernel runs (a wrong head count must not run silently:
+    interpret mode clamps out-of-range block indices). Returns (q_segment_ids, kv_segment_ids)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim != 4:
+        if len(_shape_of(x, name)) != 4:
             raise ValueError(f"attention: {name} must be [batch, length, heads, head_dim], got shape {x.shape}")
     if not q.shape[0] == k.shape[0] == v.shape[0]:
         raise ValueError(f"attention: batch differs: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
@@ -26,45 +82,188 @@ def validate_attention_args(q: jax.Array, k: jax.Array, v: jax.Array, segment_id
         raise ValueError(f"attention: q and k head_dim differ: {q.shape[3]} vs {k.shape[3]}")
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"attention: q heads {q.shape[2]} not a multiple of k/v heads {k.shape[2]}")
-    if segment_ids is not None and segment_ids.shape != q.shape[:2]:
-        raise ValueError(f"attention: segment_ids must be [batch, length] = {q.shape[:2]}, got {segment_ids.shape}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if 0 in x.shape:
+            raise ValueError(f"attention: {name} has an empty dimension: shape {x.shape}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"attention: {name} dtype must be floating, got {x.dtype}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"attention: q, k, v dtype differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if not isinstance(causal, (bool, jnp.bool_)):
+        raise ValueError(f"attention: causal must be a Python bool, got {causal!r}")
+    if window is not None:
+        if not isinstance(window, Sequence) or len(window) != 2 or not all(
+                w is None or (isinstance(w, numbers.Integral) and not isinstance(w, bool) and w >= 0)
+                for w in window):
+            raise ValueError(f"attention: window must be (left, right) with ints >= 0 or None, got {window!r}")
+    if scale is not None and not (isinstance(scale, numbers.Real) and math.isfinite(scale) and scale != 0):
+        raise ValueError(f"attention: scale must be a finite nonzero Python float, got {scale!r}")
+    if softcap is not None and not (isinstance(softcap, numbers.Real) and math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"attention: softcap must be a Python float > 0, got {softcap!r}")
+    return _split_segment_ids(segment_ids, q.shape[:2], k.shape[:2])
 
 
-def attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    *,
-    causal: bool = True,
-    segment_ids: jax.Array | None = None,
-    scale: float | None = None,
-    impl: str = "auto",
-) -> jax.Array:
-    """Softmax attention; tokens attend only within their own segment (packed rows)."""
-    validate_attention_args(q, k, v, segment_ids)
+def _split_segment_ids(segment_ids: SegmentIds, q_bt: tuple[int, int], kv_bt: tuple[int, int]):
+    if segment_ids is None:
+        return None, None
+    if isinstance(segment_ids, (tuple, list)):
+        if len(segment_ids) != 2:
+            raise ValueError("attention: segment_ids must be one [batch, length] array or a "
+                             f"(q_segment_ids, kv_segment_ids) pair, got {len(segment_ids)} items")
+        q_seg, kv_seg = segment_ids
+    else:
+        if q_bt[1] != kv_bt[1]:
+            raise ValueError(f"attention: one segment_ids array needs length_q == length_kv ({q_bt[1]} vs "
+                             f"{kv_bt[1]}); pass a (q_segment_ids, kv_segment_ids) pair")
+        q_seg = kv_seg = segment_ids
+    for name, s, want in (("segment_ids (q)", q_seg, q_bt), ("segment_ids (kv)", kv_seg, kv_bt)):
+        if _shape_of(s, name) != tuple(want):
+            raise ValueError(f"attention: {name} must be [batch, length] = {tuple(want)}, got {tuple(s.shape)}")
+        if not jnp.issubdtype(s.dtype, jnp.integer):
+            raise ValueError(f"attention: {name} dtype must be integer, got {s.dtype}")
+    return q_seg, kv_seg
+
+
+# ---------------------------------------------------------------- dispatch
+
+
+def _platform() -> str:
+    backend = jax.default_backend()
+    return "gpu" if backend in ("gpu", "cuda", "rocm") else backend
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.warning(message)
+
+
+def _pallas_unsupported(q: jax.Array, v: jax.Array) -> str | None:
+    if max(q.shape[-1], v.shape[-1]) > MAX_PALLAS_HEAD_DIM:
+        return f"head dim {max(q.shape[-1], v.shape[-1])} > {MAX_PALLAS_HEAD_DIM}"
+    return None
+
+
+def _cudnn_unsupported(q, v, band: Band, has_segments: bool, softcap, need_lse: bool) -> str | None:
+    if _platform() != "gpu":
+        return f"cudnn needs a GPU (platform is {_platform()})"
+    if need_lse:
+        return "cudnn does not return the log-sum-exp here"
+    if softcap is not None:
+        return "cudnn has no softcap"
+    if has_segments:
+        return "cudnn path takes no segment ids"
+    if q.shape[-1] != v.shape[-1]:
+        return "cudnn path needs d_qk == d_v"
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"cudnn needs bfloat16/float16, got {q.dtype}"
+    if band.right not in (None, 0) or (band.right is None and band.left is not None):
+        return "cudnn supports only left windows (causal)"
+    if band.right == 0 and band.q_len != band.kv_len:
+        return "cudnn causal mask alignment for length_q != length_kv"
+    return None
+
+
+def resolve_impl(impl: str, q: jax.Array, v: jax.Array) -> str:
+    """The implementation `impl` runs as on this platform (auto resolved, fallbacks logged)."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"attention: impl={impl!r}; choose one of {IMPLEMENTATIONS}")
+    if impl != "auto":
+        return impl
+    platform = _platform()
+    chosen = {"gpu": "pallas_triton", "tpu": "pallas_mosaic_tpu"}.get(platform, "xla")
+    if chosen != "xla":
+        reason = _pallas_unsupported(q, v)
+        if reason is not None:
+            _log_once(f"attention(impl='auto'): {chosen} does not support this call ({reason}); using xla")
+            return "xla"
+    return chosen
+
+
+def _flash_params(impl: str, q, v, band: Band, scale: float, softcap, block_sizes: BlockSizes | None) -> FlashParams:
+    platform = _platform()
+    native = {"pallas_triton": "gpu", "pallas_mosaic_tpu": "tpu"}[impl]
+    if platform not in (native, "cpu"):
+        raise ValueError(f"attention: impl={impl!r} runs on {native} (or CPU, interpreted), not on {platform}")
+    reason = _pallas_unsupported(q, v)
+    if reason is not None:
+        raise ValueError(f"attention: impl={impl!r} does not support this call: {reason}")
+    interpret = platform == "cpu"
+    device_kind = "cpu" if interpret else jax.devices()[0].device_kind
+    if block_sizes is None:
+        block_sizes = block_table.lookup(device_kind, jnp.dtype(q.dtype).name, q.shape[-1], v.shape[-1], band.kind)
+    blocks = block_sizes.clamped(band.q_len, band.kv_len)
+    if impl == "pallas_mosaic_tpu":
+        from kernels.flash_tpu import tpu_blocks
+        blocks = tpu_blocks(blocks, band, interpret)
+    backend = "triton" if impl == "pallas_triton" else "tpu"
+    return FlashParams(backend=backend, band=band, scale=scale, softcap=softcap, blocks=blocks, interpret=interpret)
+
+
+def _xla(q, k, v, band: Band, q_seg, kv_seg, causal: bool, scale: float, softcap, need_lse: bool):
+    if need_lse or softcap is not None or q.shape[-1] != v.shape[-1]:
+        out, lse = dense_attention(q, k, v, band, q_seg, kv_seg, scale, softcap, upcast=False, precision=None)
+        return out.astype(q.dtype), lse
     mask = None
-    if segment_ids is not None:
-        mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None, :, :]  # [B, 1, T, S]
-    return jax.nn.dot_product_attention(
-        q, k, v, mask=mask, scale=scale, is_causal=causal, implementation="xla")
+    if q_seg is not None:
+        mask = (q_seg[:, :, None] == kv_seg[:, None, :])[:, None]  # [B, 1, Tq, Tkv]
+    local = None
+    if band.left is not None or (band.right is not None and not causal):
+        unbounded = band.q_len + band.kv_len
+        local = (unbounded if band.left is None else band.left, unbounded if band.right is None else band.right)
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=causal,
+                                       local_window_size=local, implementation="xla")
+    if may_have_empty_rows(band, has_segments=q_seg is not None and q_seg is not kv_seg):
+        # jax.nn averages the values of a row that sees no key; our convention is 0.
+        visible = jnp.any(dense_mask(band, q_seg, kv_seg), axis=-1)  # [B|1, 1, Tq]
+        out = out * jnp.moveaxis(visible, 1, 2)[..., None].astype(out.dtype)
+    return out, None
 
 
-def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
-                        segment_ids: jax.Array | None = None, scale: float | None = None) -> jax.Array:
-    """Plain float32 jnp attention at HIGHEST precision: the reference for tests."""
-    groups = q.shape[2] // k.shape[2]
-    k = jnp.repeat(k, groups, axis=2).astype(jnp.float32)
-    v = jnp.repeat(v, groups, axis=2).astype(jnp.float32)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    s = jnp.einsum("bthd,bshd->bhts", q.astype(jnp.float32), k, precision="highest") * scale
-    t, n = q.shape[1], k.shape[1]
-    allowed = jnp.ones((1, 1, t, n), bool)
-    if causal:
-        allowed = allowed & jnp.tril(jnp.ones((t, n), bool))[None, None]
-    if segment_ids is not None:
-        allowed = allowed & (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
-    s = jnp.where(allowed, s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
-    return jnp.einsum("bhts,bshd->bthd", p, v, precision="highest").astype(q.dtype)
+def _cudnn(q, k, v, band: Band, scale: float):
+    causal = band.right == 0
+    local = None if band.left is None else (band.left, 0)
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, local_window_size=local,
+                                        implementation="cudnn")
+
+
+def _attention(q, k, v, *, causal, segment_ids, window, scale, softcap, impl, block_sizes, need_lse):
+    q_seg, kv_seg = validate_attention_args(q, k, v, segment_ids, window, scale, softcap, causal)
+    impl = resolve_impl(impl, q, v)
+    band = make_band(bool(causal), None if window is None else tuple(window), q.shape[1], k.shape[1])
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    softcap = None if softcap is None else float(softcap)
+    if impl == "xla":
+        return _xla(q, k, v, band, q_seg, kv_seg, bool(causal), scale, softcap, need_lse)
+    if impl == "cudnn":
+        reason = _cudnn_unsupported(q, v, band, q_seg is not None, softcap, need_lse)
+        if reason is not None:
+            raise ValueError(f"attention: impl='cudnn' does not support this call: {reason}")
+        return _cudnn(q, k, v, band, scale), None
+    params = _flash_params(impl, q, v, band, scale, softcap, block_sizes)
+    return flash_attention(params, q, k, v, q_seg, kv_seg)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, segment_ids: SegmentIds = None,
+              window: Window = None, scale: float | None = None, softcap: float | None = None,
+              impl: str = "auto", block_sizes: BlockSizes | None = None) -> jax.Array:
+    """Softmax attention -> [B, Tq, Hq, d_v] in q.dtype. See the module docstring.
+
+    scale: multiplies q.k (default d_qk ** -0.5); softcap: logits -> softcap * tanh(logits / softcap)
+    after scaling (Gemma-2); block_sizes: override the table in `kernels/block_sizes.py`
+    (Pallas impls only; for sweeps)."""
+    out, _ = _attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window, scale=scale,
+                        softcap=softcap, impl=impl, block_sizes=block_sizes, need_lse=False)
+    return out
+
+
+def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
+                       segment_ids: SegmentIds = None, window: Window = None, scale: float | None = None,
+                       softcap: float | None = None, impl: str = "auto",
+                       block_sizes: BlockSizes | None = None) -> tuple[jax.Array, jax.Array]:
+    """(out, lse): lse [B, Hq, Tq] float32 is the natural log-sum-exp of the scaled (capped)
+    logits over visible keys, -inf for rows with none, for merging chunks (ring attention):
+    ``out = sum_c exp(lse_c - lse) out_c`` with ``lse = logsumexp_c lse_c``. Differentiable
+    in both outputs. `impl="cudnn"` is not available here."""
+    return _attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window, scale=scale,
+                      softcap=softcap, impl=impl, block_sizes=block_sizes, need_lse=True)

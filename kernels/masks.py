@@ -170,8 +170,10 @@ def q_block_range(kv_block: Int, block_q: int, block_kv: int, band: Band) -> tup
         if kv_start >= band.kv_len:
             hi = lo
     else:
-        full_hi = jnp.where(kv_end >= band.kv_len, full_lo, full_hi)
-        hi = jnp.where(kv_start >= band.kv_len, lo, hi)
+        # Strongly typed operands: see segment_block_kind about selects of weak literals.
+        i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+        full_hi = jnp.where(kv_end >= band.kv_len, i32(full_lo), i32(full_hi))
+        hi = jnp.where(kv_start >= band.kv_len, i32(lo), i32(hi))
     return _clamp_ranges(lo, full_lo, full_hi, hi)
 
 
@@ -192,7 +194,10 @@ def segment_block_kind(q_min: Int, q_max: Int, kv_min: Int, kv_max: Int) -> Int:
     and the same id, else MASKED. Conservative for any id layout (sorted or not)."""
     disjoint = jnp.logical_or(q_max < kv_min, kv_max < q_min)
     uniform = jnp.logical_and(jnp.logical_and(q_min == q_max, kv_min == kv_max), q_min == kv_min)
-    return jnp.where(disjoint, SKIP, jnp.where(uniform, FULL, MASKED)).astype(jnp.int32)
+    # Arithmetic rather than jnp.where on Python ints: the Triton lowering of a select between
+    # two weakly typed literals types them like the predicate (i1). uniform implies not disjoint.
+    assert (SKIP, MASKED, FULL) == (0, 1, 2)
+    return jnp.logical_not(disjoint).astype(jnp.int32) * (1 + uniform.astype(jnp.int32))
 
 
 def pad_segments(seg: jax.Array, length: int) -> jax.Array:

@@ -20,7 +20,7 @@ RematPolicy = Literal[
 ]
 REMAT_POLICIES: tuple[str, ...] = RematPolicy.__args__  # type: ignore[attr-defined]
 
-AttentionImpl = Literal["xla", "auto"]
+AttentionImpl = Literal["xla", "auto", "pallas_triton", "pallas_mosaic_tpu", "cudnn"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -82,7 +82,10 @@ class Transformer(nnx.Module):
         cfg, dt = self.cfg, DTYPES[self.cfg.dtype]
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        h = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
+        # Gather the FSDP-sharded table first (as for any weight): a lookup straight into a
+        # table sharded on `embed` makes GSPMD replicate the activations instead under data x fsdp.
+        table = constrain(self.embed[...], ("vocab", None))
+        h = jnp.take(table, tokens, axis=0).astype(dt)
         h = constrain(h, ("batch", "residual_length", "embed"))
         rope_freqs = rope_frequencies(cfg)
 

@@ -84,7 +84,9 @@ def rules_for(strategy: str = "fsdp", *, sequence_parallel: bool = False, contex
     if strategy not in STRATEGIES:
         raise ValueError(f"parallelism.strategy={strategy!r}: choose one of {list(STRATEGIES)}")
     replicated = {**_TENSOR, "embed": (), "norm": ()}
-    sharded = {**_TENSOR, "embed": ("fsdp",), "norm": ("fsdp",)}
+    # Norm scales stay replicated even under FSDP: they are tiny, and a sharded scale
+    # multiplying batch-sharded activations makes GSPMD reshard the activations instead.
+    sharded = {**_TENSOR, "embed": ("fsdp",), "norm": ()}
     zero1 = {**_TENSOR, "embed": ("data", "fsdp"), "norm": ("data", "fsdp")}
     params, opt_state = {"dp": (replicated, replicated), "zero1": (replicated, zero1),
                          "fsdp": (sharded, sharded)}[strategy]

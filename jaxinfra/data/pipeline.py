@@ -17,7 +17,7 @@ from jaxinfra.data.sources import (
 from jaxinfra.data.tokenizer import tokenize_files, tokenizer_vocab_size
 
 _EVAL_SEED = 0x5EED  # eval batches do not depend on the run's seed, so runs compare on the same batches
-_MIN_PACKING_BINS = 16  # more bins than rows per batch packs short documents more tightly
+_PACKING_BINS_PER_ROW = 4  # a few open rows per slot pack short documents tightly
 
 
 def vocab_size_of(cfg: DataConfig) -> int:
@@ -39,8 +39,8 @@ def make_train_iterator(cfg: DataConfig, *, seq_len: int, global_batch_size: int
     """
     local_batch = _check_args(cfg, seq_len, global_batch_size, vocab_size, process_index, process_count)
     train, _ = _split_sources(cfg, seq_len, vocab_size, seed)
-    ds = _pipeline(train, seq_len=seq_len, local_batch=local_batch, seed=seed, shuffle=cfg.shuffle,
-                   process_index=process_index, process_count=process_count, what="training")
+    ds = _pipeline(train, seq_len=seq_len, global_batch=global_batch_size, local_batch=local_batch, seed=seed,
+                   shuffle=cfg.shuffle, process_index=process_index, process_count=process_count, what="training")
     if cfg.worker_count > 0:
         _allow_absl_workers()
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count))
@@ -54,8 +54,9 @@ def make_eval_batches(cfg: DataConfig, *, seq_len: int, global_batch_size: int, 
     if cfg.eval_batches == 0:
         return []
     _, held = _split_sources(cfg, seq_len, vocab_size, seed)
-    ds = _pipeline(held, seq_len=seq_len, local_batch=local_batch, seed=_EVAL_SEED, shuffle=True,
-                   process_index=process_index, process_count=process_count, what="evaluation")
+    ds = _pipeline(held, seq_len=seq_len, global_batch=global_batch_size, local_batch=local_batch,
+                   seed=_EVAL_SEED, shuffle=True, process_index=process_index, process_count=process_count,
+                   what="evaluation")
     return list(itertools.islice(iter(ds), cfg.eval_batches))
 
 
@@ -114,25 +115,40 @@ def _window_pair(reader: Any, train: np.ndarray, held: np.ndarray, seq_len: int,
     return train_src, held_src
 
 
-def _pipeline(source: Any, *, seq_len: int, local_batch: int, seed: int, shuffle: bool,
+def _pipeline(source: Any, *, seq_len: int, global_batch: int, local_batch: int, seed: int, shuffle: bool,
               process_index: int, process_count: int, what: str) -> grain.IterDataset:
-    if len(source) < process_count:
+    """Batches of this process's rows, identical whatever the process count.
+
+    Row slot r of every global batch is packed from its own sub-stream, examples
+    r, r+B, r+2B, ... of the globally shuffled stream (B = global batch). A process
+    builds only its own slots, so it reads only its share of the data, and the global
+    batch does not depend on how many processes share it (multi-host runs equal the
+    single-host run, and a restart on a different host count keeps the data order).
+    """
+    if len(source) < global_batch:
         raise DataError(
-            f"data.paths: {len(source)} {what} windows cannot be shared by {process_count} processes "
-            f"(process {process_index} would get none)")
+            f"data.paths: {len(source)} {what} windows are fewer than the {global_batch} rows of one batch "
+            f"(add data, or lower train.batch_size / train.seq_len)")
     ds = grain.MapDataset.source(source)
-    # Shuffle globally, then give each process every process_count-th example: the union over
-    # processes is the same examples whatever the process count, and each process reads only
-    # its own share (the index permutation is all that every process computes).
     if shuffle:
-        ds = ds.shuffle(seed=_seed32(seed))
-    ds = ds[process_index::process_count].repeat(None)
+        ds = ds.shuffle(seed=_seed32(seed))  # reshuffled every epoch by repeat()
+    first = process_index * local_batch
+    rows = [_packed_rows(ds[slot::global_batch].repeat(None), seq_len, _seed32(seed + slot))
+            for slot in range(first, first + local_batch)]
+    return grain.experimental.ZipIterDataset(rows).map(_stack_rows)
+
+
+def _packed_rows(ds: grain.MapDataset, seq_len: int, seed: int) -> grain.IterDataset:
     # Reading a window is one small pread; threads would only fight over the GIL.
     it = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
-    it = grain.experimental.FirstFitPackIterDataset(
-        it, length_struct={"inputs": seq_len, "targets": seq_len},
-        num_packing_bins=max(local_batch, _MIN_PACKING_BINS), seed=_seed32(seed), shuffle_bins=shuffle)
-    return it.map(_model_layout).batch(local_batch, drop_remainder=True)
+    return grain.experimental.FirstFitPackIterDataset(
+        it, length_struct={"inputs": seq_len, "targets": seq_len}, num_packing_bins=_PACKING_BINS_PER_ROW,
+        seed=seed, shuffle_bins=False)
+
+
+def _stack_rows(rows: tuple[dict[str, np.ndarray], ...]) -> dict[str, np.ndarray]:
+    layouts = [_model_layout(r) for r in rows]
+    return {key: np.stack([row[key] for row in layouts]) for key in layouts[0]}
 
 
 def _model_layout(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

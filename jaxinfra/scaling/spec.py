@@ -300,7 +300,8 @@ class RunPlan:
     seq_len: int
     flops_per_token: float
     lr: float
-    budget: float  # the grid's token budget or the IsoFLOP compute budget this run belongs to
+    budget: float  # the grid's token budget (or tokens per parameter) or the IsoFLOP compute budget
+    C_budget: float | None  # the IsoFLOP compute budget (profile label); None in a grid
 
     @property
     def config_path(self) -> pathlib.Path:
@@ -316,6 +317,7 @@ class RunPlan:
         return {"run": self.name, "size": self.size, "N": self.N, "N_nonemb": self.N_nonemb, "D": self.D,
                 "C": self.C, "steps": self.steps, "batch_size": self.batch_size, "seq_len": self.seq_len,
                 "flops_per_token": self.flops_per_token, "lr": self.lr, "budget": self.budget,
+                "C_budget": self.C_budget,
                 "d_model": self.config.model.d_model, "num_layers": self.config.model.num_layers,
                 "run_dir": str(self.run_dir), "command": " ".join(self.command)}
 
@@ -370,7 +372,8 @@ def expand(spec: SweepSpec, out: str | pathlib.Path | None = None) -> Plan:
             runs.append(RunPlan(
                 name=name, run_dir=out_dir / name, config=cfg, size=size.name, N=counts["total"],
                 N_nonemb=counts["non_embedding"], D=tokens, C=fpt * tokens, steps=steps,
-                batch_size=t.batch_size, seq_len=t.seq_len, flops_per_token=fpt, lr=lr, budget=float(budget)))
+                batch_size=t.batch_size, seq_len=t.seq_len, flops_per_token=fpt, lr=lr, budget=float(budget),
+                C_budget=float(budget) if spec.isoflop else None))
     if not runs:
         raise ConfigError("the sweep has no runs" + (f" ({len(dropped)} dropped for isoflop.min_steps)"
                                                      if dropped else ""))

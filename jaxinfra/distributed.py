@@ -1,0 +1,72 @@
+"""Multi-process start-up: `jax.distributed.initialize` from flags, environment or the cluster.
+
+Order of precedence: explicit `--coordinator/--num-processes/--process-id` flags, then
+`JAX_COORDINATOR_ADDRESS` / `JAX_NUM_PROCESSES` / `JAX_PROCESS_ID`, then jax's own
+auto-detection when a cluster is recognisable (SLURM with more than one task, a
+Kubernetes indexed job with a coordinator, a multi-host TPU). A plain single
+machine initialises nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+
+
+class DistributedError(RuntimeError):
+    """Start-up of the process group failed; one line naming the coordinator and processes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessGroup:
+    coordinator: str | None
+    num_processes: int | None
+    process_id: int | None
+
+    @property
+    def explicit(self) -> bool:
+        return self.coordinator is not None
+
+
+def from_flags_and_env(coordinator: str | None = None, num_processes: int | None = None,
+                       process_id: int | None = None) -> ProcessGroup:
+    env = os.environ
+    coordinator = coordinator or env.get("JAX_COORDINATOR_ADDRESS")
+    if num_processes is None and env.get("JAX_NUM_PROCESSES"):
+        num_processes = int(env["JAX_NUM_PROCESSES"])
+    if process_id is None and env.get("JAX_PROCESS_ID"):
+        process_id = int(env["JAX_PROCESS_ID"])
+    return ProcessGroup(coordinator, num_processes, process_id)
+
+
+def _cluster_detected() -> bool:
+    env = os.environ
+    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_JOB_ID" in env:
+        return True
+    if env.get("TPU_WORKER_HOSTNAMES", "").count(",") >= 1:  # multi-host TPU slice
+        return True
+    return False
+
+
+def initialize(group: ProcessGroup, timeout_s: int = 300) -> None:
+    """Join the process group (or do nothing on a single machine)."""
+    if group.explicit:
+        if group.num_processes is None or group.process_id is None:
+            raise DistributedError(
+                f"coordinator {group.coordinator} given, but --num-processes and --process-id "
+                f"(or JAX_NUM_PROCESSES / JAX_PROCESS_ID) are missing")
+        if group.num_processes == 1:
+            return
+        try:
+            jax.distributed.initialize(coordinator_address=group.coordinator, num_processes=group.num_processes,
+                                       process_id=group.process_id, initialization_timeout=timeout_s)
+        except Exception as e:  # jax raises XlaRuntimeError / RuntimeError with long texts
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise DistributedError(
+                f"process {group.process_id} of {group.num_processes} could not join coordinator "
+                f"{group.coordinator} within {timeout_s}s: {first}") from None
+        return
+    if _cluster_detected():
+        jax.distributed.initialize(initialization_timeout=timeout_s)
