@@ -65,11 +65,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_process_flags(p)
     p.set_defaults(func=cmd_info)
 
+    p = sub.add_parser("bench", help="micro-benchmarks: `bench collectives` times each collective per mesh axis")
+    p.add_argument("what", choices=["collectives"])
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="mesh sizes, e.g. mesh.fsdp=4 mesh.tensor=2")
+    p.add_argument("--min-bytes", type=int, default=1024)
+    p.add_argument("--max-bytes", type=int, default=64 * 2**20, help="largest message per device (default 64 MiB)")
+    p.add_argument("--ops", default=",".join(("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute")))
+    _add_process_flags(p)
+    p.set_defaults(func=cmd_bench)
+
     p = sub.add_parser("launch", help="start N local processes of a jaxinfra command (multi-host testing)")
     p.add_argument("--local-processes", type=int, required=True, metavar="N")
     p.add_argument("--devices-per-process", type=int, default=1, metavar="M", help="fake CPU devices each")
     p.add_argument("command", nargs=argparse.REMAINDER, help="e.g. -- train tiny mesh.data=-1")
     p.set_defaults(func=cmd_launch)
+    from jaxinfra.scaling.cli import add_subcommands  # sweep, scaling {collect,fit,predict}
+
+    add_subcommands(sub)
     return parser
 
 
@@ -77,6 +89,23 @@ def _add_process_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator", metavar="HOST:PORT", help="multi-host: process 0's address (or JAX_COORDINATOR_ADDRESS)")
     p.add_argument("--num-processes", type=int, help="multi-host: process count (or JAX_NUM_PROCESSES)")
     p.add_argument("--process-id", type=int, help="multi-host: this process (or JAX_PROCESS_ID)")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    cfg = load_config(None, args.overrides)
+    _join_process_group(args)
+    import jax
+
+    from jaxinfra.bench import collectives_table, format_table, message_sizes
+    from sharding.mesh import make_mesh
+
+    mesh = make_mesh(cfg.mesh)
+    rows = collectives_table(mesh, message_sizes(args.min_bytes, args.max_bytes), args.ops.split(","))
+    if jax.process_index() == 0:
+        print(f"{jax.process_count()} process(es), {jax.device_count()} x {jax.devices()[0].device_kind}, "
+              f"mesh {dict(mesh.shape)}")
+        print(format_table(rows))
+    return 0
 
 
 def cmd_launch(args: argparse.Namespace) -> int:

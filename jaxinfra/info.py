@@ -1,9 +1,10 @@
-"""`jaxinfra info`: devices, versions, and where a config's parameters would live."""
+"""`jaxinfra info`: devices, versions, and where a config's parameters and optimizer state live."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import math
+from typing import Any
 
 import jax
 import numpy as np
@@ -11,9 +12,9 @@ from flax import nnx
 
 from jaxinfra.config import Config, validate
 from jaxinfra.metrics import flops_per_token, param_counts
-from jaxinfra.state import init_params
+from jaxinfra.optim import make_optimizer, make_schedule
+from jaxinfra.state import abstract_state, sharding_rules, shardings_for
 from sharding.mesh import make_mesh
-from sharding.rules import logical_to_mesh, rules_for
 
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "numpy")
 
@@ -25,14 +26,27 @@ def _version(name: str) -> str:
         return "not installed"
 
 
-def _shard_bytes(shape: tuple[int, ...], dtype, spec, mesh) -> int:
-    """Bytes one device holds for an array of `shape` sharded by `spec`."""
-    n = math.prod(shape) * np.dtype(dtype).itemsize
-    for axes in spec:
-        for axis in (axes if isinstance(axes, tuple) else (axes,)):
-            if axis is not None:
-                n //= mesh.shape[axis]
-    return n
+def _bytes_per_device(shape: tuple[int, ...], dtype: Any, sharding: jax.sharding.NamedSharding) -> int:
+    return math.prod(sharding.shard_shape(shape)) * np.dtype(dtype).itemsize
+
+
+def _tree_bytes(abstract: Any, shardings: Any) -> tuple[int, int]:
+    """(total bytes, bytes per device) of an abstract tree under its shardings."""
+    total = per_device = 0
+    for leaf, sharding in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)):
+        total += math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+        per_device += _bytes_per_device(leaf.shape, leaf.dtype, sharding)
+    return total, per_device
+
+
+def memory_table(cfg: Config, mesh: jax.sharding.Mesh) -> dict[str, tuple[int, int]]:
+    """{params, grads, optimizer state}: (total bytes, bytes per device), from shapes and shardings."""
+    rules = sharding_rules(cfg.parallelism)
+    tx = make_optimizer(cfg.optimizer, make_schedule(cfg.schedule, cfg.optimizer.lr, cfg.train.steps))
+    state = abstract_state(cfg.model, tx)
+    shardings = shardings_for(state, mesh, rules)
+    params = _tree_bytes(state.params, shardings.params)
+    return {"params": params, "grads": params, "optimizer state": _tree_bytes(state.opt_state, shardings.opt_state)}
 
 
 def describe(cfg: Config | None = None) -> str:
@@ -46,28 +60,24 @@ def describe(cfg: Config | None = None) -> str:
         return "\n".join(lines)
     validate(cfg, len(devices))
     mesh = make_mesh(cfg.mesh, devices)
-    rules = rules_for(cfg.parallelism.strategy)
+    rules = sharding_rules(cfg.parallelism)
     counts = param_counts(cfg.model)
-    lines.append(f"mesh: {dict(mesh.shape)}  strategy: {cfg.parallelism.strategy} (ZeRO-3: params, grads and "
-                 f"optimizer state sharded over fsdp)")
+    lines.append(f"mesh: {dict(mesh.shape)}")
+    lines.append(f"strategy: {rules.describe()}")
     lines.append(f"params: {counts['total']:,} ({counts['non_embedding']:,} non-embedding); "
                  f"train FLOPs/token at seq {cfg.train.seq_len}: {flops_per_token(cfg.model, cfg.train.seq_len):.4g}")
-    abstract = jax.eval_shape(lambda: init_params(cfg.model, jax.random.key(0)))
-    rows = [("parameter", "shape", "logical axes", "mesh spec", "bytes/device")]
-    total = 0
-    for path, var in nnx.to_flat_state(abstract):
-        names = var.get_metadata().get("out_sharding") or ()
-        spec = logical_to_mesh(names, rules, mesh)
-        nbytes = _shard_bytes(var.shape, var.dtype, spec, mesh)
-        total += nbytes
-        rows.append(("/".join(map(str, path)), str(tuple(var.shape)), str(tuple(names)), str(tuple(spec)),
-                     f"{nbytes:,}"))
+    tx = make_optimizer(cfg.optimizer, make_schedule(cfg.schedule, cfg.optimizer.lr, cfg.train.steps))
+    state = abstract_state(cfg.model, tx)
+    shardings = shardings_for(state, mesh, rules)
+    rows = [("parameter", "shape", "logical axes", "mesh sharding", "bytes/device")]
+    flat_shardings = dict(nnx.to_flat_state(shardings.params))
+    for path, var in nnx.to_flat_state(state.params):
+        sharding = flat_shardings[path].get_raw_value()
+        rows.append(("/".join(map(str, path)), str(tuple(var.shape)), str(tuple(var.get_metadata()["out_sharding"])),
+                     str(tuple(sharding.spec)), f"{_bytes_per_device(var.shape, var.dtype, sharding):,}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-    # AdamW keeps two float32 moments per parameter, sharded like the parameter (ZeRO-3).
-    opt = sum(2 * _shard_bytes(v.shape, np.float32, logical_to_mesh(v.get_metadata().get("out_sharding") or (),
-                                                                      rules, mesh), mesh)
-              for _, v in nnx.to_flat_state(abstract))
-    lines.append(f"per device: params {total / 2**20:.2f} MiB, grads {total / 2**20:.2f} MiB, "
-                 f"optimizer state {opt / 2**20:.2f} MiB")
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    for name, (total, per_device) in memory_table(cfg, mesh).items():
+        lines.append(f"{name:>16}: {per_device / 2**20:10.2f} MiB per device of {total / 2**20:10.2f} MiB "
+                     f"({per_device / total:.3f})")
     return "\n".join(lines)

@@ -65,3 +65,33 @@ def test_launcher_reports_a_failing_child(tmp_path):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "unknown key 'model.num_layerz'" in proc.stdout
+
+
+def test_cluster_launch_files_run_the_same_train_command():
+    import yaml
+
+    sbatch = (REPO / "scripts/slurm/train.sbatch").read_text()
+    assert "srun" in sbatch and "jaxinfra train" in sbatch
+    docs = list(yaml.safe_load_all((REPO / "scripts/k8s/train-indexed-job.yaml").read_text()))
+    job = next(d for d in docs if d["kind"] == "Job")
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"][:2] == ["jaxinfra", "train"]
+    env = {e["name"] for e in container["env"]}
+    # the names jaxinfra.distributed reads
+    assert {"JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"} <= env
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == int(
+        next(e["value"] for e in container["env"] if e["name"] == "JAX_NUM_PROCESSES"))
+
+
+def test_collectives_benchmark_rows():
+    from jaxinfra.bench import OPS, collectives_table
+    from sharding.mesh import MeshConfig, make_mesh
+
+    mesh = make_mesh(MeshConfig(data=2, fsdp=4), jax.devices())
+    rows = collectives_table(mesh, [4096], OPS)
+    assert {(r["axis"], r["op"]) for r in rows} == {(a, op) for a in ("data", "fsdp") for op in OPS}
+    for r in rows:
+        n = r["n"]
+        factor = {"all_reduce": 2 * (n - 1) / n, "ppermute": 1.0}.get(r["op"], (n - 1) / n)
+        assert r["time_us"] > 0 and r["bytes"] >= 4096 * 0.75
+        np.testing.assert_allclose(r["busbw_GBps"], r["algbw_GBps"] * factor)

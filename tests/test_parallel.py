@@ -128,3 +128,19 @@ def test_bad_layouts_fail_before_compile(overrides, match):
     with pytest.raises(ConfigError, match=match) as err:
         build_runtime(cfg, devices)
     assert "\n" not in str(err.value)
+
+
+def test_info_memory_table_matches_strategy():
+    from jaxinfra.info import describe, memory_table
+    from sharding.mesh import make_mesh
+
+    fsdp_cfg = make_cfg(dict(fsdp=8))
+    fsdp = memory_table(fsdp_cfg, make_mesh(fsdp_cfg.mesh, jax.devices()))
+    for name, (total, per_device) in fsdp.items():
+        assert per_device <= total / 8 * 1.05, name
+    zero1_cfg = make_cfg(dict(data=8), strategy="zero1")
+    zero1 = memory_table(zero1_cfg, make_mesh(zero1_cfg.mesh, jax.devices()))
+    assert zero1["params"][1] == zero1["params"][0]
+    assert zero1["optimizer state"][1] <= zero1["optimizer state"][0] / 8 * 1.05
+    text = describe(zero1_cfg)
+    assert "ZeRO-1" in text and "optimizer state" in text and "layers/attn/wq" in text

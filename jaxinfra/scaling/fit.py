@@ -406,7 +406,7 @@ def fit_all(table: dict[str, np.ndarray], *, bootstrap: int = 100, seed: int = 0
     out: dict[str, Any] = {"n_column": n_column, "n_points": int(len(n)), "notes": []}
     try:
         out["approach3"] = fit_parametric(n, d, loss, bootstrap=bootstrap, seed=seed).to_dict()
-    except ValueError as e:
+    except (ValueError, FloatingPointError) as e:
         out["notes"].append(f"approach 3 skipped: {e}")
     try:
         out["approach2"] = fit_isoflop(n, d, loss, compute, _labels(table.get("C_budget"))).to_dict()

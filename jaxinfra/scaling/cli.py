@@ -1,0 +1,109 @@
+"""The `sweep` and `scaling` subcommands (registered by jaxinfra/cli.py's build_parser).
+
+    jaxinfra sweep SPEC [--dry-run] [--launcher local|slurm|k8s] [--out DIR] [--no-fit] [KEY=VALUE ...]
+    jaxinfra scaling collect OUT_DIR
+    jaxinfra scaling fit RESULTS [--plot DIR] [--out FIT.json] [--bootstrap N] [--n-column N_nonemb]
+    jaxinfra scaling predict --fit FIT.json --compute C
+
+KEY=VALUE after `sweep SPEC` are overrides of the spec's base config. Bad input raises
+ConfigError, which jaxinfra.cli.main turns into one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from jaxinfra.config import ConfigError
+
+
+def _no_overrides(args: argparse.Namespace) -> None:
+    extra = getattr(args, "overrides", None)
+    if extra:
+        raise ConfigError(f"unexpected arguments: {' '.join(extra)}")
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from jaxinfra.scaling.workflow import sweep
+
+    result = sweep(args.spec, launcher=args.launcher, out=args.out, dry_run=args.dry_run,
+                   overrides=list(args.overrides), fit=not args.no_fit, bootstrap=args.bootstrap)
+    return 1 if "failed" in result["status"].values() else 0
+
+
+def cmd_collect(args: argparse.Namespace) -> int:
+    _no_overrides(args)
+    from jaxinfra.scaling.workflow import collect_results
+
+    collect_results(args.out_dir)
+    return 0
+
+
+def cmd_fit(args: argparse.Namespace) -> int:
+    _no_overrides(args)
+    from jaxinfra.scaling.workflow import fit_results
+
+    fit_results(args.results, plot_dir=args.plot, out=args.out, bootstrap=args.bootstrap, seed=args.seed,
+                n_column=args.n_column)
+    return 0
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    _no_overrides(args)
+    from jaxinfra.scaling.workflow import predict_from_file
+
+    predict_from_file(args.fit, args.compute)
+    return 0
+
+
+def _flops(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of FLOPs such as 5.76e23, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def add_subcommands(sub: argparse._SubParsersAction) -> None:
+    """Adds `sweep` and `scaling {collect,fit,predict}` to the jaxinfra parser."""
+    p = sub.add_parser("sweep", help="expand a scaling-law sweep spec into runs; run them or write job files")
+    p.add_argument("spec", help="sweep spec YAML (see examples/sweeps/)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides of the spec's base config")
+    p.add_argument("--dry-run", action="store_true", help="print the table of runs and stop")
+    p.add_argument("--launcher", choices=("local", "slurm", "k8s"), default="local",
+                   help="local: run here one after another; slurm / k8s: write a job array / Indexed Job")
+    p.add_argument("--out", help="sweep directory (default: the spec's `out`, else sweeps/<name>)")
+    p.add_argument("--no-fit", action="store_true", help="local: collect results but do not fit or plot")
+    p.add_argument("--bootstrap", type=_count, default=100, help="bootstrap resamples of the fit (default 100)")
+    p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("scaling", help="scaling-law fits: collect results, fit, predict")
+    ssub = p.add_subparsers(dest="scaling_command", required=True)
+    q = ssub.add_parser("collect", help="rebuild OUT_DIR/results.csv and .jsonl from its run directories")
+    q.add_argument("out_dir")
+    q.set_defaults(func=cmd_collect)
+
+    q = ssub.add_parser("fit", help="fit approaches 3 and 2 of Hoffmann et al. 2022 and an L(C) frontier")
+    q.add_argument("results", help="CSV or JSONL with at least the columns N, D and eval_loss (C, C_budget optional)")
+    q.add_argument("--plot", metavar="DIR", help="write isoflop.png, frontier.png, predicted_vs_observed.png here")
+    q.add_argument("--out", metavar="FIT.json", help="where to save the fit (default: fit.json beside RESULTS)")
+    q.add_argument("--bootstrap", type=_count, default=100, help="bootstrap resamples (default 100)")
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--n-column", default="N", help="the parameter-count column (default N; e.g. N_nonemb)")
+    q.set_defaults(func=cmd_fit)
+
+    q = ssub.add_parser("predict", help="compute-optimal N, D and loss at a compute budget from a saved fit")
+    q.add_argument("--fit", required=True, metavar="FIT.json")
+    q.add_argument("--compute", required=True, type=_flops, metavar="C", help="FLOPs, e.g. 5.76e23")
+    q.set_defaults(func=cmd_predict)

@@ -1,0 +1,208 @@
+"""Running a sweep's runs: one after another here, or as a SLURM job array / Kubernetes Indexed Job.
+
+Every launcher runs the same command per run,
+
+    jaxinfra train <out>/<run>/config.yaml --run-dir <out>/<run>
+
+after `prepare` has written each run's resolved config.yaml, so a run is reproducible from
+its directory alone. Paths are as given to --out (relative paths resolve against the
+directory the jobs start in: the submission directory for SLURM, `launcher.k8s.workdir`
+for Kubernetes). A run whose directory holds summary.json is complete and skipped by
+every launcher; one without it (never started or interrupted) is run from the start.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import yaml
+
+from jaxinfra.scaling.results import PLAN_FILE
+from jaxinfra.scaling.spec import Plan, RunPlan
+
+LAUNCHERS = ("local", "slurm", "k8s")
+
+
+def is_complete(run: RunPlan) -> bool:
+    return (run.run_dir / "summary.json").is_file()
+
+
+def prepare(plan: Plan) -> list[str]:
+    """Writes out/plan.jsonl and every unfinished run's config.yaml; returns warnings.
+
+    A finished run keeps its config; if the spec now gives it a different one, a warning
+    says so (delete the run directory to re-run it).
+    """
+    plan.out.mkdir(parents=True, exist_ok=True)
+    with (plan.out / PLAN_FILE).open("w") as f:
+        for run in plan.runs:
+            f.write(json.dumps(run.row()) + "\n")
+    warnings = []
+    for run in plan.runs:
+        text = run.config.to_yaml()
+        if is_complete(run):
+            if run.config_path.is_file() and run.config_path.read_text() != text:
+                warnings.append(f"{run.name}: finished with a different config than the spec now gives; "
+                                f"delete {run.run_dir} to re-run it")
+            continue
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+        run.config_path.write_text(text)
+    return warnings
+
+
+def _set_aside_partial_metrics(run: RunPlan) -> None:
+    """An interrupted run restarts from step 0: keep its old metrics.jsonl under another name."""
+    metrics = run.run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        k = 1
+        while (run.run_dir / f"metrics.interrupted-{k}.jsonl").exists():
+            k += 1
+        metrics.rename(run.run_dir / f"metrics.interrupted-{k}.jsonl")
+
+
+def run_local(plan: Plan, *, in_process: bool = False, devices: Sequence[Any] | None = None,
+              echo: Callable[[str], None] = print) -> dict[str, str]:
+    """Runs the unfinished runs one after another; returns {run: skipped | done | failed}.
+
+    By default each run is a child process, `python -m jaxinfra train ...` (the same CLI as
+    the `jaxinfra` script, so nothing depends on PATH). in_process=True calls
+    jaxinfra.train.train on the run's config.yaml in this process instead (with `devices`),
+    which is what the tests do. A failed run does not stop the sweep.
+    """
+    status: dict[str, str] = {}
+    todo = [r for r in plan.runs if not is_complete(r)]
+    for run in plan.runs:
+        if is_complete(run):
+            status[run.name] = "skipped"
+    if len(todo) < len(plan.runs):
+        echo(f"sweep: {len(plan.runs) - len(todo)} of {len(plan.runs)} runs complete, skipping them")
+    for i, run in enumerate(todo, 1):
+        echo(f"sweep: [{i}/{len(todo)}] {run.name}: {shlex.join(run.command)}")
+        _set_aside_partial_metrics(run)
+        if in_process:
+            ok = _train_in_process(run, devices, echo)
+        else:
+            ok = subprocess.run([sys.executable, "-m", "jaxinfra", *run.command[1:]]).returncode == 0
+        status[run.name] = "done" if ok and is_complete(run) else "failed"
+        if status[run.name] == "failed":
+            echo(f"sweep: {run.name} failed; continuing with the next run")
+    return status
+
+
+def _train_in_process(run: RunPlan, devices: Sequence[Any] | None, echo: Callable[[str], None]) -> bool:
+    from jaxinfra.config import load_config
+    from jaxinfra.train import train
+
+    try:
+        train(load_config(str(run.config_path)), run.run_dir, devices=devices)
+    except Exception as e:  # noqa: BLE001 - one failed run must not end the sweep
+        echo(f"sweep: {run.name}: {type(e).__name__}: {e}")
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- cluster files
+
+
+def _case_lines(plan: Plan) -> list[str]:
+    """One `case` branch per run: index -> the run's exact command, as a bash array."""
+    return [f"  {i}) CMD=({shlex.join(run.command)}) ;;" for i, run in enumerate(plan.runs)]
+
+
+_RUN_ONE = """\
+RUN_DIR="${{CMD[${{#CMD[@]}}-1]}}"  # the value of --run-dir, the command's last argument
+if [ -f "$RUN_DIR/summary.json" ]; then
+  echo "$RUN_DIR: complete (summary.json), skipping"
+  exit 0
+fi
+{launch}"${{CMD[@]}}"
+"""
+
+
+def write_slurm(plan: Plan) -> pathlib.Path:
+    """out/sweep.sbatch: a job array with one task per run (`sbatch out/sweep.sbatch`)."""
+    s = plan.spec.launcher.slurm
+    n = len(plan.runs)
+    array = f"0-{n - 1}" + (f"%{s.max_parallel}" if s.max_parallel else "")
+    opts = [f"--job-name={s.job_name or plan.spec.name}", f"--array={array}", f"--time={s.time}",
+            f"--nodes={s.nodes}", "--ntasks-per-node=1", f"--output={plan.out}/slurm-%A_%a.out",
+            f"--chdir={pathlib.Path.cwd()}"]
+    if s.partition:
+        opts.append(f"--partition={s.partition}")
+    if s.account:
+        opts.append(f"--account={s.account}")
+    if s.gpus_per_node:
+        opts.append(f"--gpus-per-node={s.gpus_per_node}")
+    if s.cpus_per_task:
+        opts.append(f"--cpus-per-task={s.cpus_per_task}")
+    opts += list(s.extra)
+    lines = ["#!/bin/bash",
+             f"# jaxinfra sweep '{plan.spec.name}': {n} runs, one per array task. Submit with:",
+             f"#   sbatch {plan.out}/sweep.sbatch",
+             *(f"#SBATCH {o}" for o in opts),
+             "set -euo pipefail", *s.setup,
+             'case "$SLURM_ARRAY_TASK_ID" in', *_case_lines(plan),
+             '  *) echo "no run for array task $SLURM_ARRAY_TASK_ID" >&2; exit 1 ;;', "esac",
+             # several nodes per run: one process per node, jax.distributed finds the SLURM job
+             _RUN_ONE.format(launch="srun " if s.nodes > 1 else "exec ")]
+    path = plan.out / "sweep.sbatch"
+    plan.out.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines))
+    return path
+
+
+def write_k8s(plan: Plan) -> pathlib.Path:
+    """out/sweep-job.yaml: an Indexed Job, one completion index per run (`kubectl apply -f`).
+
+    Each pod runs in `launcher.k8s.workdir`; mount the volume that holds --out there
+    (`launcher.k8s.pvc`), so configs go in and results come back.
+    """
+    k = plan.spec.launcher.k8s
+    n = len(plan.runs)
+    script = "\n".join(["set -euo pipefail", *k.setup, 'case "$JOB_COMPLETION_INDEX" in', *_case_lines(plan),
+                        '  *) echo "no run for index $JOB_COMPLETION_INDEX" >&2; exit 1 ;;', "esac",
+                        _RUN_ONE.format(launch="exec ")])
+    name = "".join(ch if ch.isalnum() else "-" for ch in (k.job_name or plan.spec.name).lower()).strip("-")
+    container: dict[str, Any] = {"name": "train", "image": k.image, "workingDir": k.workdir,
+                                 "command": ["bash", "-c", script]}
+    resources: dict[str, Any] = {}
+    if k.gpus:
+        resources["limits"] = {"nvidia.com/gpu": k.gpus}
+    requests = {key: v for key, v in (("cpu", k.cpu), ("memory", k.memory)) if v}
+    if requests:
+        resources["requests"] = requests
+    if resources:
+        container["resources"] = resources
+    pod: dict[str, Any] = {"restartPolicy": "Never", "containers": [container]}
+    if k.pvc:
+        container["volumeMounts"] = [{"name": "work", "mountPath": k.workdir}]
+        pod["volumes"] = [{"name": "work", "persistentVolumeClaim": {"claimName": k.pvc}}]
+    metadata: dict[str, Any] = {"name": name or "jaxinfra-sweep", "labels": {"app": "jaxinfra-sweep"}}
+    if k.namespace:
+        metadata["namespace"] = k.namespace
+    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata,
+           "spec": {"completionMode": "Indexed", "completions": n, "parallelism": k.parallelism or n,
+                    "backoffLimitPerIndex": k.backoff_limit_per_index, "template": {"spec": pod}}}
+    path = plan.out / "sweep-job.yaml"
+    plan.out.mkdir(parents=True, exist_ok=True)
+    header = f"# jaxinfra sweep '{plan.spec.name}': {n} runs, one per completion index. kubectl apply -f {path}\n"
+    path.write_text(header + yaml.dump(job, Dumper=_BlockDumper, sort_keys=False, width=10_000))
+    return path
+
+
+class _BlockDumper(yaml.SafeDumper):
+    """Writes multi-line strings (the pod's script) as readable `|` blocks."""
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_BlockDumper.add_representer(str, _str)

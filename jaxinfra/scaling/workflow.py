@@ -1,0 +1,150 @@
+"""What the `jaxinfra sweep` and `jaxinfra scaling ...` commands do, as plain functions.
+
+    sweep(spec_path, launcher="local", out=None, dry_run=False)  # plan, write configs, run / write job files
+    collect_results(out_dir)                                     # results.csv + results.jsonl
+    fit_results(results_path, plot_dir=None, out=None)           # fit.json (+ PNGs)
+    predict_from_file(fit_path, compute)                         # N_opt, D_opt, loss at C
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jaxinfra.config import ConfigError
+from jaxinfra.scaling import fit as fitting
+from jaxinfra.scaling.results import collect, read_table, write_results
+from jaxinfra.scaling.runner import LAUNCHERS, prepare, run_local, write_k8s, write_slurm
+from jaxinfra.scaling.spec import expand, format_plan, load_spec
+
+Echo = Callable[[str], None]
+
+
+def sweep(spec_path: str | pathlib.Path, *, launcher: str = "local", out: str | pathlib.Path | None = None,
+          dry_run: bool = False, overrides: list[str] | None = None, fit: bool = True, bootstrap: int = 100,
+          in_process: bool = False, devices: Sequence[Any] | None = None, echo: Echo = print) -> dict[str, Any]:
+    """Expand a spec and run it (local) or write its job files (slurm, k8s).
+
+    local: runs the unfinished runs one after another, then writes out/results.{csv,jsonl}
+    and, with `fit`, out/fit.json and out/plots/*.png. Returns {"plan", "status",
+    "results", "fit", "files"}; "status" maps run -> skipped | done | failed.
+    """
+    if launcher not in LAUNCHERS:
+        raise ConfigError(f"--launcher {launcher!r} is not allowed; choose one of {list(LAUNCHERS)}")
+    plan = expand(load_spec(spec_path, overrides), out)
+    echo(format_plan(plan))
+    result: dict[str, Any] = {"plan": plan, "status": {}, "files": []}
+    if dry_run:
+        return result
+    for warning in prepare(plan):
+        echo(f"sweep: warning: {warning}")
+    if launcher == "slurm":
+        result["files"].append(write_slurm(plan))
+    elif launcher == "k8s":
+        result["files"].append(write_k8s(plan))
+    if launcher != "local":
+        echo(f"sweep: wrote {result['files'][0]} ({len(plan.runs)} runs); after the jobs finish: "
+             f"jaxinfra scaling collect {plan.out}")
+        return result
+    result["status"] = run_local(plan, in_process=in_process, devices=devices, echo=echo)
+    rows, csv_path = collect_results(plan.out, echo=echo)
+    result["results"] = csv_path
+    if fit and rows:
+        fit_path = plan.out / "fit.json"
+        result["fit"] = fit_results(csv_path, plot_dir=plan.out / "plots", out=fit_path, bootstrap=bootstrap,
+                                    echo=echo)
+    failed = [k for k, v in result["status"].items() if v == "failed"]
+    if failed:
+        echo(f"sweep: {len(failed)} run(s) failed: {', '.join(failed)}")
+    return result
+
+
+def collect_results(out_dir: str | pathlib.Path, echo: Echo = print) -> tuple[list[dict[str, Any]], pathlib.Path]:
+    """Rebuild out_dir/results.csv and results.jsonl from the run directories."""
+    rows, missing = collect(out_dir)
+    csv_path, jsonl_path = write_results(rows, out_dir)
+    echo(f"results: {len(rows)} finished runs -> {csv_path}, {jsonl_path}"
+         + (f"; not finished: {', '.join(missing)}" if missing else ""))
+    return rows, csv_path
+
+
+def fit_results(results: str | pathlib.Path, *, plot_dir: str | pathlib.Path | None = None,
+                out: str | pathlib.Path | None = None, bootstrap: int = 100, seed: int = 0, n_column: str = "N",
+                echo: Echo = print) -> dict[str, Any]:
+    """Fit a results table (approaches 3, 2 and the frontier), print it, save it as JSON."""
+    table, notes = read_table(results)
+    if n_column not in table:
+        raise ConfigError(f"{results}: no column {n_column!r} for --n-column (found: {', '.join(table)})")
+    fit = fitting.fit_all(table, bootstrap=bootstrap, seed=seed, n_column=n_column)
+    fit["notes"] = notes + fit["notes"]
+    fit["source"] = str(results)
+    out = pathlib.Path(out) if out else pathlib.Path(results).with_name("fit.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(fit, indent=2) + "\n")
+    echo(format_fit(fit))
+    echo(f"fit: saved {out}")
+    if plot_dir is not None:
+        from jaxinfra.scaling.plots import plot_all
+
+        for path in plot_all(table, fit, plot_dir):
+            echo(f"fit: plot {path}")
+    return fit
+
+
+def format_fit(fit: dict[str, Any]) -> str:
+    """The fitted parameters with their intervals, as printed by `jaxinfra scaling fit`."""
+    lines = [f"{fit['n_points']} runs (N = column {fit['n_column']})"]
+    p = fit.get("approach3")
+    if p:
+        lines.append(f"approach 3 (Hoffmann et al. 2022): L(N, D) = E + A/N^alpha + B/D^beta, Huber "
+                     f"delta={p['huber_delta']:g} on log L, {p['n_bootstrap']} bootstrap resamples (95% CI)")
+        for k in fitting.PARAM_NAMES:
+            ci = p["ci"].get(k)
+            lines.append(f"  {k:<6}{p[k]:>12.5g}" + (f"   [{ci[0]:.5g}, {ci[1]:.5g}]" if ci else ""))
+        lines.append(f"  N_opt ∝ C^{p['a']:.4f}, D_opt ∝ C^{p['b']:.4f} (C = 6 N D)")
+    p = fit.get("approach2")
+    if p:
+        ci = (lambda c: f" [{c[0]:.4f}, {c[1]:.4f}]" if c else "")
+        lines.append(f"approach 2 (IsoFLOP profiles, {len(p['profiles'])} budgets): N_opt = {p['k_N']:.4g} "
+                     f"C^{p['a']:.4f}{ci(p['a_ci'])}, D_opt = {p['k_D']:.4g} C^{p['b']:.4f}{ci(p['b_ci'])}")
+        for prof in p["profiles"]:
+            lines.append(f"  C={prof['compute']:.4g}: N_opt={prof['n_opt']:.4g}, D_opt={prof['d_opt']:.4g}, "
+                         f"loss={prof['loss_opt']:.4f}" + ("" if prof["inside"] else " (outside the sampled N)"))
+    p = fit.get("frontier")
+    if p:
+        ci = f" [{p['gamma_ci'][0]:.4f}, {p['gamma_ci'][1]:.4f}]" if p["gamma_ci"] else ""
+        lines.append(f"frontier: L(C) = {p['k']:.4g} C^-{p['gamma']:.4f}{ci} over {len(p['points'])} runs")
+    lines += [f"note: {n}" for n in fit.get("notes", [])]
+    return "\n".join(lines)
+
+
+def predict_from_file(fit_path: str | pathlib.Path, compute: float, echo: Echo = print) -> dict[str, Any]:
+    """N_opt, D_opt and the predicted loss at compute C from a saved fit.json."""
+    path = pathlib.Path(fit_path)
+    if not path.is_file():
+        raise ConfigError(f"fit file not found: {fit_path}")
+    try:
+        fit = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        raise ConfigError(f"{fit_path}: not a JSON fit (write one with jaxinfra scaling fit)") from None
+    if not compute > 0:
+        raise ConfigError(f"--compute must be a positive number of FLOPs, got {compute}")
+    try:
+        pred = fitting.predict(fit, compute)
+    except (ValueError, KeyError) as e:
+        raise ConfigError(f"{fit_path}: {e}") from None
+    lines = [f"compute C = {compute:.4g} FLOPs"]
+    if "approach3" in pred:
+        p = pred["approach3"]
+        lines.append(f"approach 3 (C = 6 N D): N_opt = {p['N_opt']:.4g}, D_opt = {p['D_opt']:.4g} "
+                     f"({p['tokens_per_param']:.1f} tokens/param), loss = {p['loss']:.4f}")
+    if "approach2" in pred:
+        p = pred["approach2"]
+        lines.append(f"approach 2 (C as in the table): N_opt = {p['N_opt']:.4g}, D_opt = {p['D_opt']:.4g} "
+                     f"({p['tokens_per_param']:.1f} tokens/param)")
+    if "frontier" in pred:
+        lines.append(f"frontier: loss = {pred['frontier']['loss']:.4f}")
+    echo("\n".join(lines))
+    return pred
