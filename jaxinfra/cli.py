@@ -34,8 +34,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from jaxinfra.train import train
 
     run_dir = args.run_dir or f"runs/{_config_stem(args.config)}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    train(cfg, run_dir)
-    return 0
+    summary = train(cfg, run_dir, restore_from=args.restore)
+    return int(summary.get("exit_code", 0))
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -55,7 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model from a preset or YAML config")
     p.add_argument("config", nargs="?", default="tiny", help=f"preset name ({presets}) or YAML path; default tiny")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. model.num_layers=8 train.steps=100")
-    p.add_argument("--run-dir", help="output directory (default runs/<config>-<time>)")
+    p.add_argument("--run-dir", help="output directory (default runs/<config>-<time>); a run dir that holds "
+                   "checkpoints is resumed from its latest complete one")
+    p.add_argument("--restore", metavar="PATH", help="start from another run's checkpoint (checkpoint.restore="
+                   "full|params)")
     _add_process_flags(p)
     p.set_defaults(func=cmd_train)
 
@@ -64,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     _add_process_flags(p)
     p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("export-params", help="write a run's newest params alone (optionally cast) for inference")
+    p.add_argument("run_dir")
+    p.add_argument("out")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="cast the params (default: as trained)")
+    p.set_defaults(func=cmd_export_params)
 
     p = sub.add_parser("bench", help="micro-benchmarks: `bench collectives` times each collective per mesh axis")
     p.add_argument("what", choices=["collectives"])
@@ -89,6 +98,13 @@ def _add_process_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator", metavar="HOST:PORT", help="multi-host: process 0's address (or JAX_COORDINATOR_ADDRESS)")
     p.add_argument("--num-processes", type=int, help="multi-host: process count (or JAX_NUM_PROCESSES)")
     p.add_argument("--process-id", type=int, help="multi-host: this process (or JAX_PROCESS_ID)")
+
+
+def cmd_export_params(args: argparse.Namespace) -> int:
+    from jaxinfra.checkpoint import export_params
+
+    print(export_params(args.run_dir, args.out, args.dtype))
+    return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -139,12 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args = _parse_with_overrides(parser, argv)
     from jaxinfra.data import DataError
+    from jaxinfra.checkpoint import CheckpointError
     from jaxinfra.distributed import DistributedError
     from sharding.mesh import MeshError
 
     try:
         return args.func(args)
-    except (ConfigError, DataError, MeshError, DistributedError) as e:
+    except (ConfigError, DataError, MeshError, DistributedError, CheckpointError) as e:
         print(f"jaxinfra: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:

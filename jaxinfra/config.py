@@ -76,13 +76,26 @@ class TrainConfig:
     seed: int = 0
     grad_accum_steps: int = 1  # microbatches per step; batch_size must divide evenly
     eval_every: int = 50  # 0: evaluate only at the end
+    # A step whose loss or gradients are not finite leaves the state unchanged; this many in a
+    # row stop the run (checked at log points), keeping the last good checkpoint.
+    max_bad_steps: int = 10
+    # Watchdog: a process that makes no progress for this long (after the first step) dumps its
+    # Python stacks, names the step and phase it is stuck in, and exits. 0 disables it.
+    step_timeout_s: float = 1800.0
+    # Fault injection for tests: these loop steps get NaN gradients.
+    nan_steps: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    every: int = 0  # steps between checkpoints; 0 = only at the end (when enabled)
-    keep: int = 3
-    enabled: bool = False
+    enabled: bool = True
+    every: int = 0  # steps between checkpoints; 0 = only at the end and on preemption
+    keep: int = 3  # newest checkpoints kept
+    keep_best: bool = False  # also keep the one with the lowest eval loss
+    async_save: bool = True
+    # What `jaxinfra train --restore PATH` takes: the whole state (and data position), or
+    # only the parameters (fresh optimizer, step 0, e.g. for fine-tuning).
+    restore: Literal["full", "params"] = "full"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,9 +323,8 @@ def validate(cfg: Config, device_count: int | None = None) -> None:
 
 def validate_mesh(cfg: Config, device_count: int | None) -> None:
     """Axis sizes against the device count and against the dimensions they shard."""
-    for axis in ("stage", "expert"):
-        if getattr(cfg.mesh, axis) not in (1, -1) or getattr(cfg.mesh, f"dcn_{axis}") != 1:
-            raise ConfigError(f"mesh.{axis}={getattr(cfg.mesh, axis)} is not supported yet: must be 1")
+    if cfg.mesh.stage not in (1, -1) or cfg.mesh.dcn_stage != 1:
+        raise ConfigError(f"mesh.stage={cfg.mesh.stage} is not supported yet: must be 1")
     for name, axes in cfg.parallelism.rules.items():
         for axis in axes:
             if axis not in MESH_AXES:
@@ -323,12 +335,19 @@ def validate_mesh(cfg: Config, device_count: int | None) -> None:
         sizes = resolve_mesh_sizes(cfg.mesh, device_count)
     except MeshError as e:
         raise ConfigError(str(e)) from None
-    batch_shards = sizes["data"] * sizes["fsdp"]
+    # The batch is sharded over `expert` as well (sharding/rules.py: expert parallelism).
+    batch_shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     micro = cfg.train.batch_size // cfg.train.grad_accum_steps
     if micro % batch_shards:
+        axes = "mesh.data x mesh.fsdp" + (" x mesh.expert" if sizes["expert"] > 1 else "")
         raise ConfigError(
             f"train.batch_size={cfg.train.batch_size} (microbatch {micro}) is not divisible by the "
-            f"data-parallel size mesh.data x mesh.fsdp = {batch_shards}")
+            f"data-parallel size {axes} = {batch_shards}")
+    ep = sizes["expert"]
+    if cfg.model.is_moe and cfg.model.moe_num_experts % ep:
+        raise ConfigError(f"model.moe_num_experts={cfg.model.moe_num_experts} is not divisible by mesh.expert={ep}")
+    if cfg.model.is_moe and cfg.model.expert_dim % sizes["tensor"]:
+        raise ConfigError(f"model.moe_mlp_dim={cfg.model.expert_dim} is not divisible by mesh.tensor={sizes['tensor']}")
     m, tp = cfg.model, sizes["tensor"]
     # KV heads are not checked: fewer KV heads than `tensor` are replicated (usual GQA practice).
     for key, value in (("num_heads", m.num_heads), ("mlp_dim", m.mlp_dim), ("vocab_size", m.vocab_size)):

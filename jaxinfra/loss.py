@@ -1,9 +1,11 @@
-"""Next-token cross-entropy with padding mask and PaLM's z-loss, in float32."""
+"""Next-token cross-entropy with padding mask and PaLM's z-loss, in float32; MoE router losses and metrics."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from models.router import load_stats
 
 
 def cross_entropy_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array,
@@ -20,3 +22,36 @@ def cross_entropy_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array,
     ce = (log_z - target_logit) * mask
     z = z_loss_weight * jnp.square(log_z) * mask
     return {"loss_sum": jnp.sum(ce + z), "ce_sum": jnp.sum(ce), "z_sum": jnp.sum(z), "tokens": jnp.sum(mask)}
+
+
+def add_moe_sums(sums: dict[str, jax.Array], stats: dict[str, jax.Array], aux_loss_weight: float,
+                 z_loss_weight: float) -> dict[str, jax.Array]:
+    """Add one microbatch's MoE router terms (models/moe.py statistics, stacked over MoE layers).
+
+    The load-balancing and router z-losses are per-batch means, summed over MoE layers (as
+    Switch and ST-MoE add one per layer); they enter `loss_sum` multiplied by the token count,
+    so that dividing by tokens once (as for cross-entropy) gives their token-weighted mean
+    over microbatches. Expert counts and drops are plain sums, exact under accumulation.
+    A dense model (no statistics) is returned unchanged.
+    """
+    if not stats:
+        return sums
+    tokens = sums["tokens"]
+    aux, z = stats["aux_loss"], stats["z_loss"]
+    extra = aux_loss_weight * jnp.sum(aux) + z_loss_weight * jnp.sum(z)
+    return {**sums, "loss_sum": sums["loss_sum"] + tokens * extra,
+            "moe_aux_sum": tokens * jnp.mean(aux), "moe_z_sum": tokens * jnp.mean(z),
+            "moe_counts": stats["counts"], "moe_dropped": jnp.sum(stats["dropped"])}
+
+
+def moe_metrics(sums: dict[str, jax.Array], tokens: jax.Array) -> dict[str, jax.Array]:
+    """Scalar MoE metrics for the metrics line, averaged over MoE layers ({} for a dense model).
+
+    moe_aux_loss, moe_z_loss: unweighted router losses (aux is 1 when perfectly balanced);
+    moe_load_max / moe_load_min / moe_load_cv: expert load relative to the mean and its
+    coefficient of variation; moe_dropped_frac: share of assignments dropped for capacity."""
+    if "moe_counts" not in sums:
+        return {}
+    counts = sums["moe_counts"]
+    return {"moe_aux_loss": sums["moe_aux_sum"] / tokens, "moe_z_loss": sums["moe_z_sum"] / tokens,
+            **load_stats(counts), "moe_dropped_frac": sums["moe_dropped"] / jnp.maximum(jnp.sum(counts), 1.0)}

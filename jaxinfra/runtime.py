@@ -90,7 +90,7 @@ def build_runtime(cfg: Config, devices: Sequence[jax.Device] | None = None) -> R
     state_shardings = shardings_for(abstract_state(cfg.model, tx), mesh, rules)
     data_sharding = batch_sharding(mesh, rules)
     replicated = NamedSharding(mesh, PartitionSpec())
-    train_step = jax.jit(make_train_step(graphdef, cfg.model, tx, schedule, t.grad_accum_steps),
+    train_step = jax.jit(make_train_step(graphdef, cfg.model, tx, schedule, t.grad_accum_steps, t.nan_steps),
                          in_shardings=(state_shardings, data_sharding),
                          out_shardings=(state_shardings, replicated), donate_argnums=0)
     eval_step = jax.jit(make_eval_step(graphdef, cfg.model), in_shardings=(state_shardings.params, data_sharding),

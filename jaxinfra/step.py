@@ -10,26 +10,32 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxinfra.loss import cross_entropy_sums
+from jaxinfra.loss import add_moe_sums, cross_entropy_sums, moe_metrics
 from jaxinfra.optim import global_norm
 from jaxinfra.state import TrainState
 from models import ModelConfig
+from models.router import apply_bias_updates
 
 Batch = dict[str, jax.Array]
 
 
 def _forward_sums(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, cfg: ModelConfig) -> dict[str, jax.Array]:
     model = nnx.merge(graphdef, params)
-    logits = model(batch["inputs"], batch["positions"], batch["segment_ids"])
-    return cross_entropy_sums(logits, batch["targets"], batch["segment_ids"] > 0, cfg.z_loss_weight)
+    logits, moe_stats = model.forward(batch["inputs"], batch["positions"], batch["segment_ids"])
+    sums = cross_entropy_sums(logits, batch["targets"], batch["segment_ids"] > 0, cfg.z_loss_weight)
+    return add_moe_sums(sums, moe_stats, cfg.moe_aux_loss_weight, cfg.moe_z_loss_weight)
 
 
 def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig, tx: optax.GradientTransformation,
-                    schedule: optax.Schedule, grad_accum_steps: int) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+                    schedule: optax.Schedule, grad_accum_steps: int,
+                    nan_steps: tuple[int, ...] = ()) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """One optimizer step over `grad_accum_steps` microbatches.
 
     Gradients of token *sums* are accumulated and divided once by the total token
-    count, so accumulation gives exactly the large-batch gradient.
+    count, so accumulation gives exactly the large-batch gradient. A step whose loss
+    or gradient norm is not finite leaves params and optimizer state unchanged
+    (`state.step` still counts it) and reports `nonfinite=1`. `nan_steps` injects
+    NaN gradients at those (1-based) steps, for fault-tolerance tests.
     """
 
     def sums_and_grads(params: nnx.State, micro: Batch) -> tuple[dict, nnx.State]:
@@ -54,17 +60,28 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig, tx: optax.Gradient
                                                                  jax.tree.map(lambda x: x[0], micro)))
             (sums, grads), _ = jax.lax.scan(accumulate, zeros, micro)
         tokens = jnp.maximum(sums["tokens"], 1.0)
-        grads = jax.tree.map(lambda g: g / tokens, grads)
+        scale = 1.0 / tokens
+        if nan_steps:
+            scale = jnp.where(jnp.isin(state.step + 1, jnp.asarray(nan_steps)), jnp.nan, scale)
+        grads = jax.tree.map(lambda g: g * scale, grads)
+        grad_norm = global_norm(grads)
+        finite = jnp.isfinite(sums["loss_sum"]) & jnp.isfinite(grad_norm)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        if cfg.moe_bias_update_rate:  # DeepSeek-V3 aux-loss-free balancing: outside the gradient
+            params = apply_bias_updates(params, state.params, sums["moe_counts"], cfg.moe_bias_update_rate)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
         metrics = {
             "loss": sums["ce_sum"] / tokens,
             "z_loss": sums["z_sum"] / tokens,
-            "grad_norm": global_norm(grads),
+            "grad_norm": grad_norm,
             "lr": schedule(state.step),
             "tokens": sums["tokens"],
+            "nonfinite": (~finite).astype(jnp.int32),
+            **moe_metrics(sums, tokens),
         }
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+        return TrainState(step=state.step + 1, params=keep(params, state.params),
+                          opt_state=keep(opt_state, state.opt_state)), metrics
 
     return train_step
 

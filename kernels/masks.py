@@ -131,8 +131,10 @@ def _cdiv_nonneg(a: Int, b: int) -> Int:
     return _div(a + (b - 1), b)
 
 
-def _clamp_ranges(lo: Int, full_lo: Int, full_hi: Int, hi: Int) -> tuple[Int, Int, Int, Int]:
-    hi = _max(hi, lo)
+def _clamp_ranges(lo: Int, full_lo: Int, full_hi: Int, hi: Int, num: int) -> tuple[Int, Int, Int, Int]:
+    """0 <= lo <= full_lo <= full_hi <= hi <= num (an empty range when nothing is visible)."""
+    lo = _min(lo, num)
+    hi = _min(_max(hi, lo), num)
     full_lo = _min(_max(full_lo, lo), hi)
     full_hi = _min(_max(full_hi, full_lo), hi)
     return lo, full_lo, full_hi, hi
@@ -150,7 +152,7 @@ def kv_block_range(q_block: Int, block_q: int, block_kv: int, band: Band) -> tup
     full_hi = band.kv_len // block_kv  # blocks with no padded key
     if band.right is not None:
         full_hi = _min(full_hi, _div(q_start + band.right + 1, block_kv))
-    return _clamp_ranges(lo, full_lo, full_hi, hi)
+    return _clamp_ranges(lo, full_lo, full_hi, hi, num_valid)
 
 
 def q_block_range(kv_block: Int, block_q: int, block_kv: int, band: Band) -> tuple[Int, Int, Int, Int]:
@@ -174,7 +176,7 @@ def q_block_range(kv_block: Int, block_q: int, block_kv: int, band: Band) -> tup
         i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
         full_hi = jnp.where(kv_end >= band.kv_len, i32(full_lo), i32(full_hi))
         hi = jnp.where(kv_start >= band.kv_len, i32(lo), i32(hi))
-    return _clamp_ranges(lo, full_lo, full_hi, hi)
+    return _clamp_ranges(lo, full_lo, full_hi, hi, num_valid)
 
 
 # ---------------------------------------------------------------- segment blocks

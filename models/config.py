@@ -21,11 +21,22 @@ RematPolicy = Literal[
 REMAT_POLICIES: tuple[str, ...] = RematPolicy.__args__  # type: ignore[attr-defined]
 
 AttentionImpl = Literal["xla", "auto", "pallas_triton", "pallas_mosaic_tpu", "cudnn"]
+AttentionType = Literal[
+    "mha",  # multi-head attention with grouped K/V heads: MHA, GQA, MQA (num_kv_heads)
+    "mla",  # DeepSeek-V2/V3 multi-head latent attention (models/mla.py)
+]
+RopeScaling = Literal["llama3", "yarn"]
+RouterScore = Literal["softmax", "sigmoid"]
+MoEDispatch = Literal[
+    "capacity",  # fixed expert capacity, overflow dropped; dense einsums (GShard, Switch)
+    "dropless",  # tokens sorted by expert, grouped matmuls with jax.lax.ragged_dot (MegaBlocks)
+]
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only Transformer (Llama-style: RMSNorm, RoPE, SwiGLU, GQA)."""
+    """A decoder-only Transformer (Llama-style: RMSNorm, RoPE, SwiGLU, GQA), optionally with
+    DeepSeek's multi-head latent attention and Mixture-of-Experts feed-forward layers."""
 
     vocab_size: int = 256
     d_model: int = 128
@@ -41,6 +52,13 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
+    # "yarn" (Peng et al. 2023, as DeepSeek-V2/V3): frequencies between the two correction
+    # dimensions (beta_fast / beta_slow rotations over the original length) are interpolated,
+    # and MLA's softmax scale is multiplied by (0.1 * rope_yarn_mscale * ln(factor) + 1)^2.
+    rope_scaling_type: RopeScaling = "llama3"
+    rope_yarn_beta_fast: float = 32.0
+    rope_yarn_beta_slow: float = 1.0
+    rope_yarn_mscale: float = 1.0  # DeepSeek's mscale_all_dim
     norm_eps: float = 1e-6
     qk_norm: bool = False
     logit_softcap: float | None = None  # tanh soft-cap of output logits (Gemma-2)
@@ -52,6 +70,34 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype
     attention_impl: AttentionImpl = "xla"
 
+    # ---- multi-head latent attention (attention_type="mla"; DeepSeek-V2 sec. 2.1)
+    attention_type: AttentionType = "mha"
+    q_lora_rank: int | None = None  # None: full-rank query projection (DeepSeek-V2-Lite)
+    kv_lora_rank: int = 512  # width of the jointly compressed K/V latent
+    qk_nope_head_dim: int = 128  # per-head query/key part without RoPE
+    qk_rope_head_dim: int = 64  # decoupled RoPE part; the key's is shared by all heads (0: no RoPE)
+    v_head_dim: int = 128
+
+    # ---- Mixture-of-Experts feed-forward (moe_num_experts > 0)
+    moe_num_experts: int = 0  # routed experts per MoE layer; 0: a dense model
+    moe_top_k: int = 2  # routed experts per token
+    moe_mlp_dim: int | None = None  # SwiGLU width of one expert; None: mlp_dim
+    moe_shared_experts: int = 0  # always-active experts of width moe_mlp_dim (DeepSeekMoE)
+    moe_first_dense_layers: int = 0  # the first k layers keep a dense MLP (DeepSeek's first_k_dense_replace)
+    moe_every: int = 1  # after those, every n-th layer is MoE, the others dense (n - 1 dense, then 1 MoE)
+    moe_router_score: RouterScore = "softmax"  # sigmoid: DeepSeek-V3's affinities
+    moe_norm_top_k: bool = True  # renormalise the selected experts' weights to sum to 1
+    moe_num_groups: int = 1  # group-limited routing (DeepSeek-V2/V3): experts in this many groups ...
+    moe_top_k_groups: int = 1  # ... and each token may pick experts only from this many groups
+    moe_routed_scale: float = 1.0  # multiplies the routed experts' weights (DeepSeek's routed_scaling_factor)
+    moe_dispatch: MoEDispatch = "dropless"
+    moe_capacity_factor: float = 1.25  # capacity path: slots per expert = factor * tokens * top_k / experts
+    moe_aux_loss_weight: float = 0.0  # load-balancing loss (Switch / GShard form), summed over MoE layers
+    moe_z_loss_weight: float = 0.0  # router z-loss (ST-MoE), summed over MoE layers
+    # Auxiliary-loss-free balancing (DeepSeek-V3 sec. 2.1.2): a per-expert bias added to the scores
+    # for top-k selection only, moved by this much per step toward balance (0: off, no bias).
+    moe_bias_update_rate: float = 0.0
+
     @property
     def kv_heads(self) -> int:
         return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
@@ -59,6 +105,30 @@ class ModelConfig:
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
+
+    @property
+    def is_mla(self) -> bool:
+        return self.attention_type == "mla"
+
+    @property
+    def rope_dim(self) -> int:
+        """Width RoPE rotates: the head dim, or MLA's decoupled rope part."""
+        return self.qk_rope_head_dim if self.is_mla else self.resolved_head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe_num_experts > 0
+
+    @property
+    def expert_dim(self) -> int:
+        return self.moe_mlp_dim if self.moe_mlp_dim is not None else self.mlp_dim
+
+    def moe_layer_flags(self) -> tuple[bool, ...]:
+        """Per layer, whether it is MoE: the first k dense, then every moe_every-th sparse."""
+        if not self.is_moe:
+            return (False,) * self.num_layers
+        k, n = self.moe_first_dense_layers, self.moe_every
+        return tuple(i >= k and (i - k + 1) % n == 0 for i in range(self.num_layers))
 
     def problems(self) -> list[tuple[str, object, str]]:
         """Inconsistent values as (key, value, what is allowed); empty when valid."""
@@ -69,7 +139,9 @@ class ModelConfig:
                 out.append((name, getattr(self, name), "a positive integer"))
         if out:
             return out
-        if self.head_dim is None and self.d_model % self.num_heads:
+        if self.is_mla:
+            out += self._mla_problems()
+        elif self.head_dim is None and self.d_model % self.num_heads:
             divisors = [h for h in range(1, self.d_model + 1) if self.d_model % h == 0 and h <= 128]
             out.append(("num_heads", self.num_heads,
                         f"a divisor of model.d_model={self.d_model} (e.g. {divisors[-6:]}) or set model.head_dim"))
@@ -79,10 +151,66 @@ class ModelConfig:
             allowed = [k for k in range(1, self.num_heads + 1) if self.num_heads % k == 0]
             out.append(("num_kv_heads", self.num_kv_heads,
                         f"a divisor of model.num_heads={self.num_heads}: one of {allowed}"))
-        if self.resolved_head_dim % 2:
+        if not self.is_mla and self.resolved_head_dim % 2:
             out.append(("head_dim", self.resolved_head_dim, "an even number (RoPE rotates pairs)"))
         if self.rope_scaling_factor is not None and self.rope_scaling_factor < 1:
             out.append(("rope_scaling_factor", self.rope_scaling_factor, ">= 1 or null"))
         if self.logit_softcap is not None and self.logit_softcap <= 0:
             out.append(("logit_softcap", self.logit_softcap, "> 0 or null"))
+        if self.moe_num_experts:
+            out += self._moe_problems()
+        return out
+
+    def _mla_problems(self) -> list[tuple[str, object, str]]:
+        out: list[tuple[str, object, str]] = []
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            out.append(("q_lora_rank", self.q_lora_rank, "a positive integer or null"))
+        for name in ("kv_lora_rank", "v_head_dim"):
+            if getattr(self, name) < 1:
+                out.append((name, getattr(self, name), "a positive integer"))
+        for name in ("qk_nope_head_dim", "qk_rope_head_dim"):
+            if getattr(self, name) < 0:
+                out.append((name, getattr(self, name), "an integer >= 0"))
+        if self.qk_nope_head_dim + self.qk_rope_head_dim < 1:
+            out.append(("qk_nope_head_dim", self.qk_nope_head_dim, "> 0 when qk_rope_head_dim is 0"))
+        if self.qk_rope_head_dim % 2:
+            out.append(("qk_rope_head_dim", self.qk_rope_head_dim, "an even number (RoPE rotates pairs)"))
+        if self.num_kv_heads not in (None, self.num_heads):
+            out.append(("num_kv_heads", self.num_kv_heads, "null with attention_type=mla (K/V come from a shared latent)"))
+        return out
+
+    def _moe_problems(self) -> list[tuple[str, object, str]]:
+        out: list[tuple[str, object, str]] = []
+        e = self.moe_num_experts
+        if e < 0:
+            return [("moe_num_experts", e, "an integer >= 0 (0: dense)")]
+        if not 1 <= self.moe_top_k <= e:
+            out.append(("moe_top_k", self.moe_top_k, f"between 1 and moe_num_experts={e}"))
+        if self.moe_mlp_dim is not None and self.moe_mlp_dim < 1:
+            out.append(("moe_mlp_dim", self.moe_mlp_dim, "a positive integer or null"))
+        if self.moe_shared_experts < 0:
+            out.append(("moe_shared_experts", self.moe_shared_experts, "an integer >= 0"))
+        if self.moe_every < 1:
+            out.append(("moe_every", self.moe_every, "a positive integer"))
+        elif not 0 <= self.moe_first_dense_layers < self.num_layers:
+            out.append(("moe_first_dense_layers", self.moe_first_dense_layers,
+                        f"between 0 and num_layers - 1 = {self.num_layers - 1}"))
+        elif (self.num_layers - self.moe_first_dense_layers) % self.moe_every:
+            out.append(("moe_every", self.moe_every, f"a divisor of num_layers - moe_first_dense_layers = "
+                                                     f"{self.num_layers - self.moe_first_dense_layers}"))
+        g = self.moe_num_groups
+        if g < 1 or e % g:
+            out.append(("moe_num_groups", g, f"a divisor of moe_num_experts={e}"))
+        elif not 1 <= self.moe_top_k_groups <= g:
+            out.append(("moe_top_k_groups", self.moe_top_k_groups, f"between 1 and moe_num_groups={g}"))
+        elif self.moe_top_k_groups * (e // g) < self.moe_top_k:
+            out.append(("moe_top_k_groups", self.moe_top_k_groups,
+                        f"large enough that the chosen groups hold moe_top_k={self.moe_top_k} experts"))
+        if self.moe_capacity_factor <= 0:
+            out.append(("moe_capacity_factor", self.moe_capacity_factor, "> 0"))
+        for name in ("moe_aux_loss_weight", "moe_z_loss_weight", "moe_bias_update_rate"):
+            if getattr(self, name) < 0:
+                out.append((name, getattr(self, name), ">= 0"))
+        if self.moe_routed_scale <= 0:
+            out.append(("moe_routed_scale", self.moe_routed_scale, "> 0"))
         return out

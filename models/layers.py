@@ -43,11 +43,14 @@ class RMSNorm(nnx.Module):
 
 
 def rope_frequencies(cfg: ModelConfig) -> jnp.ndarray:
-    """Inverse frequencies theta^(-2i/d), with Llama-3.1's long-context scaling when configured."""
-    dim = cfg.resolved_head_dim
+    """Inverse frequencies theta^(-2i/d) over `cfg.rope_dim`, with Llama-3.1's or YaRN's
+    long-context scaling when configured."""
+    dim = cfg.rope_dim
     freqs = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
     if cfg.rope_scaling_factor is None:
         return freqs
+    if cfg.rope_scaling_type == "yarn":
+        return _yarn_frequencies(freqs, cfg)
     factor, orig = cfg.rope_scaling_factor, cfg.rope_original_max_len
     low_wavelen = orig / cfg.rope_low_freq_factor
     high_wavelen = orig / cfg.rope_high_freq_factor
@@ -57,6 +60,34 @@ def rope_frequencies(cfg: ModelConfig) -> jnp.ndarray:
     smooth = (orig / wavelen - cfg.rope_low_freq_factor) / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
     blended = (1 - smooth) * freqs / factor + smooth * freqs
     return jnp.where(wavelen < high_wavelen, freqs, jnp.where(wavelen > low_wavelen, freqs / factor, blended))
+
+
+def _yarn_frequencies(freqs: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
+    """YaRN "NTK-by-parts" (Peng et al. 2023, sec. 3.2), in DeepSeek-V2/V3's form.
+
+    Dimension pairs that rotate more than beta_fast times over the original context keep
+    their frequency (extrapolate); those rotating fewer than beta_slow times are divided by
+    the factor (interpolate); a linear ramp over pair index joins the two.
+    """
+    dim, base, orig = cfg.rope_dim, cfg.rope_theta, cfg.rope_original_max_len
+
+    def correction_dim(rotations: float) -> float:  # the pair index that rotates `rotations` times
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(cfg.rope_yarn_beta_fast)), 0)
+    high = min(math.ceil(correction_dim(cfg.rope_yarn_beta_slow)), dim - 1)
+    high = high if high > low else low + 0.001  # avoid a zero-width ramp
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
+    return freqs / cfg.rope_scaling_factor * ramp + freqs * (1 - ramp)
+
+
+def yarn_softmax_scale(cfg: ModelConfig) -> float:
+    """YaRN's attention temperature as a factor on the softmax scale: (0.1 * m * ln s + 1)^2,
+    1 without rope scaling (DeepSeek-V2 applies it to MLA's scale; m = mscale_all_dim)."""
+    s = cfg.rope_scaling_factor
+    if s is None or s <= 1 or cfg.rope_scaling_type != "yarn":
+        return 1.0
+    return (0.1 * cfg.rope_yarn_mscale * math.log(s) + 1.0) ** 2
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, freqs: jax.Array) -> jax.Array:
@@ -69,10 +100,10 @@ def apply_rope(x: jax.Array, positions: jax.Array, freqs: jax.Array) -> jax.Arra
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(x @ gate) * (x @ up))."""
+    """SwiGLU: down(silu(x @ gate) * (x @ up)); `width` overrides cfg.mlp_dim (MoE shared experts)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        d, f, std = cfg.d_model, cfg.mlp_dim, cfg.init_std
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, width: int | None = None):
+        d, f, std = cfg.d_model, cfg.mlp_dim if width is None else width, cfg.init_std
         self.w_gate = param(rngs, (d, f), ("embed", "mlp"), std, cfg.param_dtype)
         self.w_up = param(rngs, (d, f), ("embed", "mlp"), std, cfg.param_dtype)
         # Residual-branch outputs are scaled down with depth (GPT-2) so the stream's variance stays flat.

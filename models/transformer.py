@@ -1,13 +1,20 @@
 """Decoder-only Transformer (Llama-style), written to read like the papers.
 
     h = embed(tokens)
-    for each layer:  h = h + attn(norm(h));  h = h + mlp(norm(h))
+    for each layer:  h = h + attn(norm(h));  h = h + mlp(norm(h))     (mlp: dense or MoE)
     logits = norm(h) @ embed^T   (or an untied output matrix), optionally soft-capped
 
 Layer parameters are always stored stacked on a leading `layers` axis; the
 `scan_layers` switch only chooses how they run (lax.scan, or a Python loop
 over slices). So both modes share one checkpoint format, and the scan-vs-unrolled
 test compares the same weights.
+
+Attention is MHA/GQA/MQA (models/attention.py) or DeepSeek's MLA (models/mla.py).
+With MoE, the dense blocks stay in `layers` and the MoE blocks form a second stack,
+`moe_layers`. The layer order (the first `moe_first_dense_layers` dense, then periods of
+`moe_every - 1` dense blocks followed by one MoE block) runs as: one scan over the dense
+prefix, then one scan over the periods, each step running its dense blocks and its MoE
+block. Per-layer router statistics come out of that scan as stacked outputs.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ from flax import nnx
 from models.attention import Attention
 from models.config import ModelConfig
 from models.layers import DTYPES, MLP, RMSNorm, param, rope_frequencies
+from models.mla import MLA
+from models.moe import MoE
 from sharding.rules import constrain
 
 # Names saved for the backward pass by each remat policy (see models.config.RematPolicy).
@@ -44,12 +53,16 @@ def remat_policy(name: str):
     raise ValueError(f"unknown remat policy {name!r}")
 
 
+def make_attention(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+    return MLA(cfg, rngs) if cfg.is_mla else Attention(cfg, rngs)
+
+
 class Block(nnx.Module):
     """Pre-norm residual block: attention then SwiGLU MLP."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.d_model, cfg)
-        self.attn = Attention(cfg, rngs)
+        self.attn = make_attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg)
         self.mlp = MLP(cfg, rngs)
 
@@ -60,17 +73,44 @@ class Block(nnx.Module):
         return constrain(h, ("batch", "residual_length", "embed"))
 
 
+class MoEBlock(nnx.Module):
+    """Pre-norm residual block: attention then a Mixture-of-Experts feed-forward."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, cfg)
+        self.attn = make_attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg)
+        self.moe = MoE(cfg, rngs)
+
+    def __call__(self, h: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
+                 rope_freqs: jax.Array, mask: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        h = h + self.attn(self.attn_norm(h), positions, segment_ids, rope_freqs)
+        y, stats = self.moe(self.mlp_norm(h), mask)
+        return constrain(h + y, ("batch", "residual_length", "embed")), stats
+
+
+def _stack(cfg: ModelConfig, rngs: nnx.Rngs, cls: type, count: int) -> nnx.Module:
+    """`count` layers of `cls` with parameters stacked on a leading `layers` axis."""
+
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(rngs: nnx.Rngs) -> nnx.Module:
+        return cls(cfg, rngs)
+
+    return make(rngs)
+
+
 class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std, cfg.param_dtype)
 
-        @nnx.split_rngs(splits=cfg.num_layers)
-        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_layers(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, rngs)
-
-        self.layers = make_layers(rngs)
+        flags = cfg.moe_layer_flags()
+        dense, sparse = flags.count(False), flags.count(True)
+        if dense:
+            self.layers = _stack(cfg, rngs, Block, dense)
+        if sparse:
+            self.moe_layers = _stack(cfg, rngs, MoEBlock, sparse)
         self.final_norm = RMSNorm(cfg.d_model, cfg)
         if not cfg.tie_embeddings:
             self.unembed = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std,
@@ -79,6 +119,13 @@ class Transformer(nnx.Module):
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None) -> jax.Array:
         """tokens [batch, length] -> float32 logits [batch, length, vocab]."""
+        return self.forward(tokens, positions, segment_ids)[0]
+
+    def forward(self, tokens: jax.Array, positions: jax.Array | None = None,
+                segment_ids: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(logits, MoE statistics stacked over MoE layers: {} for a dense model).
+
+        Statistics (see models/moe.py): counts [L_moe, E], dropped, aux_loss, z_loss [L_moe]."""
         cfg, dt = self.cfg, DTYPES[self.cfg.dtype]
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
@@ -88,7 +135,24 @@ class Transformer(nnx.Module):
         h = jnp.take(table, tokens, axis=0).astype(dt)
         h = constrain(h, ("batch", "residual_length", "embed"))
         rope_freqs = rope_frequencies(cfg)
+        stats: dict[str, jax.Array] = {}
+        if cfg.is_moe:
+            mask = segment_ids > 0 if segment_ids is not None else jnp.ones(tokens.shape, jnp.bool_)
+            h, stats = self._moe_stack(h, positions, segment_ids, rope_freqs, mask)
+        else:
+            h = self._dense_stack(h, positions, segment_ids, rope_freqs)
+        h = self.final_norm(h)
+        if cfg.tie_embeddings:
+            logits = jnp.einsum("btd,vd->btv", h, self.embed[...].astype(dt), preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum("btd,dv->btv", h, self.unembed[...].astype(dt), preferred_element_type=jnp.float32)
+        if cfg.logit_softcap is not None:
+            logits = cfg.logit_softcap * jnp.tanh(logits / cfg.logit_softcap)
+        return constrain(logits, ("batch", "length", "vocab")), stats
 
+    def _dense_stack(self, h: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
+                     rope_freqs: jax.Array) -> jax.Array:
+        cfg = self.cfg
         graphdef, stacked = nnx.split(self.layers)
 
         def block(h: jax.Array, layer_state) -> tuple[jax.Array, None]:
@@ -102,12 +166,48 @@ class Transformer(nnx.Module):
         else:
             for i in range(cfg.num_layers):
                 h, _ = block(h, jax.tree.map(lambda x, i=i: x[i], stacked))
+        return h
 
-        h = self.final_norm(h)
-        if cfg.tie_embeddings:
-            logits = jnp.einsum("btd,vd->btv", h, self.embed[...].astype(dt), preferred_element_type=jnp.float32)
+    def _moe_stack(self, h: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
+                   rope_freqs: jax.Array, mask: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Dense prefix, then periods of (moe_every - 1) dense blocks + one MoE block."""
+        cfg = self.cfg
+        prefix, per = cfg.moe_first_dense_layers, cfg.moe_every - 1
+        dense_def, dense = nnx.split(self.layers) if hasattr(self, "layers") else (None, None)
+        moe_def, moe = nnx.split(self.moe_layers)
+        take = lambda tree, lo, hi: jax.tree.map(lambda x: x[lo:hi], tree)  # noqa: E731
+
+        def dense_block(h, layer_state):
+            return nnx.merge(dense_def, layer_state)(h, positions, segment_ids, rope_freqs), None
+
+        def moe_block(h, layer_state):
+            return nnx.merge(moe_def, layer_state)(h, positions, segment_ids, rope_freqs, mask)
+
+        if cfg.remat_policy != "none":
+            policy = remat_policy(cfg.remat_policy)
+            dense_block = jax.checkpoint(dense_block, policy=policy, prevent_cse=not cfg.scan_layers)
+            moe_block = jax.checkpoint(moe_block, policy=policy, prevent_cse=not cfg.scan_layers)
+
+        def period(h, xs):
+            group, layer_state = xs
+            for j in range(per):
+                h, _ = dense_block(h, jax.tree.map(lambda x, j=j: x[j], group))
+            return moe_block(h, layer_state)
+
+        periods = jax.tree.leaves(moe)[0].shape[0]
+        groups = None
+        if per:  # the dense blocks after the prefix, as [periods, per, ...]
+            groups = jax.tree.map(lambda x: x.reshape(periods, per, *x.shape[1:]), take(dense, prefix, None))
+        if cfg.scan_layers:
+            if prefix:
+                h, _ = jax.lax.scan(dense_block, h, take(dense, 0, prefix))
+            h, stats = jax.lax.scan(period, h, (groups, moe))
         else:
-            logits = jnp.einsum("btd,dv->btv", h, self.unembed[...].astype(dt), preferred_element_type=jnp.float32)
-        if cfg.logit_softcap is not None:
-            logits = cfg.logit_softcap * jnp.tanh(logits / cfg.logit_softcap)
-        return constrain(logits, ("batch", "length", "vocab"))
+            for i in range(prefix):
+                h, _ = dense_block(h, jax.tree.map(lambda x, i=i: x[i], dense))
+            outs = []
+            for p in range(periods):
+                h, out = period(h, jax.tree.map(lambda x, p=p: x[p], (groups, moe)))
+                outs.append(out)
+            stats = jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
+        return h, stats

@@ -11,9 +11,19 @@ optimizer state and activations, mapping each name to a tuple of mesh axes:
 
 In every strategy, Megatron tensor parallelism puts attention heads, the MLP
 hidden dimension and the vocabulary on `tensor`, and activations shard their
-batch over (data, fsdp) and their sequence over `context`. With
+batch over (data, fsdp, expert) and their sequence over `context`. With
 `sequence_parallel`, the residual stream between blocks (norms, residual adds)
 is also split over `tensor` along the sequence (Korthikanti et al. 2022).
+
+Expert parallelism: MoE expert weights (logical `experts`) are split over `expert`,
+and the batch is sharded over `expert` too, as MaxText does: outside the MoE layers
+the `expert` axis is one more data-parallel axis (attention, dense MLPs and the router
+run on each device's own rows, their weights replicated over it), and inside them
+sharding/expert.py sends each token to its experts' devices and back with all-to-all.
+Without the batch split, every device of an expert group would hold the same tokens
+and repeat all the non-expert work. So the batch must divide by data x fsdp x expert.
+MLA's low-rank latents (`q_lora`, `kv_lora`) are replicated: they are narrow, and
+sharding them would split the RMSNorm that follows each.
 
 A mesh axis already used by an earlier dimension of the same array is skipped,
 and, when the array's shape is known, a mesh axis that does not divide the
@@ -43,15 +53,18 @@ _TENSOR: dict[str, tuple[str, ...]] = {
     "vocab": ("tensor",),
     "head_dim": (),
     "layers": (),
+    "experts": ("expert",),  # MoE expert weights: expert parallelism
+    "q_lora": (),  # MLA query latent
+    "kv_lora": (),  # MLA key/value latent
 }
 
 _ACTIVATIONS: dict[str, tuple[str, ...]] = {
     **_TENSOR,
-    "batch": ("data", "fsdp"),
+    "batch": ("data", "fsdp", "expert"),
     "length": ("context",),  # queries (and K/V under ring attention) split along the sequence
     "kv_length": (),  # all-gather context parallelism: every device sees all keys
     "residual_length": ("context",),  # the residual stream between blocks
-    "rows": ("data", "fsdp", "context"),  # batch*length flattened for 2-D matmuls
+    "rows": ("data", "fsdp", "expert", "context"),  # batch*length flattened for 2-D matmuls
     "embed": (),
     "norm": (),
 }

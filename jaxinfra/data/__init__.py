@@ -5,6 +5,8 @@
 """
 
 from jaxinfra.data.config import DataConfig, DataError
-from jaxinfra.data.pipeline import make_eval_batches, make_train_iterator, vocab_size_of
+from jaxinfra.data.pipeline import (make_eval_batches, make_train_iterator, row_states, set_row_states,
+                                    vocab_size_of)
 
-__all__ = ["DataConfig", "DataError", "make_eval_batches", "make_train_iterator", "vocab_size_of"]
+__all__ = ["DataConfig", "DataError", "make_eval_batches", "make_train_iterator", "row_states", "set_row_states",
+           "vocab_size_of"]

@@ -172,3 +172,27 @@ def _allow_absl_workers() -> None:
         return
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
+
+
+def row_states(it: grain.DatasetIterator, first_row: int) -> dict[str, Any]:
+    """The iterator's position as {global row slot: state}, independent of the process count.
+
+    With worker processes (`data.worker_count > 0`) grain's state is per process, so it is
+    kept whole under "process<i>" and resumes exactly only on the same process layout.
+    """
+    state = it.get_state()
+    if isinstance(state, dict) and "parents" in state:
+        return {str(first_row + i): s for i, s in enumerate(state["parents"])}
+    return {f"process{first_row}": state}
+
+
+def set_row_states(it: grain.DatasetIterator, states: dict[str, Any], first_row: int, rows: int) -> None:
+    """Inverse of `row_states` for this process's rows; DataError if the checkpoint lacks them."""
+    if f"process{first_row}" in states:
+        it.set_state(states[f"process{first_row}"])
+        return
+    missing = [r for r in range(first_row, first_row + rows) if str(r) not in states]
+    if missing:
+        raise DataError(f"checkpoint data state has no entry for batch rows {missing[:4]}...: "
+                        f"was train.batch_size or data.worker_count changed?")
+    it.set_state({"parents": [states[str(r)] for r in range(first_row, first_row + rows)]})

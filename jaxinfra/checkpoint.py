@@ -1,0 +1,182 @@
+"""Checkpoints: the train state, the data position and the config, saved together by Orbax.
+
+One checkpoint (a step directory under `run_dir/checkpoints/`) holds
+- `state`: the TrainState (params, optimizer state, step), restored into whatever
+  shardings the current mesh wants (resharding on restore);
+- `data`: each batch row slot's grain iterator state, keyed by global slot index, so
+  a restart on a different process count resumes every row exactly;
+- `meta`: the loop step, the resolved config (YAML) and the batch geometry.
+
+Saves are asynchronous: `save()` returns after the device-to-host copy and Orbax
+commits in the background; only committed checkpoints are listed, so a save killed
+mid-flight never becomes "latest". A checkpoint that fails to restore (truncated or
+corrupted files) is reported in one line and the previous one is used.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import time
+import warnings
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+from jaxinfra.config import CheckpointConfig
+from jaxinfra.state import TrainState
+
+log = logging.getLogger("jaxinfra.checkpoint")
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint where one was required; one line naming the path."""
+
+
+def _exchange_json(local: dict[str, Any]) -> dict[str, Any]:
+    """Merge small per-process dicts so every process holds the union (JSON through uint8 arrays)."""
+    if jax.process_count() == 1:
+        return dict(local)
+    blob = np.frombuffer(json.dumps(local).encode(), np.uint8)
+    sizes = multihost_utils.process_allgather(np.array([blob.size], np.int64))
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: blob.size] = blob
+    gathered = multihost_utils.process_allgather(padded)
+    merged: dict[str, Any] = {}
+    for row, size in zip(gathered, sizes.reshape(-1)):
+        merged.update(json.loads(bytes(row[: int(size)]).decode()))
+    return merged
+
+
+def _reason(error: Exception) -> str:
+    """The first informative line of an error, short enough for a one-line warning."""
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else type(error).__name__
+    return first.split(" See full")[0][:160]
+
+
+def abstract_with_shardings(abstract: TrainState, shardings: TrainState) -> TrainState:
+    """ShapeDtypeStructs that carry the target shardings: Orbax restores straight into them."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
+class Checkpointer:
+    """Async save every `cfg.every` steps (and on demand), keep the newest `cfg.keep`."""
+
+    def __init__(self, directory: str | pathlib.Path, cfg: CheckpointConfig):
+        self.directory = pathlib.Path(directory).absolute()
+        policies: list[Any] = [ocp.checkpoint_managers.LatestN(n=cfg.keep)]
+        if cfg.keep_best:
+            policies.append(ocp.checkpoint_managers.BestN(
+                get_metric_fn=lambda m: m["eval_loss"], reverse=False, n=1, keep_checkpoints_without_metrics=False))
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
+            enable_async_checkpointing=cfg.async_save, cleanup_tmp_directories=True, create=True)
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data", "meta"))
+
+    def steps(self) -> list[int]:
+        self.manager.reload()  # another process (or an earlier run) may have written since
+        return sorted(self.manager.all_steps())
+
+    def save(self, step: int, state: TrainState, data_states: dict[str, Any], meta: dict[str, Any],
+             metrics: dict[str, float] | None = None) -> None:
+        """Start an async save of `state` at loop step `step`; returns once device arrays are copied."""
+        data = _exchange_json({str(k): v for k, v in data_states.items()})
+        self.manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data), meta=ocp.args.JsonSave(meta)),
+            metrics=metrics, force=True)
+
+    def restore(self, step: int, target: TrainState) -> tuple[TrainState, dict[str, Any], dict[str, Any]]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Orbax warns about sharding metadata it does not need here
+            out = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
+        return out["state"], dict(out["data"]), dict(out["meta"])
+
+    def restore_latest(self, target: TrainState) -> tuple[int, TrainState, dict[str, Any], dict[str, Any]] | None:
+        """Newest checkpoint that restores; unreadable ones are reported and skipped. None if there is none."""
+        for step in reversed(self.steps()):
+            try:
+                state, data, meta = self.restore(step, target)
+            except Exception as e:  # tensorstore / json / shape errors all mean "this one is unusable"
+                aside = self.directory / f"{step}.unreadable"
+                print(f"jaxinfra: warning: checkpoint {self.directory / str(step)} is unreadable ({_reason(e)}); "
+                      f"moved to {aside.name}, trying the previous one", flush=True)
+                self._move_aside(step, aside)
+                continue
+            return step, state, data, meta
+        return None
+
+    def _move_aside(self, step: int, aside: pathlib.Path) -> None:
+        """Keep the evidence, but out of the way: it must not be 'latest' or block a new save of that step."""
+        if jax.process_index() == 0:
+            (self.directory / str(step)).rename(aside.with_name(f"{aside.name}-{int(time.time())}"))
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"jaxinfra-checkpoint-aside-{step}")
+        self.manager.reload()
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def restore_params(directory: str | pathlib.Path, target_params: Any) -> tuple[int, Any]:
+    """Params only from the newest readable checkpoint under `directory` (a run dir or its checkpoints/)."""
+    directory = pathlib.Path(directory)
+    if (directory / "checkpoints").is_dir():
+        directory = directory / "checkpoints"
+    if not directory.is_dir():
+        raise CheckpointError(f"no checkpoint directory at {directory}")
+    manager = ocp.CheckpointManager(directory.absolute(), options=ocp.CheckpointManagerOptions(read_only=True, create=False),
+                                    item_names=("state", "data", "meta"))
+    for step in sorted(manager.all_steps(), reverse=True):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                restored = manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(
+                        item={"params": target_params},
+                        restore_args=jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding),
+                                                  {"params": target_params}),
+                        partial_restore=True)))
+            return step, restored["state"]["params"]
+        except Exception as e:
+            print(f"jaxinfra: warning: checkpoint {directory / str(step)} is unreadable ({_reason(e)}); "
+                  f"trying the previous one", flush=True)
+    raise CheckpointError(f"no readable checkpoint under {directory}")
+
+
+def export_params(run_dir: str | pathlib.Path, out: str | pathlib.Path, dtype: str | None = None) -> pathlib.Path:
+    """Write the newest readable checkpoint's params alone (optionally cast) to `out`, for inference.
+
+    The run's own config.yaml gives the shapes; arrays are restored unsharded onto one
+    device. The result is a plain Orbax PyTree checkpoint of the params' nnx.State.
+    """
+    import jax.numpy as jnp
+
+    from jaxinfra.config import load_config
+    from jaxinfra.state import init_params
+
+    run_dir = pathlib.Path(run_dir)
+    cfg_path = run_dir / "config.yaml"
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{run_dir} has no config.yaml: is it a jaxinfra run directory?")
+    cfg = load_config(str(cfg_path))
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+                          jax.eval_shape(lambda: init_params(cfg.model, jax.random.key(0))))
+    _, params = restore_params(run_dir, target)
+    if dtype is not None:
+        params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), params)
+    out = pathlib.Path(out).absolute()
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(out, params)
+    checkpointer.wait_until_finished()
+    return out

@@ -1,0 +1,55 @@
+"""A step watchdog: no process may hang forever on a dead peer or a collective that never ends.
+
+The train loop reports its phase (data, step, eval, checkpoint, sync) and step; a
+daemon thread checks that progress happens at least every `timeout_s`. When it does
+not, the watchdog prints one line naming the step and phase, dumps every thread's
+Python stack (faulthandler), and ends the process with EXIT_HUNG. It is armed after
+the first step, so compilation time does not count.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import threading
+import time
+
+EXIT_HUNG = 70  # EX_SOFTWARE: distinct from a bad-config exit (2) and preemption (75)
+
+
+class Watchdog:
+    def __init__(self, timeout_s: float, *, process_index: int = 0):
+        self.timeout_s = timeout_s
+        self.process_index = process_index
+        self.step, self.phase = 0, "start"
+        self._last = time.monotonic()
+        self._armed = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="jaxinfra-watchdog", daemon=True)
+        if timeout_s > 0:
+            self._thread.start()
+
+    def progress(self, step: int, phase: str) -> None:
+        """Record that the loop reached `phase` of `step` (cheap: two attribute writes and a clock read)."""
+        self.step, self.phase = step, phase
+        self._last = time.monotonic()
+
+    def arm(self) -> None:
+        self._last = time.monotonic()
+        self._armed = True
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self.timeout_s / 4)):
+            stalled = time.monotonic() - self._last
+            if self._armed and stalled > self.timeout_s:
+                print(f"jaxinfra: error: process {self.process_index} made no progress for {stalled:.0f}s at step "
+                      f"{self.step}, phase '{self.phase}' (train.step_timeout_s={self.timeout_s:g}); a peer process "
+                      f"may have died or a collective never completed. Python stacks follow.",
+                      file=sys.stderr, flush=True)
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                sys.stderr.flush()
+                os._exit(EXIT_HUNG)  # a hung collective cannot be interrupted from Python

@@ -1,0 +1,127 @@
+"""Mixture-of-Experts feed-forward layer: router, routed SwiGLU experts, shared experts.
+
+    y = sum_{i in top-k(x)} g_i(x) * FFN_i(x)  +  FFN_shared(x)
+
+Routed experts (Shazeer et al. 2017; GShard, Lepikhin et al. 2020; Switch, Fedus et al.
+2021) are SwiGLU MLPs stored stacked on a leading `experts` axis. Shared experts
+(DeepSeekMoE, Dai et al. 2024; DeepSeek-V2/V3) see every token; `moe_shared_experts` of
+them are one SwiGLU of that many times the expert width, which is the same function.
+
+Two dispatch paths, same routing:
+
+* capacity (`moe_dispatch="capacity"`): each sequence is a group; every expert has
+  C = ceil(capacity_factor * S * k / E) slots per group. Assignments claim slots in order
+  of choice rank, then position (all first choices before any second choice, GShard
+  Algorithm 1); those past C are dropped (the token keeps its residual) and counted.
+  Dispatch and combine are one-hot einsums that XLA shards like any matmul.
+* dropless (`moe_dispatch="dropless"`): (token, choice) pairs sorted by expert, grouped
+  matmuls with `jax.lax.ragged_dot` (MegaBlocks, Gale et al. 2022). Nothing is dropped.
+
+Expert parallelism (sharding/expert.py) moves tokens to their experts' devices in both.
+Padding tokens (mask False) are never routed on the capacity path (they cannot take a
+real token's slot) and are left out of every statistic.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from models.config import ModelConfig
+from models.layers import DTYPES, MLP, param
+from models.router import Router
+from sharding.expert import capacity_experts, dropless_experts
+
+GATE_NAMES = ("experts", "embed", "mlp")
+DOWN_NAMES = ("experts", "mlp", "embed")
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        e, d, f, std = cfg.moe_num_experts, cfg.d_model, cfg.expert_dim, cfg.init_std
+        self.router = Router(cfg, rngs)
+        self.w_gate = param(rngs, (e, d, f), GATE_NAMES, std, cfg.param_dtype)
+        self.w_up = param(rngs, (e, d, f), GATE_NAMES, std, cfg.param_dtype)
+        # Residual-branch output scaled down with depth, as the dense MLP's w_down.
+        self.w_down = param(rngs, (e, f, d), DOWN_NAMES, std / math.sqrt(2 * cfg.num_layers), cfg.param_dtype)
+        if cfg.moe_shared_experts:
+            self.shared = MLP(cfg, rngs, width=cfg.moe_shared_experts * f)
+        self.cfg = cfg
+        self.dtype = DTYPES[cfg.dtype]
+
+    def __call__(self, x: jax.Array, mask: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """x [B, T, d], mask [B, T] -> (y [B, T, d], per-layer statistics).
+
+        Statistics: counts [E] (assignments per expert), dropped (assignments dropped
+        for capacity), aux_loss, z_loss (see models/router.py)."""
+        cfg, dt = self.cfg, self.dtype
+        b, t, d = x.shape
+        k = cfg.moe_top_k
+        routing = self.router(x.reshape(b * t, d), mask.reshape(b * t))
+        experts, gates = routing.experts.reshape(b, t, k), routing.weights.reshape(b, t, k)
+        weights = tuple(w[...].astype(dt) for w in (self.w_gate, self.w_up, self.w_down))
+        if cfg.moe_dispatch == "capacity":
+            capacity = expert_capacity(t, k, cfg.moe_num_experts, cfg.moe_capacity_factor)
+            dispatch, combine, dropped = capacity_assignment(experts, gates, mask, cfg.moe_num_experts, capacity)
+            x_e = jnp.einsum("gsec,gsd->gecd", dispatch.astype(dt), x)
+            y_e = capacity_experts(x_e, weights, expert_swiglu)
+            y = jnp.einsum("gsec,gecd->gsd", combine.astype(dt), y_e)
+        else:
+            y = dropless_experts(x, experts, gates, weights, (GATE_NAMES, GATE_NAMES, DOWN_NAMES), grouped_swiglu,
+                                 cfg.moe_num_experts)
+            dropped = jnp.zeros((), jnp.float32)
+        if cfg.moe_shared_experts:
+            y = y + self.shared(x)
+        stats = {"counts": routing.counts, "dropped": dropped, "aux_loss": routing.aux_loss,
+                 "z_loss": routing.z_loss}
+        return y.astype(x.dtype), stats
+
+
+def expert_capacity(tokens_per_group: int, top_k: int, num_experts: int, factor: float) -> int:
+    """Slots per expert per group: ceil(factor * tokens * k / E), at least 1."""
+    return max(1, math.ceil(factor * tokens_per_group * top_k / num_experts))
+
+
+def capacity_assignment(experts: jax.Array, gates: jax.Array, mask: jax.Array, num_experts: int,
+                        capacity: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """GShard slot assignment per group.
+
+    experts, gates [G, S, k]; mask [G, S]. Returns dispatch [G, S, E, C] (0/1), combine
+    [G, S, E, C] (gate weight in the token's slot) and the number of real assignments
+    dropped because their expert was full."""
+    g, s, k = experts.shape
+    chosen = jax.nn.one_hot(experts, num_experts, dtype=jnp.int32) * mask[..., None, None].astype(jnp.int32)
+    # Priority: choice rank first, then position, so a second choice never displaces a first.
+    by_rank = chosen.transpose(0, 2, 1, 3).reshape(g, k * s, num_experts)
+    slot = (jnp.cumsum(by_rank, axis=1) - 1).reshape(g, k, s, num_experts).transpose(0, 2, 1, 3)
+    slot = jnp.sum(slot * chosen, axis=-1)  # [G, S, k]: the slot each assignment asks for
+    kept = (jnp.sum(chosen, axis=-1) > 0) & (slot < capacity)
+    in_slot = jax.nn.one_hot(jnp.where(kept, slot, capacity), capacity, dtype=jnp.float32)  # dropped: all-zero
+    expert_hot = chosen.astype(jnp.float32)
+    dispatch = jnp.einsum("gske,gskc->gsec", expert_hot, in_slot)
+    combine = jnp.einsum("gske,gskc->gsec", expert_hot * gates[..., None].astype(jnp.float32), in_slot)
+    dropped = jnp.sum(chosen) - jnp.sum(kept)
+    return dispatch, combine, dropped.astype(jnp.float32)
+
+
+def expert_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """Per-expert SwiGLU on slots x [..., E, C, d] with weights [E, d, f], [E, d, f], [E, f, d]."""
+    gate = jnp.einsum("...ecd,edf->...ecf", x, w_gate)
+    up = jnp.einsum("...ecd,edf->...ecf", x, w_up)
+    hidden = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")
+    return jnp.einsum("...ecf,efd->...ecd", hidden, w_down)
+
+
+def grouped_swiglu(rows: jax.Array, group_sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                   w_down: jax.Array) -> jax.Array:
+    """SwiGLU of rows sorted by expert [M, d]: rows of group e use expert e's weights.
+
+    Grouped matmuls (`jax.lax.ragged_dot`); rows past sum(group_sizes) give 0."""
+    gate = jax.lax.ragged_dot(rows, w_gate, group_sizes)
+    up = jax.lax.ragged_dot(rows, w_up, group_sizes)
+    hidden = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")
+    return jax.lax.ragged_dot(hidden, w_down, group_sizes)
