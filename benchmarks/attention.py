@@ -30,7 +30,6 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import kernels
 from kernels import BlockSizes

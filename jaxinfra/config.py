@@ -335,6 +335,11 @@ def validate_mesh(cfg: Config, device_count: int | None) -> None:
         sizes = resolve_mesh_sizes(cfg.mesh, device_count)
     except MeshError as e:
         raise ConfigError(str(e)) from None
+    ep = sizes["expert"]
+    if cfg.model.is_moe and cfg.model.moe_num_experts % ep:
+        raise ConfigError(f"model.moe_num_experts={cfg.model.moe_num_experts} is not divisible by mesh.expert={ep}")
+    if cfg.model.is_moe and cfg.model.expert_dim % sizes["tensor"]:
+        raise ConfigError(f"model.moe_mlp_dim={cfg.model.expert_dim} is not divisible by mesh.tensor={sizes['tensor']}")
     # The batch is sharded over `expert` as well (sharding/rules.py: expert parallelism).
     batch_shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     micro = cfg.train.batch_size // cfg.train.grad_accum_steps
@@ -343,11 +348,6 @@ def validate_mesh(cfg: Config, device_count: int | None) -> None:
         raise ConfigError(
             f"train.batch_size={cfg.train.batch_size} (microbatch {micro}) is not divisible by the "
             f"data-parallel size {axes} = {batch_shards}")
-    ep = sizes["expert"]
-    if cfg.model.is_moe and cfg.model.moe_num_experts % ep:
-        raise ConfigError(f"model.moe_num_experts={cfg.model.moe_num_experts} is not divisible by mesh.expert={ep}")
-    if cfg.model.is_moe and cfg.model.expert_dim % sizes["tensor"]:
-        raise ConfigError(f"model.moe_mlp_dim={cfg.model.expert_dim} is not divisible by mesh.tensor={sizes['tensor']}")
     m, tp = cfg.model, sizes["tensor"]
     # KV heads are not checked: fewer KV heads than `tensor` are replicated (usual GQA practice).
     for key, value in (("num_heads", m.num_heads), ("mlp_dim", m.mlp_dim), ("vocab_size", m.vocab_size)):

@@ -222,6 +222,7 @@ class Trainer:
                 }
                 if cfg.model.z_loss_weight:
                     line["z_loss"] = float(host["z_loss"])
+                line.update({k: float(v) for k, v in host.items() if k.startswith("moe_")})  # MoE router stats
                 if step_time != compile_s:
                     step_rates.append(tps)
                 log(step, line)

@@ -9,8 +9,9 @@ middle dim as in the Triton kernel.
   replicated across the 128 lanes ([block_q, 128]) so they broadcast against score tiles
   without relayouts. A kv step outside the visible block range (`masks.kv_block_range`)
   does nothing, and the kv index map clamps into that range, so the pipeline re-uses the
-  block it already holds instead of fetching a skipped one. Steps inside the fully
-  visible range run without an element mask. Segment ids come in twice: per element
+  block it already holds instead of fetching a skipped one (blocks skipped only because of
+  segment ids are still fetched, then not computed). Steps inside the fully visible range
+  run without an element mask. Segment ids come in twice: per element
   (q ids lane-replicated, kv ids sublane-replicated, the layouts Mosaic tiles cheaply),
   and as per-block (min, max) bounds prefetched into SMEM, to skip or unmask blocks.
 * Backward: a dq kernel (grid like the forward) and a dk/dv kernel with grid

@@ -175,6 +175,8 @@ class ModelConfig:
             out.append(("qk_nope_head_dim", self.qk_nope_head_dim, "> 0 when qk_rope_head_dim is 0"))
         if self.qk_rope_head_dim % 2:
             out.append(("qk_rope_head_dim", self.qk_rope_head_dim, "an even number (RoPE rotates pairs)"))
+        if self.qk_norm:
+            out.append(("qk_norm", self.qk_norm, "false with attention_type=mla (its latents are normalised)"))
         if self.num_kv_heads not in (None, self.num_heads):
             out.append(("num_kv_heads", self.num_kv_heads, "null with attention_type=mla (K/V come from a shared latent)"))
         return out

@@ -21,8 +21,7 @@ Statistics (over real tokens only; padding is masked out):
 
 from __future__ import annotations
 
-import dataclasses
-
+import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -37,7 +36,7 @@ class RouterBias(nnx.Param):
     and the train step overwrites it after the optimizer with `update_bias`."""
 
 
-@dataclasses.dataclass(frozen=True)
+@flax.struct.dataclass
 class Routing:
     experts: jax.Array  # [N, k] int32 chosen expert ids
     weights: jax.Array  # [N, k] float32 combine weights

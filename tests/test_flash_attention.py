@@ -66,7 +66,10 @@ class Case:
     @property
     def jax_nn_has_it(self) -> bool:
         """Whether jax.nn.dot_product_attention computes this case under our conventions."""
-        return self.softcap is None and self.d_v == self.dqk and self.segments != "pair"
+        late_rows_see_nothing = (self.window is not None and self.window[0] is not None
+                                 and self.tq - 1 - self.window[0] >= self.tkv)  # jax.nn averages those
+        return (self.softcap is None and self.d_v == self.dqk and self.segments != "pair"
+                and not late_rows_see_nothing)
 
     @property
     def lse_in_loss(self) -> bool:

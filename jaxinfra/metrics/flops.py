@@ -1,4 +1,4 @@
-"""Analytic parameter and FLOP counts for the Llama-style decoder in models/config.py.
+"""Analytic parameter and FLOP counts for the decoder in models/config.py (dense, MLA, MoE).
 
 These numbers feed MFU (model FLOPs utilisation): they count the work the
 *model* requires, not what the hardware ends up executing (rematerialisation,
@@ -10,18 +10,41 @@ from __future__ import annotations
 from models.config import ModelConfig
 
 
-def _layer_matmul_params(cfg: ModelConfig) -> int:
-    """Weight-matrix parameters of one decoder layer (attention + SwiGLU MLP)."""
-    d, h, kv, dh, m = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.resolved_head_dim, cfg.mlp_dim
-    attention = d * h * dh + 2 * d * kv * dh + h * dh * d  # wq, wk + wv (GQA: kv heads), wo
-    mlp = 3 * d * m  # w_gate, w_up, w_down
-    return attention + mlp
+def _attention_params(cfg: ModelConfig) -> int:
+    """Weight-matrix parameters of one attention layer."""
+    d, h = cfg.d_model, cfg.num_heads
+    if cfg.is_mla:  # DeepSeek-V2 MLA: low-rank query (optional) and joint K/V latent + shared rope key
+        dqk, dv = _attention_dims(cfg)
+        rank, rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        q = d * h * dqk if cfg.q_lora_rank is None else d * cfg.q_lora_rank + cfg.q_lora_rank * h * dqk
+        kv = d * (rank + rope) + rank * h * (cfg.qk_nope_head_dim + dv)  # W_dkv + W_kr, then W_uk + W_uv
+        return q + kv + h * dv * d
+    kv, dh = cfg.kv_heads, cfg.resolved_head_dim
+    return d * h * dh + 2 * d * kv * dh + h * dh * d  # wq, wk + wv (GQA: kv heads), wo
 
 
-def _layer_norm_params(cfg: ModelConfig) -> int:
-    """Norm scales of one layer: pre-attention and pre-MLP RMSNorm, optional q/k norms."""
-    qk = 2 * cfg.resolved_head_dim if cfg.qk_norm else 0
-    return 2 * cfg.d_model + qk
+def _layer_matmul_params(cfg: ModelConfig, moe: bool = False, active: bool = False) -> int:
+    """Weight-matrix parameters of one decoder layer (attention + SwiGLU MLP or MoE).
+
+    A MoE layer counts the router, its routed experts (all of them, or with `active` the
+    top-k a token uses) and its shared experts."""
+    swiglu = 3 * cfg.d_model  # w_gate, w_up, w_down per unit of hidden width
+    if not moe:
+        return _attention_params(cfg) + swiglu * cfg.mlp_dim
+    routed = cfg.moe_top_k if active else cfg.moe_num_experts
+    experts = (routed + cfg.moe_shared_experts) * swiglu * cfg.expert_dim
+    return _attention_params(cfg) + experts + cfg.d_model * cfg.moe_num_experts
+
+
+def _layer_norm_params(cfg: ModelConfig, moe: bool = False) -> int:
+    """Norm scales of one layer (pre-attention and pre-MLP RMSNorm, q/k or MLA latent norms),
+    plus a MoE router's selection bias (not a matmul either)."""
+    if cfg.is_mla:
+        attention = cfg.kv_lora_rank + (cfg.q_lora_rank or 0)
+    else:
+        attention = 2 * cfg.resolved_head_dim if cfg.qk_norm else 0
+    bias = cfg.moe_num_experts if moe and cfg.moe_bias_update_rate > 0 else 0
+    return 2 * cfg.d_model + attention + bias
 
 
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
@@ -35,22 +58,38 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
       matmul: parameters that enter a matmul for every token: all weight
         matrices plus the output projection. A tied embedding is counted once,
         as the output projection; an untied input table is a gather, not a
-        matmul, so it is left out. Norm scales are left out.
+        matmul, so it is left out. Norm scales are left out. In a MoE layer only
+        the router, the top-k routed experts and the shared experts count.
+      active (MoE models only): parameters one token uses, i.e. total minus the
+        routed experts it does not visit (the "activated parameters" of the
+        DeepSeek, Mixtral and Qwen reports; embeddings included).
     """
     vocab_d = cfg.vocab_size * cfg.d_model
     embedding = vocab_d
     output = 0 if cfg.tie_embeddings else vocab_d
-    layers = cfg.num_layers * (_layer_matmul_params(cfg) + _layer_norm_params(cfg))
+    flags = cfg.moe_layer_flags()
+    layers = sum(_layer_matmul_params(cfg, moe) + _layer_norm_params(cfg, moe) for moe in flags)
     final_norm = cfg.d_model
     total = embedding + output + layers + final_norm
-    matmul = cfg.num_layers * _layer_matmul_params(cfg) + vocab_d
-    return {
+    matmul = sum(_layer_matmul_params(cfg, moe, active=True) for moe in flags) + vocab_d
+    counts = {
         "total": total,
         "embedding": embedding,
         "output": output,
         "non_embedding": total - embedding - output,
         "matmul": matmul,
     }
+    if cfg.is_moe:
+        unused = (cfg.moe_num_experts - cfg.moe_top_k) * 3 * cfg.d_model * cfg.expert_dim
+        counts["active"] = total - unused * sum(flags)
+    return counts
+
+
+def _attention_dims(cfg: ModelConfig) -> tuple[int, int]:
+    """(query/key head dim, value head dim)."""
+    if cfg.is_mla:
+        return cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    return cfg.resolved_head_dim, cfg.resolved_head_dim
 
 
 def flops_per_token(
@@ -64,7 +103,10 @@ def flops_per_token(
         (`param_counts(cfg)["matmul"]`).
       * attention, per layer: scores q·k^T and the weighted sum of values, each
         H * Dh multiply-adds per key position, i.e. 2 * 2 * H * Dh * T.
-        GQA does not shrink this term: every query head still attends.
+        GQA does not shrink this term: every query head still attends. With MLA
+        the two use different head dims: 2 * H * (d_qk + d_v) * T.
+      * MoE layers: the router, top-k routed and shared experts (`matmul` above);
+        the capacity path's padding slots and dispatch einsums are not model FLOPs.
 
     causal=True halves the attention term: a causal mask leaves only about
     half of the T x T score matrix useful. A flash-attention kernel skips the
@@ -84,7 +126,8 @@ def flops_per_token(
     if seq_len < 1:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
     n_matmul = param_counts(cfg)["matmul"]
-    attention = 2 * 2 * cfg.num_heads * cfg.resolved_head_dim * seq_len * cfg.num_layers
+    d_qk, d_v = _attention_dims(cfg)
+    attention = 2 * cfg.num_heads * (d_qk + d_v) * seq_len * cfg.num_layers
     if causal:
         attention /= 2
     forward = 2 * n_matmul + attention

@@ -211,6 +211,7 @@ def fit_parametric(n: Any, d: Any, loss: Any, *, bootstrap: int = 100, seed: int
         first = np.atleast_2d(np.asarray(starts, np.float64))
     with _one_blas_thread():
         theta, best = _best_fit(first, (*logs, delta))
+        E, A, B, alpha, beta = _params(theta)
         rng = np.random.default_rng(seed)
         k = min(bootstrap_starts, len(grid))
         restarts = np.vstack([theta[None], grid[np.argsort(_grid_objective(grid, *logs, delta))[:k]]])
@@ -227,14 +228,18 @@ def fit_parametric(n: Any, d: Any, loss: Any, *, bootstrap: int = 100, seed: int
         for i, name in enumerate(PARAM_NAMES):
             lo, hi = np.percentile(arr[:, i], [2.5, 97.5])
             ci[name] = (float(lo), float(hi))
-    E, A, B, alpha, beta = _params(theta)
     return ParametricFit(E=E, A=A, B=B, alpha=alpha, beta=beta, ci=ci, n_points=len(n),
                          n_bootstrap=len(samples), objective=best, huber_delta=delta)
 
 
 def _params(theta: np.ndarray) -> tuple[float, float, float, float, float]:
+    """theta -> (E, A, B, alpha, beta); FloatingPointError when a coefficient is beyond float range
+    (a degenerate optimum: too few or too similar runs to pin the law down)."""
     a, b, e, alpha, beta = (float(x) for x in theta)
-    return math.exp(e), math.exp(a), math.exp(b), alpha, beta
+    try:
+        return math.exp(e), math.exp(a), math.exp(b), alpha, beta
+    except OverflowError:
+        raise FloatingPointError(f"approach 3 diverged: log A={a:.3g}, log B={b:.3g}, log E={e:.3g}") from None
 
 
 # ---------------------------------------------------------------- approach 2
@@ -253,7 +258,6 @@ class Profile:
     n_opt: float
     d_opt: float
     loss_opt: float
-    inside: bool  # the minimum lies within the profile's range of N
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -311,8 +315,9 @@ def _parabola_min(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float, floa
 def fit_isoflop(n: Any, d: Any, loss: Any, compute: Any, budget: Any | None = None) -> IsoflopFit:
     """Approach 2 of Hoffmann et al. 2022 (section 3.2), see the module docstring.
 
-    Profiles with fewer than 3 distinct N, or whose parabola opens downwards, are skipped
-    (and listed in `skipped`). At least 2 usable profiles are needed.
+    Profiles with fewer than 3 distinct N, whose parabola opens downwards, or whose minimum
+    lies outside the sampled N (an extrapolation the profile cannot support) are skipped and
+    listed in `skipped`. At least 2 usable profiles are needed.
     """
     n, d, loss, c = (np.asarray(x, np.float64).ravel() for x in (n, d, loss, compute))
     groups = group_budgets(c, budget)
@@ -328,12 +333,16 @@ def fit_isoflop(n: Any, d: Any, loss: Any, compute: Any, budget: Any | None = No
         if fn is None or fd is None:
             skipped.append(f"C={cg:.3g}: the profile has no minimum (parabola opens downwards)")
             continue
+        if not n[m].min() <= math.exp(fn[1]) <= n[m].max():
+            side = "smaller" if math.exp(fn[1]) < n[m].min() else "larger"
+            skipped.append(f"C={cg:.3g}: the loss keeps falling towards {side} N (minimum outside "
+                           f"{n[m].min():.3g}..{n[m].max():.3g}); add {side} sizes")
+            continue
         order = np.argsort(n[m])
         profiles.append(Profile(
             compute=cg, n=tuple(n[m][order]), d=tuple(d[m][order]), loss=tuple(loss[m][order]),
             coef_n=tuple(float(v) for v in fn[0]), coef_d=tuple(float(v) for v in fd[0]),
-            n_opt=math.exp(fn[1]), d_opt=math.exp(fd[1]), loss_opt=fn[2],
-            inside=bool(n[m].min() <= math.exp(fn[1]) <= n[m].max())))
+            n_opt=math.exp(fn[1]), d_opt=math.exp(fd[1]), loss_opt=fn[2]))
     if len(profiles) < 2:
         raise ValueError(f"approach 2 needs at least 2 IsoFLOP profiles with 3+ model sizes each; "
                          f"usable: {len(profiles)}" + (f" (skipped {'; '.join(skipped)})" if skipped else ""))

@@ -30,6 +30,14 @@ def _pyplot() -> Any:
     return plt
 
 
+def _plain_log_labels(axis: Any) -> None:
+    """Label a log axis 2, 3, 4 rather than 2x10^0 (losses span less than a decade)."""
+    from matplotlib.ticker import FuncFormatter
+
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+
+
 def plot_all(table: dict[str, np.ndarray], fit: dict[str, Any], out_dir: str | pathlib.Path) -> list[pathlib.Path]:
     """Writes the three PNGs (those the fit supports) into out_dir; returns their paths."""
     plt = _pyplot()
@@ -93,6 +101,9 @@ def _isoflop(plt: Any, n: np.ndarray, d: np.ndarray, loss: np.ndarray, compute: 
     ax.legend(fontsize=7)
     ax2.set_xscale("log")
     ax2.set_yscale("log")
+    from matplotlib.ticker import NullFormatter
+
+    ax2.xaxis.set_minor_formatter(NullFormatter())  # short ranges would print overlapping minor labels
     ax2.set_xlabel("compute C (FLOPs)")
     ax2.set_ylabel("compute-optimal N")
     ax2.legend(fontsize=7)
@@ -122,6 +133,7 @@ def _frontier(plt: Any, n: np.ndarray, d: np.ndarray, loss: np.ndarray, compute:
         ax.plot(grid, l_opt, "C3--", lw=1, label="approach 3: L(N_opt, D_opt), C = 6ND")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    _plain_log_labels(ax.yaxis)
     ax.set_xlabel("compute C (FLOPs)")
     ax.set_ylabel("final eval loss")
     ax.set_title("compute-efficient frontier")

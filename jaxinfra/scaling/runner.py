@@ -8,7 +8,9 @@ after `prepare` has written each run's resolved config.yaml, so a run is reprodu
 its directory alone. Paths are as given to --out (relative paths resolve against the
 directory the jobs start in: the submission directory for SLURM, `launcher.k8s.workdir`
 for Kubernetes). A run whose directory holds summary.json is complete and skipped by
-every launcher; one without it (never started or interrupted) is run from the start.
+every launcher; one without it (never started, or interrupted) is run again with the same
+command, which resumes from the run's last checkpoint when it has one (checkpoint.enabled)
+and otherwise starts over.
 """
 
 from __future__ import annotations
@@ -57,8 +59,12 @@ def prepare(plan: Plan) -> list[str]:
 
 
 def _set_aside_partial_metrics(run: RunPlan) -> None:
-    """An interrupted run restarts from step 0: keep its old metrics.jsonl under another name."""
+    """An interrupted run without a checkpoint restarts from step 0: keep its old metrics.jsonl
+    under another name. (With a checkpoint, `jaxinfra train` resumes and appends to it.)"""
     metrics = run.run_dir / "metrics.jsonl"
+    checkpoints = run.run_dir / "checkpoints"
+    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+        return
     if metrics.is_file():
         k = 1
         while (run.run_dir / f"metrics.interrupted-{k}.jsonl").exists():

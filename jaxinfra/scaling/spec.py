@@ -36,6 +36,7 @@ Every mistake raises `ConfigError` with one line naming the spec key.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import pathlib
 from typing import Any
 
@@ -186,6 +187,11 @@ def load_spec(source: str | pathlib.Path | dict[str, Any], overrides: list[str] 
 
 
 def _parse(data: dict[str, Any], spec_dir: pathlib.Path, cli_overrides: list[str], where: str | None) -> SweepSpec:
+    for key in data:
+        if key not in TOP_KEYS:
+            close = difflib.get_close_matches(str(key), TOP_KEYS, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"unknown key '{key}'{hint}; allowed: {', '.join(TOP_KEYS)}")
     special = {k: data.pop(k) for k in _SPECIAL if k in data}
     top = from_dict(_Top, data, "")
     if not top.name or "/" in top.name:

@@ -111,7 +111,8 @@ def format_fit(fit: dict[str, Any]) -> str:
                      f"C^{p['a']:.4f}{ci(p['a_ci'])}, D_opt = {p['k_D']:.4g} C^{p['b']:.4f}{ci(p['b_ci'])}")
         for prof in p["profiles"]:
             lines.append(f"  C={prof['compute']:.4g}: N_opt={prof['n_opt']:.4g}, D_opt={prof['d_opt']:.4g}, "
-                         f"loss={prof['loss_opt']:.4f}" + ("" if prof["inside"] else " (outside the sampled N)"))
+                         f"loss={prof['loss_opt']:.4f}")
+        lines += [f"  skipped {line}" for line in p["skipped"]]
     p = fit.get("frontier")
     if p:
         ci = f" [{p['gamma_ci'][0]:.4f}, {p['gamma_ci'][1]:.4f}]" if p["gamma_ci"] else ""
