@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import kernels
-from sharding.rules import active, constrain
+from sharding.rules import active, constrain, logical_to_mesh
 
 CONTEXT = "context"
 
@@ -86,13 +86,44 @@ def _ring_attention_local(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Arr
     return out.transpose(0, 3, 1, 2, 4).reshape(b, tl, h, v.shape[-1]).astype(q.dtype)
 
 
+def _per_shard_kernel(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, impl: str,
+                      mesh, rules) -> jax.Array:
+    """Run a Pallas kernel on each device's (batch, heads) shard.
+
+    XLA cannot partition a custom kernel, so without this it would gather the full batch
+    onto every device. Heads are split over their mesh axes only when the K/V heads split
+    evenly too, so each shard keeps whole GQA groups.
+    """
+    batch = logical_to_mesh(("batch",), rules.activations, mesh, q.shape[:1])[0]
+    heads = logical_to_mesh(("heads",), rules.activations, mesh, q.shape[2:3])[0]
+    kv_heads = logical_to_mesh(("kv_heads",), rules.activations, mesh, k.shape[2:3])[0]
+    if heads != kv_heads:
+        heads = None
+    spec = P(batch, None, heads, None)
+    seg_spec = P(batch, None)
+    used = {a for axes in (batch, heads) if axes for a in (axes if isinstance(axes, tuple) else (axes,))}
+    if not used:
+        return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl)
+    if segment_ids is None:
+        segment_ids = jnp.ones(q.shape[:2], jnp.int32)
+    body = jax.shard_map(
+        lambda q, k, v, s: kernels.attention(q, k, v, causal=True, segment_ids=s, impl=impl),
+        mesh=mesh, axis_names=used, in_specs=(spec, spec, spec, seg_spec), out_specs=spec,
+        check_vma=False)  # pallas_call outputs carry no varying-axes annotation
+    return body(q, k, v, segment_ids)
+
+
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Array | None,
               impl: str = "auto") -> jax.Array:
     """Causal attention for [batch, length, heads, head_dim] inputs, context-parallel when the mesh asks."""
     current = active()
-    if current is None or current[0].shape[CONTEXT] == 1:
+    if current is None:
         return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl)
     mesh, rules = current
+    if mesh.shape[CONTEXT] == 1:
+        if kernels.resolve_impl(impl, q, v).startswith("pallas") and mesh.size > 1:
+            return _per_shard_kernel(q, k, v, segment_ids, impl, mesh, rules)
+        return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl)
     if rules.context_impl == "allgather":
         k = constrain(k, ("batch", "kv_length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "kv_length", "kv_heads", "head_dim"))
