@@ -39,6 +39,12 @@ class ParallelismConfig:
     load_balance: bool = True  # ring: reorder sequence chunks so causal work is even
     # Logical axis -> mesh axes overrides, applied to the param, optimizer and activation tables.
     rules: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    # Pipeline parallelism over mesh.stage (sharding/pipeline.py): schedule, microbatches per
+    # step (per gradient-accumulation step; 0 = one per stage), and for `circular` the layer
+    # groups per stage (stage s holds chunks s, s+S, ...). Bubble: (S-1)/(repeats*M + S-1).
+    pipeline_schedule: Literal["gpipe", "circular", "1f1b"] = "gpipe"
+    microbatches: int = 0
+    pipeline_repeats: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,8 +329,7 @@ def validate(cfg: Config, device_count: int | None = None) -> None:
 
 def validate_mesh(cfg: Config, device_count: int | None) -> None:
     """Axis sizes against the device count and against the dimensions they shard."""
-    if cfg.mesh.stage not in (1, -1) or cfg.mesh.dcn_stage != 1:
-        raise ConfigError(f"mesh.stage={cfg.mesh.stage} is not supported yet: must be 1")
+    _validate_pipeline(cfg, cfg.mesh.stage * cfg.mesh.dcn_stage if cfg.mesh.stage > 0 else None)
     for name, axes in cfg.parallelism.rules.items():
         for axis in axes:
             if axis not in MESH_AXES:
@@ -335,6 +340,7 @@ def validate_mesh(cfg: Config, device_count: int | None) -> None:
         sizes = resolve_mesh_sizes(cfg.mesh, device_count)
     except MeshError as e:
         raise ConfigError(str(e)) from None
+    _validate_pipeline(cfg, sizes["stage"], sizes["context"])
     ep = sizes["expert"]
     if cfg.model.is_moe and cfg.model.moe_num_experts % ep:
         raise ConfigError(f"model.moe_num_experts={cfg.model.moe_num_experts} is not divisible by mesh.expert={ep}")
@@ -343,6 +349,8 @@ def validate_mesh(cfg: Config, device_count: int | None) -> None:
     # The batch is sharded over `expert` as well (sharding/rules.py: expert parallelism).
     batch_shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     micro = cfg.train.batch_size // cfg.train.grad_accum_steps
+    if sizes["stage"] > 1:  # rows of one pipeline microbatch
+        micro //= cfg.parallelism.microbatches or sizes["stage"]
     if micro % batch_shards:
         axes = "mesh.data x mesh.fsdp" + (" x mesh.expert" if sizes["expert"] > 1 else "")
         raise ConfigError(
@@ -361,3 +369,41 @@ def validate_mesh(cfg: Config, device_count: int | None) -> None:
         if cfg.train.seq_len % need:
             raise ConfigError(f"train.seq_len={cfg.train.seq_len} is not divisible by {need} "
                               f"({'2 x ' if need != cp else ''}mesh.context={cp})")
+
+
+def pipeline_sizes(cfg: Config, stages: int) -> tuple[int, int]:
+    """(microbatches, repeats) of the pipeline over `stages` stages (see sharding/pipeline.py)."""
+    p = cfg.parallelism
+    return p.microbatches or stages, p.pipeline_repeats if p.pipeline_schedule == "circular" else 1
+
+
+def _validate_pipeline(cfg: Config, stages: int | None, context: int = 1) -> None:
+    """Pipeline keys: layers divide into stages x repeats, the batch into microbatches, ..."""
+    p = cfg.parallelism
+    if p.microbatches < 0:
+        raise ConfigError(f"parallelism.microbatches={p.microbatches} is invalid: must be >= 0 (0: one per stage)")
+    if p.pipeline_repeats < 1:
+        raise ConfigError(f"parallelism.pipeline_repeats={p.pipeline_repeats} is invalid: must be >= 1")
+    if p.pipeline_repeats > 1 and p.pipeline_schedule != "circular":
+        raise ConfigError(f"parallelism.pipeline_repeats={p.pipeline_repeats} needs "
+                          f"parallelism.pipeline_schedule=circular, got {p.pipeline_schedule}")
+    if stages is None or stages == 1:
+        return
+    m, t = cfg.model, cfg.train
+    micro, repeats = pipeline_sizes(cfg, stages)
+    if m.is_moe:
+        raise ConfigError(f"mesh.stage={stages} with MoE layers (model.moe_num_experts={m.moe_num_experts}) "
+                          f"is not supported yet: pipeline parallelism covers dense stacks")
+    if context != 1:
+        raise ConfigError(f"mesh.stage={stages} with mesh.context={context} is not supported yet")
+    if m.num_layers % (stages * repeats):
+        raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by mesh.stage={stages} x "
+                          f"parallelism.pipeline_repeats={repeats} = {stages * repeats}")
+    if repeats > 1 and micro % stages:
+        raise ConfigError(f"parallelism.microbatches={micro} is not divisible by mesh.stage={stages} "
+                          f"(circular schedule with parallelism.pipeline_repeats={repeats})")
+    per_step = t.batch_size // t.grad_accum_steps
+    if per_step % micro:
+        raise ConfigError(f"train.batch_size={t.batch_size} (per accumulation step {per_step}, "
+                          f"train.grad_accum_steps={t.grad_accum_steps}) is not divisible by "
+                          f"parallelism.microbatches={micro}")

@@ -10,11 +10,12 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxinfra.config import Config, validate
+from jaxinfra.config import Config, pipeline_sizes, validate
 from jaxinfra.metrics import flops_per_token, param_counts
 from jaxinfra.optim import make_optimizer, make_schedule
 from jaxinfra.state import abstract_state, sharding_rules, shardings_for
 from sharding.mesh import make_mesh
+from sharding.pipeline import bubble_fraction
 
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "numpy")
 
@@ -49,6 +50,17 @@ def memory_table(cfg: Config, mesh: jax.sharding.Mesh) -> dict[str, tuple[int, i
     return {"params": params, "grads": params, "optimizer state": _tree_bytes(state.opt_state, shardings.opt_state)}
 
 
+def pipeline_line(cfg: Config, stages: int) -> str:
+    """The pipeline schedule and its analytic bubble (S-1)/(R M + S-1) (sharding/pipeline.py)."""
+    micro, repeats = pipeline_sizes(cfg, stages)
+    p = cfg.parallelism
+    others = ", ".join(f"{name} {bubble_fraction(stages, micro, repeats if name == 'circular' else 1):.3f}"
+                       for name in ("gpipe", "circular", "1f1b") if name != p.pipeline_schedule)
+    return (f"pipeline: {p.pipeline_schedule}, {stages} stages x {micro} microbatches"
+            f"{f' x {repeats} repeats' if repeats > 1 else ''}: bubble {bubble_fraction(stages, micro, repeats):.3f}"
+            f" (same microbatches: {others})")
+
+
 def describe(cfg: Config | None = None) -> str:
     devices = jax.devices()
     lines = [
@@ -64,6 +76,8 @@ def describe(cfg: Config | None = None) -> str:
     counts = param_counts(cfg.model)
     lines.append(f"mesh: {dict(mesh.shape)}")
     lines.append(f"strategy: {rules.describe()}")
+    if mesh.shape["stage"] > 1:
+        lines.append(pipeline_line(cfg, mesh.shape["stage"]))
     lines.append(f"params: {counts['total']:,} ({counts['non_embedding']:,} non-embedding); "
                  f"train FLOPs/token at seq {cfg.train.seq_len}: {flops_per_token(cfg.model, cfg.train.seq_len):.4g}")
     tx = make_optimizer(cfg.optimizer, make_schedule(cfg.schedule, cfg.optimizer.lr, cfg.train.steps))

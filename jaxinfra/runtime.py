@@ -24,6 +24,7 @@ from jaxinfra.state import (TrainState, abstract_state, create_train_state, mode
 from jaxinfra.step import make_eval_step, make_train_step
 from sharding.context import balanced_order
 from sharding.mesh import make_mesh
+from sharding.pipeline import PipelineSettings
 from sharding.rules import ShardingRules, activation_sharding, logical_to_mesh
 
 
@@ -84,6 +85,9 @@ def build_runtime(cfg: Config, devices: Sequence[jax.Device] | None = None) -> R
     t = cfg.train
     mesh = make_mesh(cfg.mesh, devices)
     rules = sharding_rules(cfg.parallelism)
+    if mesh.shape["stage"] > 1:  # the model reads the schedule while tracing (sharding/pipeline.py)
+        rules = dataclasses.replace(rules, pipeline=PipelineSettings(
+            cfg.parallelism.pipeline_schedule, cfg.parallelism.microbatches, cfg.parallelism.pipeline_repeats))
     schedule = make_schedule(cfg.schedule, cfg.optimizer.lr, t.steps)
     tx = make_optimizer(cfg.optimizer, schedule)
     graphdef = model_graphdef(cfg.model)

@@ -178,7 +178,8 @@ class ModelConfig:
         if self.qk_norm:
             out.append(("qk_norm", self.qk_norm, "false with attention_type=mla (its latents are normalised)"))
         if self.num_kv_heads not in (None, self.num_heads):
-            out.append(("num_kv_heads", self.num_kv_heads, "null with attention_type=mla (K/V come from a shared latent)"))
+            out.append(("num_kv_heads", self.num_kv_heads,
+                        "null with attention_type=mla (K/V come from a shared latent)"))
         return out
 
     def _moe_problems(self) -> list[tuple[str, object, str]]:

@@ -87,4 +87,5 @@ class MLA(nnx.Module):
         k = constrain(checkpoint_name(k, "key_proj"), ("batch", "length", "heads", "head_dim"))
         v = constrain(checkpoint_name(v, "value_proj"), ("batch", "length", "heads", "head_dim"))
         out = checkpoint_name(context_attention(q, k, v, segment_ids=segment_ids, impl=self.impl), "attn_out")
-        return (out.reshape(b * t, heads * self.dv) @ self.wo[...].astype(dt).reshape(heads * self.dv, d)).reshape(b, t, d)
+        wo = self.wo[...].astype(dt).reshape(heads * self.dv, d)
+        return (out.reshape(b * t, heads * self.dv) @ wo).reshape(b, t, d)

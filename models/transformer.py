@@ -28,6 +28,7 @@ from models.config import ModelConfig
 from models.layers import DTYPES, MLP, RMSNorm, param, rope_frequencies
 from models.mla import MLA
 from models.moe import MoE
+from sharding import pipeline
 from sharding.rules import constrain
 
 # Names saved for the backward pass by each remat policy (see models.config.RematPolicy).
@@ -154,6 +155,13 @@ class Transformer(nnx.Module):
                      rope_freqs: jax.Array) -> jax.Array:
         cfg = self.cfg
         graphdef, stacked = nnx.split(self.layers)
+        if pipeline.is_pipelined():  # layers split over the `stage` mesh axis (sharding/pipeline.py)
+            def layer(h: jax.Array, layer_state, side) -> jax.Array:
+                return nnx.merge(graphdef, layer_state)(h, side[0], side[1], rope_freqs)
+
+            if cfg.remat_policy != "none":
+                layer = jax.checkpoint(layer, policy=remat_policy(cfg.remat_policy), prevent_cse=not cfg.scan_layers)
+            return pipeline.apply_layers(layer, h, stacked, (positions, segment_ids), scan_layers=cfg.scan_layers)
 
         def block(h: jax.Array, layer_state) -> tuple[jax.Array, None]:
             return nnx.merge(graphdef, layer_state)(h, positions, segment_ids, rope_freqs), None

@@ -38,6 +38,7 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -52,7 +53,7 @@ _TENSOR: dict[str, tuple[str, ...]] = {
     "mlp": ("tensor",),
     "vocab": ("tensor",),
     "head_dim": (),
-    "layers": (),
+    "layers": ("stage",),  # stacked layers: pipeline stages (a no-op while mesh.stage == 1)
     "experts": ("expert",),  # MoE expert weights: expert parallelism
     "q_lora": (),  # MLA query latent
     "kv_lora": (),  # MLA key/value latent
@@ -81,6 +82,7 @@ class ShardingRules:
     sequence_parallel: bool = False
     context_impl: str = "allgather"  # or "ring" (see sharding/context.py)
     load_balance: bool = True  # ring only: reorder sequence chunks for causal balance
+    pipeline: Any = None  # sharding.pipeline.PipelineSettings when mesh.stage > 1
 
     def describe(self) -> str:
         zero = {"dp": "no ZeRO: params and optimizer state replicated over data/fsdp",

@@ -333,7 +333,8 @@ def test_mixed_stack_scan_equals_unrolled():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
     lg = np.asarray(logits, np.float64)
     m = lg.max(-1, keepdims=True)
-    ce = (m[..., 0] + np.log(np.exp(lg - m).sum(-1))) - np.take_along_axis(lg, np.asarray(batch["targets"])[..., None], -1)[..., 0]
+    target = np.take_along_axis(lg, np.asarray(batch["targets"])[..., None], -1)[..., 0]
+    ce = m[..., 0] + np.log(np.exp(lg - m).sum(-1)) - target
     want = ce[seg > 0].mean() + 0.1 * stats["aux_loss"].sum() + 0.01 * stats["z_loss"].sum()
     np.testing.assert_allclose(loss_s, want, rtol=1e-5)
     assert stats["aux_loss"].shape == (1,) and stats["counts"].shape == (1, E)
