@@ -13,7 +13,10 @@ Two dispatch paths, same routing:
   C = ceil(capacity_factor * S * k / E) slots per group. Assignments claim slots in order
   of choice rank, then position (all first choices before any second choice, GShard
   Algorithm 1); those past C are dropped (the token keeps its residual) and counted.
-  Dispatch and combine are one-hot einsums that XLA shards like any matmul.
+  "Position" is the token's place in the original sequence, recovered from its
+  (segment id, position) pair, so layouts that permute the sequence (ring attention's
+  load balancing) drop exactly the same tokens. Dispatch and combine are one-hot einsums
+  that XLA shards like any matmul.
 * dropless (`moe_dispatch="dropless"`): (token, choice) pairs sorted by expert, grouped
   matmuls with `jax.lax.ragged_dot` (MegaBlocks, Gale et al. 2022). Nothing is dropped.
 
@@ -53,8 +56,12 @@ class MoE(nnx.Module):
         self.cfg = cfg
         self.dtype = DTYPES[cfg.dtype]
 
-    def __call__(self, x: jax.Array, mask: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def __call__(self, x: jax.Array, mask: jax.Array,
+                 order: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
         """x [B, T, d], mask [B, T] -> (y [B, T, d], per-layer statistics).
+
+        order [B, T]: per row, the indices of its tokens in original sequence order (the
+        capacity path's slot priority); None: the array order.
 
         Statistics: counts [E] (assignments per expert), dropped (assignments dropped
         for capacity), aux_loss, z_loss (see models/router.py)."""
@@ -66,7 +73,8 @@ class MoE(nnx.Module):
         weights = tuple(w[...].astype(dt) for w in (self.w_gate, self.w_up, self.w_down))
         if cfg.moe_dispatch == "capacity":
             capacity = expert_capacity(t, k, cfg.moe_num_experts, cfg.moe_capacity_factor)
-            dispatch, combine, dropped = capacity_assignment(experts, gates, mask, cfg.moe_num_experts, capacity)
+            dispatch, combine, dropped = capacity_assignment(experts, gates, mask, cfg.moe_num_experts, capacity,
+                                                             order)
             x_e = jnp.einsum("gsec,gsd->gecd", dispatch.astype(dt), x)
             y_e = capacity_experts(x_e, weights, expert_swiglu)
             y = jnp.einsum("gsec,gecd->gsd", combine.astype(dt), y_e)
@@ -87,18 +95,22 @@ def expert_capacity(tokens_per_group: int, top_k: int, num_experts: int, factor:
 
 
 def capacity_assignment(experts: jax.Array, gates: jax.Array, mask: jax.Array, num_experts: int,
-                        capacity: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+                        capacity: int, order: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """GShard slot assignment per group.
 
-    experts, gates [G, S, k]; mask [G, S]. Returns dispatch [G, S, E, C] (0/1), combine
-    [G, S, E, C] (gate weight in the token's slot) and the number of real assignments
-    dropped because their expert was full."""
+    experts, gates [G, S, k]; mask [G, S]; order [G, S] the tokens' priority order within
+    the group (None: as stored). Returns dispatch [G, S, E, C] (0/1), combine [G, S, E, C]
+    (gate weight in the token's slot) and the number of real assignments dropped because
+    their expert was full."""
     g, s, k = experts.shape
     chosen = jax.nn.one_hot(experts, num_experts, dtype=jnp.int32) * mask[..., None, None].astype(jnp.int32)
-    # Priority: choice rank first, then position, so a second choice never displaces a first.
-    by_rank = chosen.transpose(0, 2, 1, 3).reshape(g, k * s, num_experts)
+    ranked = chosen if order is None else jnp.take_along_axis(chosen, order[:, :, None, None], axis=1)
+    # Priority: choice rank first, then token order, so a second choice never displaces a first.
+    by_rank = ranked.transpose(0, 2, 1, 3).reshape(g, k * s, num_experts)
     slot = (jnp.cumsum(by_rank, axis=1) - 1).reshape(g, k, s, num_experts).transpose(0, 2, 1, 3)
-    slot = jnp.sum(slot * chosen, axis=-1)  # [G, S, k]: the slot each assignment asks for
+    slot = jnp.sum(slot * ranked, axis=-1)  # [G, S, k]: the slot each assignment asks for, in `order`
+    if order is not None:  # back to storage order
+        slot = jnp.take_along_axis(slot, jnp.argsort(order, axis=1)[:, :, None], axis=1)
     kept = (jnp.sum(chosen, axis=-1) > 0) & (slot < capacity)
     in_slot = jax.nn.one_hot(jnp.where(kept, slot, capacity), capacity, dtype=jnp.float32)  # dropped: all-zero
     expert_hot = chosen.astype(jnp.float32)

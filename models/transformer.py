@@ -84,10 +84,20 @@ class MoEBlock(nnx.Module):
         self.moe = MoE(cfg, rngs)
 
     def __call__(self, h: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
-                 rope_freqs: jax.Array, mask: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+                 rope_freqs: jax.Array, mask: jax.Array,
+                 order: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         h = h + self.attn(self.attn_norm(h), positions, segment_ids, rope_freqs)
-        y, stats = self.moe(self.mlp_norm(h), mask)
+        y, stats = self.moe(self.mlp_norm(h), mask, order)
         return constrain(h + y, ("batch", "residual_length", "embed")), stats
+
+
+def sequence_order(positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+    """Per row, token indices in original sequence order: packed documents are numbered in
+    order and positions count up within each, so (segment id, position) sorts them even
+    when a layout has permuted the row (ring attention's load balancing)."""
+    if segment_ids is None:
+        return jnp.argsort(positions, axis=-1, stable=True)
+    return jnp.lexsort((positions, segment_ids), axis=-1)
 
 
 def _stack(cfg: ModelConfig, rngs: nnx.Rngs, cls: type, count: int) -> nnx.Module:
@@ -139,7 +149,8 @@ class Transformer(nnx.Module):
         stats: dict[str, jax.Array] = {}
         if cfg.is_moe:
             mask = segment_ids > 0 if segment_ids is not None else jnp.ones(tokens.shape, jnp.bool_)
-            h, stats = self._moe_stack(h, positions, segment_ids, rope_freqs, mask)
+            order = sequence_order(positions, segment_ids)
+            h, stats = self._moe_stack(h, positions, segment_ids, rope_freqs, mask, order)
         else:
             h = self._dense_stack(h, positions, segment_ids, rope_freqs)
         h = self.final_norm(h)
@@ -177,7 +188,8 @@ class Transformer(nnx.Module):
         return h
 
     def _moe_stack(self, h: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
-                   rope_freqs: jax.Array, mask: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+                   rope_freqs: jax.Array, mask: jax.Array,
+                   order: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Dense prefix, then periods of (moe_every - 1) dense blocks + one MoE block."""
         cfg = self.cfg
         prefix, per = cfg.moe_first_dense_layers, cfg.moe_every - 1
@@ -189,7 +201,7 @@ class Transformer(nnx.Module):
             return nnx.merge(dense_def, layer_state)(h, positions, segment_ids, rope_freqs), None
 
         def moe_block(h, layer_state):
-            return nnx.merge(moe_def, layer_state)(h, positions, segment_ids, rope_freqs, mask)
+            return nnx.merge(moe_def, layer_state)(h, positions, segment_ids, rope_freqs, mask, order)
 
         if cfg.remat_policy != "none":
             policy = remat_policy(cfg.remat_policy)

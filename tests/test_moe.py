@@ -204,6 +204,26 @@ def test_capacity_drops_overflow_in_gshard_priority_order():
     np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-5)
 
 
+def test_capacity_drops_follow_the_original_order_of_a_permuted_row():
+    """Given each row's original order, a permuted row (as ring attention's load balancing
+    stores it) drops the same assignments: the outputs are the permuted outputs."""
+    cfg = layer_cfg(moe_dispatch="capacity", moe_capacity_factor=0.5)
+    _, state = layer_state(layer_cfg())
+    x, mask = _inputs(seed=2)
+    want, stats = apply_layer(cfg, x, mask, state)
+    perm = np.stack([np.random.default_rng(r).permutation(T) for r in range(B)])
+    take = lambda a: np.take_along_axis(np.asarray(a), perm.reshape(B, T, *[1] * (a.ndim - 2)), 1)  # noqa: E731
+    order = jnp.asarray(np.argsort(perm, axis=1), jnp.int32)
+    got, stats_p = jax.device_get(_apply_ordered(layer_state(cfg)[0], state, take(x), take(mask), order))
+    assert stats["dropped"] > 0 and stats_p["dropped"] == stats["dropped"]
+    np.testing.assert_allclose(got, take(want), rtol=1e-5, atol=1e-6)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _apply_ordered(graphdef, state, x, mask, order):
+    return nnx.merge(graphdef, state)(x, mask, order)
+
+
 @pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
 def test_one_expert_top1_equals_dense_mlp_in_the_model(dispatch):
     """A MoE Transformer with 1 expert, top-1, no shared expert is the dense Transformer
