@@ -78,7 +78,8 @@ def describe(cfg: Config | None = None) -> str:
     lines.append(f"strategy: {rules.describe()}")
     if mesh.shape["stage"] > 1:
         lines.append(pipeline_line(cfg, mesh.shape["stage"]))
-    lines.append(f"params: {counts['total']:,} ({counts['non_embedding']:,} non-embedding); "
+    active = f", {counts['active']:,} active per token" if "active" in counts else ""
+    lines.append(f"params: {counts['total']:,} ({counts['non_embedding']:,} non-embedding{active}); "
                  f"train FLOPs/token at seq {cfg.train.seq_len}: {flops_per_token(cfg.model, cfg.train.seq_len):.4g}")
     tx = make_optimizer(cfg.optimizer, make_schedule(cfg.schedule, cfg.optimizer.lr, cfg.train.steps))
     state = abstract_state(cfg.model, tx)
