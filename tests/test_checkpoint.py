@@ -253,3 +253,33 @@ def test_peer_killed_mid_run_survivor_exits_and_checkpoint_restores(tmp_path):
     # The last committed checkpoint restores, here on one process with 2 devices.
     summary = train(load_config("tiny", [*BASE, *extra, "train.steps=25"]), tmp_path, jax.devices()[:2])
     assert summary["resumed_from_step"] >= 10 and summary["exit_code"] == 0
+
+
+@pytest.mark.slow  # a ~34M-parameter state so the async save is slow enough to be caught in flight
+def test_real_sigkill_during_async_save(tmp_path):
+    big = [*BASE, "model.vocab_size=8192", "model.d_model=512", "model.num_heads=8", "model.mlp_dim=2048",
+           "model.num_layers=6", "model.tie_embeddings=false", "train.batch_size=4", "train.steps=12",
+           "checkpoint.every=4"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+
+    def spawn(run_dir):
+        return subprocess.Popen([sys.executable, "-m", "jaxinfra", "train", "tiny", "--run-dir", str(run_dir), *big],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    reference = tmp_path / "reference"
+    assert spawn(reference).wait() == 0
+    run = tmp_path / "run"
+    proc = spawn(run)
+    in_flight = None
+    while proc.poll() is None and in_flight is None:
+        ckpts = run / "checkpoints"
+        names = {p.name for p in ckpts.iterdir()} if ckpts.exists() else set()
+        if "4" in names and any("tmp" in n for n in names):
+            in_flight = sorted(n for n in names if "tmp" in n)
+            proc.kill()
+        time.sleep(0.002)
+    proc.wait()
+    assert in_flight, "the save finished before it could be interrupted"
+    out, _ = spawn(run).communicate(timeout=300)
+    assert "resumed at step 4" in out
+    assert losses(run)[12] == losses(reference)[12]
