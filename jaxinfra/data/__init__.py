@@ -4,9 +4,20 @@
     batch = next(it)  # inputs, targets, segment_ids, positions: int32 [local_batch, seq_len]
 """
 
-from jaxinfra.data.config import DataConfig, DataError
-from jaxinfra.data.pipeline import (make_eval_batches, make_train_iterator, row_states, set_row_states,
-                                    vocab_size_of)
+from typing import Any
 
-__all__ = ["DataConfig", "DataError", "make_eval_batches", "make_train_iterator", "row_states", "set_row_states",
-           "vocab_size_of"]
+from jaxinfra.data.config import DataConfig, DataError
+from jaxinfra.data.tokenizer import vocab_size_of
+
+_PIPELINE = ("make_eval_batches", "make_train_iterator", "row_states", "set_row_states")
+__all__ = ["DataConfig", "DataError", "vocab_size_of", *_PIPELINE]
+
+
+def __getattr__(name: str) -> Any:
+    # The pipeline (and grain) load on first use: config validation, inference and
+    # benchmarks that feed their own batches never need them.
+    if name in _PIPELINE:
+        from jaxinfra.data import pipeline
+
+        return getattr(pipeline, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,20 +14,10 @@ from jaxinfra.data.config import DataConfig, DataError
 from jaxinfra.data.sources import (
     ArrayReader, ByteReader, TokenFileReader, WindowSource, common_root, expand_paths, open_token_file,
     split_documents, split_streams, stdlib_files)
-from jaxinfra.data.tokenizer import tokenize_files, tokenizer_vocab_size
+from jaxinfra.data.tokenizer import tokenize_files, vocab_size_of  # noqa: F401 - re-exported
 
 _EVAL_SEED = 0x5EED  # eval batches do not depend on the run's seed, so runs compare on the same batches
 _PACKING_BINS_PER_ROW = 4  # a few open rows per slot pack short documents tightly
-
-
-def vocab_size_of(cfg: DataConfig) -> int:
-    """Token ids the data can contain; 0 for the tokens source (checked per window when read)."""
-    cfg.check()
-    if cfg.source == "synthetic":
-        return cfg.synthetic_vocab
-    if cfg.source == "tokens":
-        return 0
-    return tokenizer_vocab_size(cfg.tokenizer) if cfg.tokenizer else 256
 
 
 def make_train_iterator(cfg: DataConfig, *, seq_len: int, global_batch_size: int, vocab_size: int, seed: int,

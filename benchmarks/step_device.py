@@ -1,0 +1,107 @@
+"""Training-step throughput and MFU on an accelerator, per attention implementation.
+
+    python benchmarks/step_device.py [--impls xla,cudnn,pallas_triton] [--policies none]
+                                     [--budget-s 240] [KEY=VALUE ...]
+
+The default model is Llama-shaped, ~1.1B parameters (d_model 2048, 16 layers, 16 heads of
+128, 8 KV heads, SwiGLU 8192, vocab 32768, untied), seq 4096, global batch 8, bfloat16
+compute with float32 parameters and AdamW: the same jitted step `jaxinfra train` runs.
+For each (attention impl, remat policy) it prints step time, tokens/s, model TFLOP/s per
+device and MFU two ways: PaLM's count (attention as non-causal, what `metrics.jsonl` logs)
+and with causal attention halved (the work a causal kernel actually does); plus the ratio
+to a bfloat16 8192^3 `jnp.dot` measured in the same process and the compiled program's
+temporary memory. Without an accelerator it runs a tiny config on CPU (a dry run of the
+same code; its figures say nothing about a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.step_cpu import build_step, random_batch  # noqa: E402
+from jaxinfra.config import load_config  # noqa: E402
+from jaxinfra.metrics import flops_per_token, measure_matmul_flops  # noqa: E402
+from jaxinfra.metrics.flops import param_counts  # noqa: E402
+from jaxinfra.metrics.peak import peak_flops_per_device  # noqa: E402
+
+GPU_OVERRIDES = ["model.d_model=2048", "model.num_layers=16", "model.num_heads=16", "model.num_kv_heads=8",
+                 "model.head_dim=128", "model.mlp_dim=8192", "model.vocab_size=32768", "model.tie_embeddings=false",
+                 "model.dtype=bfloat16", "model.param_dtype=float32", "model.rope_theta=500000",
+                 "train.seq_len=4096", "train.batch_size=8", "data.source=synthetic"]
+DRY_OVERRIDES = ["model.num_layers=2", "train.seq_len=64", "train.batch_size=2", "data.source=synthetic"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--impls", default="xla,cudnn,pallas_triton")
+    parser.add_argument("--policies", default="none")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting new rows after this")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    start = time.monotonic()
+    device = jax.devices()[0]
+    dry = device.platform == "cpu"
+    base = load_config("tiny" if dry else "small", (DRY_OVERRIDES if dry else GPU_OVERRIDES) + args.overrides)
+    impls = ["xla"] if dry else args.impls.split(",")
+    tokens = base.train.batch_size * base.train.seq_len
+    fpt = flops_per_token(base.model, base.train.seq_len)
+    fpt_causal = flops_per_token(base.model, base.train.seq_len, causal=True)
+    peak, source = peak_flops_per_device(device, base.model.dtype)
+    matmul = measure_matmul_flops(8192 if not dry else 1024, jnp.bfloat16 if not dry else jnp.float32)
+    n_params = param_counts(base.model)["total"]
+    print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}{'; DRY RUN' if dry else ''}")
+    print(f"model: {n_params / 1e9:.2f}B params, {fpt / 1e9:.2f} GFLOP/token (PaLM), {tokens} tokens/step; "
+          f"peak {peak / 1e12:.0f} TFLOP/s ({source}); jnp.dot bf16 8192^3: {matmul / 1e12:.0f} TFLOP/s")
+    print(f"{'attention':<14} {'remat':<20} {'compile s':>9} {'step s':>8} {'tokens/s':>9} {'TFLOP/s':>8} "
+          f"{'MFU':>6} {'MFU causal':>10} {'/matmul':>8} {'temp GiB':>9}")
+    for impl in impls:
+        for policy in args.policies.split(","):
+            if time.monotonic() - start > args.budget_s:
+                print(f"{impl:<14} {policy:<20} skipped: budget spent")
+                continue
+            cfg = dataclasses.replace(base, model=dataclasses.replace(
+                base.model, attention_impl=impl, remat_policy=policy))
+            try:
+                rt, state = build_step(cfg)
+                batch = rt.to_global(random_batch(cfg, np.random.default_rng(0)))
+                jax.block_until_ready((state, batch))
+                t0 = time.perf_counter()
+                compiled = rt.lower_train_step(state, batch).compile()
+                compile_s = time.perf_counter() - t0
+                temp = getattr(compiled.memory_analysis(), "temp_size_in_bytes", 0) / 2**30
+                state, metrics = rt.train_step(state, batch)
+                jax.block_until_ready(metrics)
+                times = []
+                for _ in range(args.steps):
+                    t0 = time.perf_counter()
+                    state, metrics = rt.train_step(state, batch)
+                    jax.block_until_ready(metrics)
+                    times.append(time.perf_counter() - t0)
+                loss = float(jax.device_get(metrics["loss"]))
+                del state, batch, rt
+            except Exception as e:  # noqa: BLE001 - one row per failure, keep going
+                print(f"{impl:<14} {policy:<20} error: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+                continue
+            step_s = float(np.median(times))
+            tps = tokens / step_s
+            achieved = tps * fpt  # one device
+            print(f"{impl:<14} {policy:<20} {compile_s:>9.1f} {step_s:>8.3f} {tps:>9.0f} {achieved / 1e12:>8.1f} "
+                  f"{achieved / peak:>6.3f} {tps * fpt_causal / peak:>10.3f} {achieved / matmul:>8.2f} {temp:>9.1f}"
+                  f"  (loss {loss:.3f})")
+    print(f"total {time.monotonic() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
