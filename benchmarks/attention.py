@@ -190,25 +190,30 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def sweep(shapes: dict[str, Shape], impl: str, dtype: str, reps: int, dry_run: bool, causal_modes) -> None:
+def sweep(shapes: dict[str, Shape], impl: str, dtype: str, reps: int, dry_run: bool, causal_modes,
+          deadline: float = math.inf) -> None:
     """Two stages per (shape, mask): forward tiles (and warps) by forward time, then the
     backward tiles by forward+backward time with the best forward tiles."""
     device_kind = "cpu" if dry_run else jax.devices()[0].device_kind
     fwd_tiles = [(16, 16), (32, 16)] if dry_run else [(64, 32), (64, 64), (128, 32), (128, 64), (128, 128)]
     bwd_tiles = [(16, 16), (16, 32)] if dry_run else [(32, 32), (64, 32), (64, 64), (128, 64), (64, 128)]
     warps = (None,) if dry_run else (4, 8)
+    stages = (None,) if dry_run else (2, 3)
     for shape, causal in itertools.product(shapes.values(), causal_modes):
         def best(candidates, backward):
             timed = []
             for bs in candidates:
-                row = measure(shape, causal, impl, dtype, reps, block_sizes=bs)
+                row = measure(shape, causal, impl, dtype, reps, block_sizes=bs, deadline=deadline)
                 ms = row.bwd_ms if backward else row.fwd_ms
+                tf = row.bwd_tflops if backward else row.fwd_tflops
+                print(f"#   {'f+b' if backward else 'fwd'} {bs!r}: "
+                      + (f"{ms:.3f} ms, {tf:.0f} TFLOP/s" if ms is not None else row.note or "-"), flush=True)
                 if ms is not None:
                     timed.append((ms, bs))
             return min(timed, key=lambda x: x[0]) if timed else None
 
-        first = best([BlockSizes(bq, bk, num_warps=w) for (bq, bk), w in itertools.product(fwd_tiles, warps)],
-                     backward=False)
+        first = best([BlockSizes(bq, bk, num_warps=w, num_stages=st)
+                      for (bq, bk), w, st in itertools.product(fwd_tiles, warps, stages)], backward=False)
         if first is None:
             print(f"# {shape.name} causal={causal}: no candidate ran")
             continue
@@ -232,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--sweep", action="store_true", help="time block-size candidates, print table rows")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes in interpret mode (CPU)")
+    parser.add_argument("--budget-s", type=float, default=math.inf, help="sweep: stop timing after this")
     args = parser.parse_args(argv)
     dry = args.dry_run or not has_gpu() and jax.default_backend() != "tpu"
     if dry and not args.dry_run:
@@ -243,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         for impl in args.impls.split(","):
             if impl.startswith("pallas"):
-                sweep(shapes, impl, args.dtype, reps, dry, causal_modes)
+                sweep(shapes, impl, args.dtype, reps, dry, causal_modes, time.monotonic() + args.budget_s)
         return 0
     rows = [measure(s, c, impl, args.dtype, reps) for s in shapes.values() for c in causal_modes
             for impl in args.impls.split(",")]
