@@ -25,7 +25,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxinfra.checkpoint import Checkpointer, CheckpointError, abstract_with_shardings, restore_params
+from jaxinfra.checkpoint import (Checkpointer, CheckpointError, abstract_with_shardings, is_params_only,
+                                 restore_params)
 from jaxinfra.config import Config
 from jaxinfra.data import make_eval_batches, make_train_iterator, row_states, set_row_states
 from jaxinfra.metrics import (
@@ -91,7 +92,11 @@ class Trainer:
                                       f"aside to start afresh")
             return self._resume(*found)
         if self.restore_from is not None:
-            if self.cfg.checkpoint.restore == "params":
+            params_only = is_params_only(self.restore_from)
+            if params_only and self.cfg.checkpoint.restore != "params" and jax.process_index() == 0:
+                print(f"jaxinfra: --restore {self.restore_from} holds params only (e.g. an HF import); starting "
+                      f"from them with a fresh optimizer at step 0 (as checkpoint.restore=params)", flush=True)
+            if self.cfg.checkpoint.restore == "params" or params_only:
                 step, params = restore_params(self.restore_from, self._target().params)
                 state = self.rt.init_state()
                 return 0, TrainState(step=state.step, params=params, opt_state=state.opt_state), {}

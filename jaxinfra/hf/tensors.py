@@ -82,12 +82,12 @@ def out_linear(*shape: int) -> tuple[Convert, Split]:
 
 
 def vector(*shape: int) -> tuple[Convert, Split]:
-    """Same values, ours maybe reshaped (norm scales, biases)."""
+    """Same values; with `shape`, ours is the HF vector reshaped (q/k/v biases as [heads, head_dim])."""
     def load(ts: Sequence[np.ndarray]) -> np.ndarray:
         return np.ascontiguousarray(ts[0].reshape(shape)) if shape else ts[0]
 
     def save(x: np.ndarray) -> list[np.ndarray]:
-        return [np.ascontiguousarray(x.reshape(-1))]
+        return [np.ascontiguousarray(x.reshape(-1) if shape else x)]
 
     return load, save
 
