@@ -111,7 +111,8 @@ def export_hf(source: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: st
         total += write_safetensors(out_dir / fname, shard, tensors([by_name[s[0]] for s in shard]))
         weight_map.update({s[0]: fname for s in shard})
     if len(files) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        data_bytes = sum(int(np.prod(shape)) * dt.itemsize for _, _, shape, dt, _ in specs)
+        index = {"metadata": {"total_size": data_bytes}, "weight_map": weight_map}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (out_dir / "config.json").write_text(json.dumps(to_hf(cfg.model, dtype), indent=2))
     return {"family": family, "step": step, "files": files, "tensors": len(specs), "bytes": total,

@@ -134,9 +134,15 @@ def save_imported(out: pathlib.Path, cfg: Config, params: Any, meta: dict[str, A
     if ckpt_dir.exists() and any(ckpt_dir.iterdir()):
         raise HFError(f"{ckpt_dir} already holds checkpoints; import into a new directory")
     (out / "config.yaml").write_text(cfg.to_yaml())
+    # Orbax copies arrays to the host before writing them; by default all at once (a full host copy
+    # of the model). Bounding the copies in flight to the largest parameter (at least 256 MiB) keeps
+    # the host to about one tensor at a time. Same PyTree format as StandardSave.
+    largest = max(x.nbytes for x in jax.tree.leaves(params))
+    budget = (max(largest, 2**28) + 2**20) / 10**9  # the limiter refuses a single array above its budget
+    handler = ocp.PyTreeCheckpointHandler(save_device_host_concurrent_gb=budget, save_concurrent_gb=budget)
     manager = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(create=True),
-                                    item_names=("state", "data", "meta"))
-    manager.save(STEP, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": params}),
+                                    item_names=("state", "data", "meta"), item_handlers={"state": handler})
+    manager.save(STEP, args=ocp.args.Composite(state=ocp.args.PyTreeSave({"params": params}),
                                                meta=ocp.args.JsonSave({**meta, "config": cfg.to_yaml()})))
     manager.wait_until_finished()
     manager.close()
