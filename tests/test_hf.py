@@ -123,6 +123,27 @@ def test_rope_perm_turns_interleaved_rotation_into_rotate_half():
     np.testing.assert_allclose(np.asarray(ours), hf, atol=1e-6)
 
 
+def test_fused_expert_tensors_are_read_too(imported, tmp_path):
+    """transformers 5.x's in-memory layout (block_sparse_moe renamed mlp; mlp.experts.gate_up_proj [E, 2F, d],
+    down_proj [E, d, F]) imports to the same params as the Hub's per-expert tensors."""
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "hf"
+    shutil.copytree(FIXTURES / "mixtral", src)
+    files = SafetensorsDir(src)
+    tensors = {k.replace(".block_sparse_moe.", ".mlp."): files.read(k) for k in files.where if ".experts." not in k}
+    for i in range(2):
+        per = lambda j, w: files.read(f"model.layers.{i}.block_sparse_moe.experts.{j}.{w}.weight")  # noqa: E731
+        tensors[f"model.layers.{i}.mlp.experts.gate_up_proj"] = np.stack(
+            [np.concatenate([per(j, "w1"), per(j, "w3")]) for j in range(8)])
+        tensors[f"model.layers.{i}.mlp.experts.down_proj"] = np.stack([per(j, "w2") for j in range(8)])
+    save_file(tensors, src / "model.safetensors")
+    import_hf(src, tmp_path / "out", devices=one_device())
+    for x, y in zip(jax.tree.leaves(restored(imported["mixtral"])[1]), jax.tree.leaves(restored(tmp_path / "out")[1]),
+                    strict=True):
+        assert np.array_equal(np.asarray(x), np.asarray(y))
+
+
 # ---------------------------------------------------------------- export
 
 
@@ -163,15 +184,16 @@ def test_export_refuses_models_without_hf_family():
 # ---------------------------------------------------------------- sharded import, eval loss
 
 
-def test_sharded_import_gives_the_reference_loss(tmp_path):
+@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3"])
+def test_sharded_import_gives_the_reference_loss(tmp_path, name):
     """Import straight into fsdp=4 x tensor=2 on the 8 fake devices; the eval step's loss over the
     reference tokens (inputs t[:-1], targets t[1:]) is the loss transformers computed."""
     from jaxinfra.runtime import build_runtime
 
-    ref = reference("mixtral")
+    ref = reference(name)
     tokens = np.tile(ref["tokens"], (4, 1))  # 8 rows: the batch splits over fsdp; the mean is unchanged
     overrides = ["mesh.fsdp=4", "mesh.tensor=2", "mesh.data=1", "train.seq_len=15", "train.batch_size=8"]
-    import_hf(FIXTURES / "mixtral", tmp_path / "run", overrides)
+    import_hf(FIXTURES / name, tmp_path / "run", overrides)
     cfg = load_config(str(tmp_path / "run" / "config.yaml"))
     rt = build_runtime(cfg)
     _, params = restore_params(tmp_path / "run", jax.tree.map(

@@ -54,6 +54,10 @@ class SafetensorsDir:
         if name in self.where:
             self.used.add(name)
             return self._get(name, None)
+        renamed = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral as transformers 5.x names it in memory
+        if renamed != name and renamed in self.where:
+            self.used.add(renamed)
+            return self._get(renamed, None)
         fused = self._fused(name)
         if fused is None:
             raise HFError(f"missing tensor {name} in {self.describe()}")
