@@ -237,6 +237,24 @@ def test_train_restores_imported_params(imported, tmp_path, capsys):
     _, via_step = restore_params(src / "checkpoints" / "0", jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params))
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(via_step)))
+    # Training with the import itself as the run directory starts from its params too (not "unreadable").
+    from jaxinfra.train import Trainer
+
+    run_dir = tmp_path / "import-as-run"
+    shutil.copytree(src, run_dir)
+    step, state, _ = Trainer(cfg, run_dir, one_device()).initial_state()
+    assert step == 0 and (run_dir / "checkpoints" / "0").is_dir()
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(state.params)))
+
+
+def test_fixed_router_bias_is_not_moved_by_the_step():
+    """moe_router_bias with rate 0 (an imported DeepSeek-V3 bias): the step's bias pass restores it exactly."""
+    from models.router import RouterBias, apply_bias_updates
+
+    old = nnx.State({"bias": RouterBias(jnp.asarray([[0.1, -0.2, 0.3]], jnp.float32))})
+    new = nnx.State({"bias": RouterBias(jnp.asarray([[0.5, 0.5, 0.5]], jnp.float32))})  # e.g. moved by weight decay
+    out = apply_bias_updates(new, old, jnp.asarray([[4.0, 0.0, 2.0]]), 0.0)
+    assert np.array_equal(np.asarray(out["bias"][...]), np.asarray(old["bias"][...]))
 
 
 # ---------------------------------------------------------------- bad input
