@@ -30,8 +30,8 @@ SHAPE = dict(vocab_size=32000, hidden_size=1536, num_hidden_layers=16, num_atten
 
 
 def llama_tensors(c: dict) -> list[tuple[str, tuple[int, ...]]]:
-    d, f, v, hd = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["hidden_size"] // c["num_attention_heads"]
-    kv = c["num_key_value_heads"] * hd
+    d, f, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    kv = c["num_key_value_heads"] * d // c["num_attention_heads"]
     out = [("model.embed_tokens.weight", (v, d))]
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}"

@@ -237,6 +237,8 @@ def test_train_restores_imported_params(imported, tmp_path, capsys):
     _, via_step = restore_params(src / "checkpoints" / "0", jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params))
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(via_step)))
+    # The trained run (a full TrainState checkpoint) exports back to HF.
+    assert export_hf(tmp_path / "run", tmp_path / "hf")["step"] == 3
     # Training with the import itself as the run directory starts from its params too (not "unreadable").
     from jaxinfra.train import Trainer
 

@@ -109,7 +109,8 @@ def write_safetensors(path: pathlib.Path, specs: list[tuple[str, tuple[int, ...]
     offset = 0
     for name, shape, dtype in specs:
         size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        header[name] = {"dtype": _DTYPES[np.dtype(dtype)], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        header[name] = {"dtype": _DTYPES[np.dtype(dtype)], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
         offset += size
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
