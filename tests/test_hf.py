@@ -32,7 +32,7 @@ from models.layers import apply_rope
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = REPO_ROOT / "tests" / "fixtures" / "hf"
-NAMES = ["llama", "qwen2", "qwen3", "mixtral", "deepseek_v3"]
+NAMES = ["llama", "qwen2", "qwen3", "mixtral", "deepseek_v3", "deepseek_v2"]
 
 
 def reference(name: str) -> dict[str, np.ndarray]:

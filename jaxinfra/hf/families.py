@@ -26,8 +26,10 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
 }
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 _BY_ARCH = {v: k for k, v in ARCHITECTURES.items()}
 SUPPORTED = ", ".join(sorted(ARCHITECTURES.values()))
 
@@ -55,12 +57,12 @@ def _rope(hf: dict[str, Any], family: str) -> dict[str, Any]:
     out: dict[str, Any] = {"rope_theta": float(theta)}
     if kind == "default":
         return out
-    if kind == "llama3" and family != "deepseek_v3":
+    if kind == "llama3" and family not in DEEPSEEK:
         return {**out, "rope_scaling_type": "llama3", "rope_scaling_factor": float(params["factor"]),
                 "rope_low_freq_factor": float(params["low_freq_factor"]),
                 "rope_high_freq_factor": float(params["high_freq_factor"]),
                 "rope_original_max_len": int(params["original_max_position_embeddings"])}
-    if kind == "yarn" and family == "deepseek_v3":
+    if kind == "yarn" and family in DEEPSEEK:
         mscale, mscale_all = params.get("mscale", 1.0), params.get("mscale_all_dim", 0.0)
         if mscale != mscale_all:  # HF then scales cos/sin by mscale/mscale_all_dim, which we do not model
             raise HFError(f"rope yarn with mscale={mscale} != mscale_all_dim={mscale_all} is not supported")
@@ -69,7 +71,7 @@ def _rope(hf: dict[str, Any], family: str) -> dict[str, Any]:
                 "rope_yarn_beta_fast": float(params.get("beta_fast", 32.0)),
                 "rope_yarn_beta_slow": float(params.get("beta_slow", 1.0)),
                 "rope_yarn_mscale": float(mscale_all)}
-    raise HFError(f"{family}: rope type {kind!r} is not supported (default, llama3; yarn for deepseek_v3)")
+    raise HFError(f"{family}: rope type {kind!r} is not supported (default, llama3; yarn for DeepSeek)")
 
 
 def _refuse(hf: dict[str, Any], family: str, key: str, ok: Any, why: str) -> None:
@@ -93,7 +95,7 @@ def from_hf(hf: dict[str, Any]) -> tuple[str, ModelConfig]:
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), init_std=float(hf.get("initializer_range", 0.02)),
         param_dtype="float32", dtype="float32", **_rope(hf, family))
     head_dim = hf.get("head_dim")
-    if family != "deepseek_v3" and head_dim and int(head_dim) != fields["d_model"] // heads:
+    if family not in DEEPSEEK and head_dim and int(head_dim) != fields["d_model"] // heads:
         fields["head_dim"] = int(head_dim)
     if family in ("llama", "mistral", "mixtral", "qwen3"):
         _refuse(hf, family, "attention_bias", False, "attention biases are modelled for qwen2 only")
@@ -109,8 +111,8 @@ def from_hf(hf: dict[str, Any]) -> tuple[str, ModelConfig]:
         fields.update(moe_num_experts=int(hf["num_local_experts"]), moe_top_k=int(hf["num_experts_per_tok"]),
                       moe_mlp_dim=int(hf["intermediate_size"]), moe_router_score="softmax", moe_norm_top_k=True,
                       moe_dispatch="dropless")
-    if family == "deepseek_v3":
-        fields.update(_deepseek(hf))
+    if family in DEEPSEEK:
+        fields.update(_deepseek(hf, family))
     cfg = ModelConfig(**fields)
     problems = cfg.problems()
     if problems:
@@ -119,19 +121,30 @@ def from_hf(hf: dict[str, Any]) -> tuple[str, ModelConfig]:
     return family, cfg
 
 
-def _deepseek(hf: dict[str, Any]) -> dict[str, Any]:
-    _refuse(hf, "deepseek_v3", "attention_bias", False, "attention biases are not modelled")
-    _refuse(hf, "deepseek_v3", "topk_method", "noaux_tc", "only DeepSeek-V3's noaux_tc routing is modelled")
-    _refuse(hf, "deepseek_v3", "scoring_func", "sigmoid", "only sigmoid scores")
-    _refuse(hf, "deepseek_v3", "moe_layer_freq", 1, "every layer after first_k_dense_replace is MoE")
+def _deepseek(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """MLA + DeepSeekMoE. V3: sigmoid scores with the selection bias, group-limited (top-2 sum per
+    group), optional renormalisation. V2 as transformers 5 computes it: softmax, greedy top-k, no
+    renormalisation (HF's V2 router ignores norm_topk_prob), times routed_scaling_factor."""
+    v3 = family == "deepseek_v3"
+    _refuse(hf, family, "attention_bias", False, "attention biases are not modelled")
+    _refuse(hf, family, "moe_layer_freq", 1, "every layer after first_k_dense_replace is MoE")
+    if v3:
+        _refuse(hf, family, "topk_method", "noaux_tc", "only DeepSeek-V3's noaux_tc routing is modelled")
+        _refuse(hf, family, "scoring_func", "sigmoid", "only sigmoid scores")
+    else:  # group_limited_greedy scores a group by its best expert; ours by its two best (V3)
+        _refuse(hf, family, "topk_method", "greedy", "only greedy routing is modelled for V2")
+        _refuse(hf, family, "scoring_func", "softmax", "only softmax scores")
     # HF's q_a_layernorm / kv_a_layernorm use a fixed eps of 1e-6 while ours use norm_eps.
     if float(hf.get("rms_norm_eps", 1e-6)) != 1e-6:
-        raise HFError(f"deepseek_v3: rms_norm_eps={hf['rms_norm_eps']} is not supported (MLA's latent norms "
+        raise HFError(f"{family}: rms_norm_eps={hf['rms_norm_eps']} is not supported (MLA's latent norms "
                       f"use 1e-6 in HF and norm_eps here; only 1e-6 maps exactly)")
     num_kv = hf.get("num_key_value_heads")
     if num_kv not in (None, hf["num_attention_heads"]):
-        raise HFError(f"deepseek_v3: num_key_value_heads={num_kv} != num_attention_heads (MLA has no KV groups)")
-    return dict(
+        raise HFError(f"{family}: num_key_value_heads={num_kv} != num_attention_heads (MLA has no KV groups)")
+    routing = dict(moe_router_score="sigmoid", moe_norm_top_k=bool(hf.get("norm_topk_prob", True)),
+                   moe_num_groups=int(hf.get("n_group") or 1), moe_top_k_groups=int(hf.get("topk_group") or 1),
+                   moe_router_bias=True) if v3 else dict(moe_router_score="softmax", moe_norm_top_k=False)
+    return dict(**routing,
         num_kv_heads=None, attention_type="mla",
         q_lora_rank=int(hf["q_lora_rank"]) if hf.get("q_lora_rank") else None,
         kv_lora_rank=int(hf["kv_lora_rank"]), qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
@@ -139,15 +152,13 @@ def _deepseek(hf: dict[str, Any]) -> dict[str, Any]:
         moe_num_experts=int(hf["n_routed_experts"]), moe_top_k=int(hf["num_experts_per_tok"]),
         moe_mlp_dim=int(hf["moe_intermediate_size"]), moe_shared_experts=int(hf.get("n_shared_experts") or 0),
         moe_first_dense_layers=int(hf.get("first_k_dense_replace") or 0), moe_every=1,
-        moe_router_score="sigmoid", moe_norm_top_k=bool(hf.get("norm_topk_prob", True)),
-        moe_num_groups=int(hf.get("n_group") or 1), moe_top_k_groups=int(hf.get("topk_group") or 1),
-        moe_routed_scale=float(hf.get("routed_scaling_factor", 1.0)), moe_router_bias=True,
-        moe_dispatch="dropless")
+        moe_routed_scale=float(hf.get("routed_scaling_factor", 1.0)), moe_dispatch="dropless")
 
 
 def rope_interleaved(hf: dict[str, Any], family: str) -> bool:
-    """Whether the checkpoint's rope columns are in DeepSeek's interleaved-pair order."""
-    return family == "deepseek_v3" and bool(hf.get("rope_interleave", True))
+    """Whether the checkpoint's rope columns are in DeepSeek's interleaved-pair order (V2's complex
+    rotation always is; V3 unless rope_interleave is false)."""
+    return family == "deepseek_v2" or (family == "deepseek_v3" and bool(hf.get("rope_interleave", True)))
 
 
 # ---------------------------------------------------------------- export
@@ -163,13 +174,17 @@ def hf_family(cfg: ModelConfig) -> str:
     if cfg.is_mla:
         if not cfg.is_moe:
             refuse("MLA without MoE (DeepSeek-V3 needs MoE layers)")
-        if cfg.moe_router_score != "sigmoid" or cfg.moe_every != 1:
-            refuse("MLA + MoE needs moe_router_score=sigmoid and moe_every=1 (DeepSeek-V3)")
+        if cfg.moe_every != 1 or cfg.qkv_bias:
+            refuse("MLA + MoE needs moe_every=1 and no qkv_bias (DeepSeek)")
         if cfg.norm_eps != 1e-6:
             refuse(f"model.norm_eps={cfg.norm_eps} with MLA (HF's latent norms use 1e-6)")
         if cfg.rope_scaling_factor is not None and cfg.rope_scaling_type != "yarn":
             refuse("llama3 rope scaling with MLA")
-        return "deepseek_v3"
+        if cfg.moe_router_score == "sigmoid":
+            return "deepseek_v3"
+        if cfg.moe_norm_top_k or cfg.moe_num_groups != 1 or cfg.moe_bias_update_rate or cfg.moe_router_bias:
+            refuse("MLA + softmax MoE other than DeepSeek-V2's (greedy top-k, no renormalisation, groups or bias)")
+        return "deepseek_v2"
     if cfg.rope_scaling_factor is not None and cfg.rope_scaling_type != "llama3":
         refuse("yarn rope scaling without MLA")
     if cfg.is_moe:
@@ -211,7 +226,7 @@ def to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
         "max_position_embeddings": max(4096, cfg.rope_original_max_len), "attention_bias": False,
         "dtype": dtype, "use_cache": True,
     }
-    if family != "deepseek_v3":
+    if family not in DEEPSEEK:
         out["head_dim"] = cfg.resolved_head_dim
     if family == "qwen2":
         out.update(use_sliding_window=False, sliding_window=None)
@@ -224,15 +239,18 @@ def to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
             out["intermediate_size"] = cfg.expert_dim  # Mixtral has no dense MLPs: only the expert width matters
         out.update(num_local_experts=cfg.moe_num_experts, num_experts_per_tok=cfg.moe_top_k,
                    router_jitter_noise=0.0, output_router_logits=False)
-    if family == "deepseek_v3":
+    if family in DEEPSEEK:
         out.update(q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
                    qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
                    v_head_dim=cfg.v_head_dim, head_dim=cfg.qk_rope_head_dim,
                    n_routed_experts=cfg.moe_num_experts, num_experts_per_tok=cfg.moe_top_k,
                    moe_intermediate_size=cfg.expert_dim, n_shared_experts=cfg.moe_shared_experts,
-                   first_k_dense_replace=cfg.moe_first_dense_layers, n_group=cfg.moe_num_groups,
-                   topk_group=cfg.moe_top_k_groups, routed_scaling_factor=cfg.moe_routed_scale,
-                   norm_topk_prob=cfg.moe_norm_top_k, topk_method="noaux_tc", scoring_func="sigmoid",
-                   rope_interleave=True, num_nextn_predict_layers=0)
+                   first_k_dense_replace=cfg.moe_first_dense_layers, routed_scaling_factor=cfg.moe_routed_scale,
+                   norm_topk_prob=cfg.moe_norm_top_k)
+    if family == "deepseek_v3":
+        out.update(n_group=cfg.moe_num_groups, topk_group=cfg.moe_top_k_groups, topk_method="noaux_tc",
+                   scoring_func="sigmoid", rope_interleave=True, num_nextn_predict_layers=0)
+    if family == "deepseek_v2":
+        out.update(n_group=None, topk_group=None, topk_method="greedy", scoring_func="softmax")
     return out
 
