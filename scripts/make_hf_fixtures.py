@@ -1,7 +1,7 @@
 """Tiny random Hugging Face checkpoints + reference logits, for tests/test_hf.py.
 
 Families: Llama (GQA, untied), Qwen2 (q/k/v bias), Qwen3 (QK-norm, tied), Mixtral (8 experts top-2),
-DeepSeek-V3 (MLA with q_lora_rank, sigmoid MoE with bias, groups, shared expert, first layer dense)
+DeepSeek-V3 (MLA with q_lora_rank, YaRN, sigmoid MoE with bias, groups, shared expert, first layer dense)
 and DeepSeek-V2 (MLA without q_lora_rank, softmax greedy MoE, 2 shared experts).
 
 Run with the fixture venv (torch + transformers; the test suite itself never imports them):
@@ -54,11 +54,16 @@ def configs() -> dict[str, transformers.PretrainedConfig]:
                                               num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False,
                                               rms_norm_eps=1e-5, rope_theta=1e6),
         "deepseek_v3": transformers.DeepseekV3Config(
-            **{**common, "num_hidden_layers": 3}, intermediate_size=96, moe_intermediate_size=32,
+            **{**common, "num_hidden_layers": 3, "max_position_embeddings": 32}, intermediate_size=96,
+            moe_intermediate_size=32,
             num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
             n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2,
             first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
-            tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=10000.0),
+            tie_word_embeddings=False, rms_norm_eps=1e-6,
+            # YaRN x4 over an original length of 8 < 16 tokens: the frequency ramp and MLA's softmax scale matter.
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "mscale": 0.707, "mscale_all_dim": 0.707}),
         # V2-Lite shape: full-rank queries (q_proj), softmax greedy routing without renormalisation, 2 shared.
         "deepseek_v2": transformers.DeepseekV2Config(
             **{**common, "num_hidden_layers": 3}, num_key_value_heads=4, intermediate_size=96,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -172,6 +173,36 @@ def test_export_shards_and_bfloat16(imported, tmp_path):
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     assert str(files.read("model.layers.1.self_attn.q_b_proj.weight").dtype) == "bfloat16"
     assert files.read("model.layers.1.mlp.gate.e_score_correction_bias").dtype == np.float32  # as HF keeps it
+
+
+@pytest.mark.parametrize("preset", ["llama3-8b", "mixtral-8x7b", "deepseek-v3", "tiny"])
+def test_preset_configs_map_to_hf_and_back(preset):
+    """to_hf then from_hf gives back every field that changes the function (llama3 rope scaling, YaRN, MoE)."""
+    from jaxinfra.hf.families import to_hf
+
+    cfg = load_config(preset).model
+    if cfg.moe_bias_update_rate:  # a trained balancing bias exports as e_score_correction_bias, imports fixed
+        cfg = dataclasses.replace(cfg, moe_bias_update_rate=0.0, moe_router_bias=True)
+    _, back = from_hf(to_hf(cfg))
+    skip = {"init_std", "scan_layers", "remat_policy", "attention_impl", "moe_dispatch", "moe_capacity_factor",
+            "moe_aux_loss_weight", "moe_z_loss_weight", "z_loss_weight", "param_dtype", "dtype", "head_dim",
+            "num_kv_heads", "mlp_dim"}
+    diff = {k: (v, getattr(back, k)) for k, v in dataclasses.asdict(cfg).items()
+            if k not in skip and getattr(back, k) != v}
+    assert not diff
+    assert (back.resolved_head_dim, back.kv_heads) == (cfg.resolved_head_dim, cfg.kv_heads)
+
+
+def test_mistral_maps_like_llama_and_sliding_window_is_refused():
+    hf = {"architectures": ["MistralForCausalLM"], "vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64, "rms_norm_eps": 1e-5,
+          "rope_theta": 1e6, "sliding_window": None, "head_dim": None}
+    family, cfg = from_hf(hf)
+    assert family == "mistral" and (cfg.kv_heads, cfg.rope_theta, cfg.norm_eps) == (2, 1e6, 1e-5)
+    with pytest.raises(HFError, match="sliding_window=4096"):
+        from_hf({**hf, "sliding_window": 4096})
+    with pytest.raises(HFError, match="unsupported architecture FooForCausalLM; supported: "):
+        from_hf({**hf, "architectures": ["FooForCausalLM"]})
 
 
 def test_export_refuses_models_without_hf_family():
