@@ -84,10 +84,15 @@ def _callback(rule: Rule, files: SafetensorsDir, shape: tuple[int, ...], dtype: 
     def callback(index: tuple[slice, ...]) -> np.ndarray:
         ranges = [range(*index[k].indices(shape[k])) for k in range(lead)]
         rest = index[lead:]
-        parts = [one(idx)[rest].astype(dtype) for idx in itertools.product(*ranges)]
         if not lead:
-            return parts[0]
-        return np.stack(parts).reshape(*(len(r) for r in ranges), *parts[0].shape)
+            return one(())[rest].astype(dtype)
+        out = None  # filled slice by slice: the shard plus one HF tensor, never a list of slices
+        for pos, idx in zip(itertools.product(*(range(len(r)) for r in ranges)), itertools.product(*ranges)):
+            piece = one(idx)[rest]
+            if out is None:
+                out = np.empty((*(len(r) for r in ranges), *piece.shape), dtype)
+            out[pos] = piece
+        return out
 
     return callback
 
