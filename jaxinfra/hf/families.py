@@ -83,10 +83,20 @@ def _refuse(hf: dict[str, Any], family: str, key: str, ok: Any, why: str) -> Non
 def from_hf(hf: dict[str, Any]) -> tuple[str, ModelConfig]:
     """(family, ModelConfig) for an HF config.json dict."""
     family = family_of(hf)
+    try:
+        return family, _model_config(hf, family)
+    except KeyError as e:
+        raise HFError(f"{family}: config.json has no {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        if isinstance(e, HFError):
+            raise
+        raise HFError(f"{family}: config.json has a value of the wrong type ({e})") from None
+
+
+def _model_config(hf: dict[str, Any], family: str) -> ModelConfig:
     if hf.get("hidden_act", "silu") != "silu":
         raise HFError(f"{family}: hidden_act={hf['hidden_act']!r} is not supported (SwiGLU with silu only)")
     _refuse(hf, family, "mlp_bias", False, "MLP biases are not modelled")
-    _refuse(hf, family, "logits_soft_cap", None, "not modelled")
     heads = int(hf["num_attention_heads"])
     fields: dict[str, Any] = dict(
         vocab_size=int(hf["vocab_size"]), d_model=int(hf["hidden_size"]), num_layers=int(hf["num_hidden_layers"]),
@@ -118,7 +128,7 @@ def from_hf(hf: dict[str, Any]) -> tuple[str, ModelConfig]:
     if problems:
         key, value, allowed = problems[0]
         raise HFError(f"{family}: mapped config has model.{key}={value!r}; must be {allowed}")
-    return family, cfg
+    return cfg
 
 
 def _deepseek(hf: dict[str, Any], family: str) -> dict[str, Any]:
