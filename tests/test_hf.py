@@ -27,6 +27,7 @@ from jaxinfra.hf.importer import import_hf
 from jaxinfra.hf.safetensors_io import SafetensorsDir
 from jaxinfra.hf.tensors import rope_perm
 from jaxinfra.loss import cross_entropy_sums
+from jaxinfra.metrics import param_counts
 from jaxinfra.state import init_params, model_graphdef
 from models.config import ModelConfig
 from models.layers import apply_rope
@@ -83,6 +84,8 @@ def imported(tmp_path_factory) -> dict[str, pathlib.Path]:
     for name in NAMES:
         report = import_hf(FIXTURES / name, root / name, devices=one_device())
         assert report["family"] == name and report["peak_rss_bytes"] > 0 and report["bytes_on_disk"] > 0
+        # The analytic count (metrics) knows the new parameters (q/k/v biases, a fixed router bias).
+        assert param_counts(load_config(str(root / name / "config.yaml")).model)["total"] == report["params"]
         out[name] = root / name
     return out
 
