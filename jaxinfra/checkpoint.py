@@ -127,16 +127,42 @@ class Checkpointer:
         self.manager.close()
 
 
-def restore_params(directory: str | pathlib.Path, target_params: Any) -> tuple[int, Any]:
-    """Params only from the newest readable checkpoint under `directory` (a run dir or its checkpoints/)."""
+def _checkpoints_dir(directory: str | pathlib.Path) -> tuple[pathlib.Path, int | None]:
+    """(checkpoints directory, one step or None) for a run dir, its checkpoints/, or one step dir."""
     directory = pathlib.Path(directory)
     if (directory / "checkpoints").is_dir():
-        directory = directory / "checkpoints"
+        return directory / "checkpoints", None
+    if directory.name.isdigit() and (directory / "state").is_dir():  # RUN/checkpoints/N
+        return directory.parent, int(directory.name)
+    return directory, None
+
+
+def is_params_only(directory: str | pathlib.Path) -> bool:
+    """Whether the newest checkpoint under `directory` holds params alone (e.g. an HF import: its
+    meta says params_only), so a full restore cannot work and a params restore is what is meant."""
+    root, step = _checkpoints_dir(directory)
+    steps = [step] if step is not None else sorted(
+        (int(p.name) for p in root.glob("*") if p.name.isdigit() and p.is_dir()), reverse=True)
+    for s in steps:
+        meta = root / str(s) / "meta" / "metadata"
+        if meta.is_file():
+            try:
+                return bool(json.loads(meta.read_text()).get("params_only", False))
+            except (OSError, ValueError):
+                return False
+    return False
+
+
+def restore_params(directory: str | pathlib.Path, target_params: Any) -> tuple[int, Any]:
+    """Params only from the newest readable checkpoint under `directory` (a run dir, its
+    checkpoints/, or one step directory RUN/checkpoints/N)."""
+    directory, only_step = _checkpoints_dir(directory)
     if not directory.is_dir():
         raise CheckpointError(f"no checkpoint directory at {directory}")
     manager = ocp.CheckpointManager(directory.absolute(), options=ocp.CheckpointManagerOptions(read_only=True, create=False),
                                     item_names=("state", "data", "meta"))
-    for step in sorted(manager.all_steps(), reverse=True):
+    steps = [only_step] if only_step is not None else sorted(manager.all_steps(), reverse=True)
+    for step in steps:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")

@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxinfra.scaling.cli import add_subcommands  # sweep, scaling {collect,fit,predict}
 
     add_subcommands(sub)
+    from jaxinfra.hf.cli import add_subcommands as add_hf_subcommands  # hf {import,export}
+
+    add_hf_subcommands(sub)
     return parser
 
 

@@ -68,7 +68,9 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig, tx: optax.Gradient
         finite = jnp.isfinite(sums["loss_sum"]) & jnp.isfinite(grad_norm)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        if cfg.moe_bias_update_rate:  # DeepSeek-V3 aux-loss-free balancing: outside the gradient
+        # DeepSeek-V3 aux-loss-free balancing: outside the gradient. With a fixed (imported) bias,
+        # rate 0 restores it exactly, so neither the optimizer nor weight decay ever moves it.
+        if cfg.moe_bias_update_rate or cfg.moe_router_bias:
             params = apply_bias_updates(params, state.params, sums["moe_counts"], cfg.moe_bias_update_rate)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
         metrics = {

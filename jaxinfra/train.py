@@ -25,7 +25,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxinfra.checkpoint import Checkpointer, CheckpointError, abstract_with_shardings, restore_params
+from jaxinfra.checkpoint import (Checkpointer, CheckpointError, abstract_with_shardings, is_params_only,
+                                 restore_params)
 from jaxinfra.config import Config
 from jaxinfra.data import make_eval_batches, make_train_iterator, row_states, set_row_states
 from jaxinfra.metrics import (
@@ -85,6 +86,8 @@ class Trainer:
     def initial_state(self) -> tuple[int, TrainState, dict[str, Any]]:
         """(completed steps, state, saved meta): resume this run, restore from elsewhere, or start fresh."""
         if self.ckpt is not None and self.ckpt.steps():
+            if is_params_only(self.run_dir):  # the run dir is an import itself (hf import OUT; train --run-dir OUT)
+                return self._from_params(self.run_dir, "the run directory")
             found = self.ckpt.restore_latest(self._target())
             if found is None:
                 raise CheckpointError(f"every checkpoint under {self.ckpt.directory} is unreadable; move them "
@@ -92,9 +95,9 @@ class Trainer:
             return self._resume(*found)
         if self.restore_from is not None:
             if self.cfg.checkpoint.restore == "params":
-                step, params = restore_params(self.restore_from, self._target().params)
-                state = self.rt.init_state()
-                return 0, TrainState(step=state.step, params=params, opt_state=state.opt_state), {}
+                return self._from_params(self.restore_from)
+            if is_params_only(self.restore_from):
+                return self._from_params(self.restore_from, f"--restore {self.restore_from}")
             source = pathlib.Path(self.restore_from)
             other = Checkpointer(source / "checkpoints" if (source / "checkpoints").is_dir() else source,
                                  self.cfg.checkpoint)
@@ -104,6 +107,16 @@ class Trainer:
                 raise CheckpointError(f"--restore {self.restore_from}: no readable checkpoint there")
             return self._resume(*found)
         return 0, self.rt.init_state(), {}
+
+    def _from_params(self, source: str | os.PathLike, params_only: str | None = None) -> tuple[int, TrainState, dict]:
+        """Params from `source`, a fresh optimizer, step 0 (checkpoint.restore=params, or a params-only
+        checkpoint such as an HF import, named by `params_only` in a one-line note)."""
+        if params_only is not None and jax.process_index() == 0:
+            print(f"jaxinfra: {params_only} holds params only (e.g. an HF import); starting from them with a "
+                  f"fresh optimizer at step 0 (as checkpoint.restore=params)", flush=True)
+        _, params = restore_params(source, self._target().params)
+        state = self.rt.init_state()
+        return 0, TrainState(step=state.step, params=params, opt_state=state.opt_state), {}
 
     def _resume(self, step: int, state: TrainState, data: dict, meta: dict) -> tuple[int, TrainState, dict]:
         if meta.get("global_batch") != self.cfg.train.batch_size or meta.get("seq_len") != self.cfg.train.seq_len:

@@ -23,6 +23,13 @@ class Attention(nnx.Module):
         self.wv = param(rngs, (d, kv, dh), ("embed", "kv_heads", "head_dim"), std, cfg.param_dtype)
         self.wo = param(rngs, (h, dh, d), ("heads", "head_dim", "embed"),
                         std / math.sqrt(2 * cfg.num_layers), cfg.param_dtype)
+        if cfg.qkv_bias:  # Qwen2's q/k/v biases (zeros at init; an imported model brings its own)
+            self.bq = nnx.Param(jnp.zeros((h, dh), DTYPES[cfg.param_dtype]), out_sharding=("heads", "head_dim"),
+                                eager_sharding=False)
+            self.bk = nnx.Param(jnp.zeros((kv, dh), DTYPES[cfg.param_dtype]), out_sharding=("kv_heads", "head_dim"),
+                                eager_sharding=False)
+            self.bv = nnx.Param(jnp.zeros((kv, dh), DTYPES[cfg.param_dtype]), out_sharding=("kv_heads", "head_dim"),
+                                eager_sharding=False)
         if cfg.qk_norm:  # per-head RMSNorm of q and k before RoPE (OLMo-2, Qwen-3)
             self.q_norm = ones_param((dh,), ("head_dim",), cfg.param_dtype)
             self.k_norm = ones_param((dh,), ("head_dim",), cfg.param_dtype)
@@ -43,6 +50,8 @@ class Attention(nnx.Module):
             return checkpoint_name(out.reshape(b, t, heads, dh), name)
 
         q, k, v = project(self.wq, "query_proj"), project(self.wk, "key_proj"), project(self.wv, "value_proj")
+        if hasattr(self, "bq"):
+            q, k, v = (x + b[...].astype(dt) for x, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
         if self.qk_norm:
             q = rms_norm(q, self.q_norm[...], self.eps)
             k = rms_norm(k, self.k_norm[...], self.eps)

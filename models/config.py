@@ -61,6 +61,7 @@ class ModelConfig:
     rope_yarn_mscale: float = 1.0  # DeepSeek's mscale_all_dim
     norm_eps: float = 1e-6
     qk_norm: bool = False
+    qkv_bias: bool = False  # additive biases on the q/k/v projections (Qwen2; HF imports)
     logit_softcap: float | None = None  # tanh soft-cap of output logits (Gemma-2)
     z_loss_weight: float = 0.0  # PaLM z-loss: weight * log(Z)^2
     init_std: float = 0.02
@@ -97,6 +98,9 @@ class ModelConfig:
     # Auxiliary-loss-free balancing (DeepSeek-V3 sec. 2.1.2): a per-expert bias added to the scores
     # for top-k selection only, moved by this much per step toward balance (0: off, no bias).
     moe_bias_update_rate: float = 0.0
+    # Keep that selection bias as a parameter even when it is not updated (rate 0): an imported
+    # DeepSeek-V3 checkpoint carries trained values (HF's e_score_correction_bias).
+    moe_router_bias: bool = False
 
     @property
     def kv_heads(self) -> int:
@@ -177,6 +181,8 @@ class ModelConfig:
             out.append(("qk_rope_head_dim", self.qk_rope_head_dim, "an even number (RoPE rotates pairs)"))
         if self.qk_norm:
             out.append(("qk_norm", self.qk_norm, "false with attention_type=mla (its latents are normalised)"))
+        if self.qkv_bias:
+            out.append(("qkv_bias", self.qkv_bias, "false with attention_type=mla"))
         if self.num_kv_heads not in (None, self.num_heads):
             out.append(("num_kv_heads", self.num_kv_heads,
                         "null with attention_type=mla (K/V come from a shared latent)"))

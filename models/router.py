@@ -49,7 +49,7 @@ class Router(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         # The router matrix is tiny and read by every token: kept replicated over `expert`.
         self.w = param(rngs, (cfg.d_model, cfg.moe_num_experts), ("embed", None), cfg.init_std, cfg.param_dtype)
-        if cfg.moe_bias_update_rate > 0:
+        if cfg.moe_bias_update_rate > 0 or cfg.moe_router_bias:
             self.bias = RouterBias(jnp.zeros((cfg.moe_num_experts,), jnp.float32), out_sharding=("experts",),
                                    eager_sharding=False)
         self.cfg = cfg

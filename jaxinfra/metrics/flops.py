@@ -43,7 +43,8 @@ def _layer_norm_params(cfg: ModelConfig, moe: bool = False) -> int:
         attention = cfg.kv_lora_rank + (cfg.q_lora_rank or 0)
     else:
         attention = 2 * cfg.resolved_head_dim if cfg.qk_norm else 0
-    bias = cfg.moe_num_experts if moe and cfg.moe_bias_update_rate > 0 else 0
+        attention += (cfg.num_heads + 2 * cfg.kv_heads) * cfg.resolved_head_dim if cfg.qkv_bias else 0
+    bias = cfg.moe_num_experts if moe and (cfg.moe_bias_update_rate > 0 or cfg.moe_router_bias) else 0
     return 2 * cfg.d_model + attention + bias
 
 

@@ -1,0 +1,53 @@
+"""The `hf` subcommands (registered by jaxinfra/cli.py's build_parser).
+
+    jaxinfra hf import HF_DIR OUT [KEY=VALUE ...]      e.g. mesh.fsdp=4 mesh.tensor=2
+    jaxinfra hf export RUN_OR_CKPT OUT_DIR [--dtype float32|bfloat16] [--max-shard-gb 5]
+
+Bad input raises HFError (a ConfigError) or CheckpointError, which jaxinfra.cli.main turns
+into one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from jaxinfra.hf.importer import import_hf
+
+    report = import_hf(args.hf_dir, args.out, list(args.overrides))
+    print(f"imported {report['family']} ({report['params'] / 1e6:.2f}M params) -> {report['checkpoint']} in "
+          f"{report['seconds']:.1f}s; peak host RSS {report['peak_rss_bytes'] / 2**20:.0f} MiB, checkpoint on disk "
+          f"{report['bytes_on_disk'] / 2**20:.0f} MiB")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from jaxinfra.config import ConfigError
+    from jaxinfra.hf.exporter import export_hf
+
+    if getattr(args, "overrides", None):
+        raise ConfigError(f"hf export takes no KEY=VALUE overrides: {' '.join(args.overrides)}")
+    report = export_hf(args.source, args.out_dir, args.dtype, int(args.max_shard_gb * 2**30))
+    print(f"exported {report['family']} (step {report['step']}, {report['tensors']} tensors, "
+          f"{report['bytes'] / 2**20:.1f} MiB in {len(report['files'])} file(s)) -> {report['out_dir']}")
+    return 0
+
+
+def add_subcommands(sub: argparse._SubParsersAction) -> None:
+    """Adds `hf {import,export}` to the jaxinfra parser."""
+    hf = sub.add_parser("hf", help="Hugging Face interop: import safetensors checkpoints, export runs")
+    hf_sub = hf.add_subparsers(dest="hf_command", required=True)
+
+    p = hf_sub.add_parser("import", help="HF dir (config.json + safetensors) -> jaxinfra run dir (params only)")
+    p.add_argument("hf_dir")
+    p.add_argument("out", help="output run directory: config.yaml + checkpoints/0")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. mesh.fsdp=4")
+    p.set_defaults(func=cmd_import)
+
+    p = hf_sub.add_parser("export", help="run dir or checkpoint -> HF config.json + model.safetensors")
+    p.add_argument("source", metavar="RUN_OR_CKPT", help="run directory (newest checkpoint) or RUN/checkpoints/N")
+    p.add_argument("out_dir")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--max-shard-gb", type=float, default=5.0, help="split into several files above this size")
+    p.set_defaults(func=cmd_export)

@@ -1,0 +1,124 @@
+"""`jaxinfra hf export RUN_OR_CKPT OUT_DIR`: a run's params -> HF config.json + safetensors.
+
+The source is a run directory (its newest readable checkpoint) or one checkpoint step
+directory (`RUN/checkpoints/N`); the config comes from the run's config.yaml (or the
+checkpoint's own meta). Params are restored onto one device, then fetched to the host one
+HF tensor at a time (one layer / expert slice of a stacked parameter) and appended to the
+safetensors file, whose header is computed up front from the shapes. Above `max_shard_bytes`
+the tensors are split over several files with a `model.safetensors.index.json`, as
+transformers does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import pathlib
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from jaxinfra.checkpoint import CheckpointError, restore_params
+from jaxinfra.config import Config, load_config
+from jaxinfra.hf.families import HFError, hf_family, to_hf
+from jaxinfra.hf.safetensors_io import plan_shards, write_safetensors
+from jaxinfra.hf.tensors import Rule, rules
+
+DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+MAX_SHARD_BYTES = 5 * 2**30
+
+
+def _source_config(source: pathlib.Path) -> Config:
+    """The config of a run dir, or of a checkpoint step dir (RUN/checkpoints/N)."""
+    for candidate in (source / "config.yaml", source.parent.parent / "config.yaml"):
+        if candidate.is_file():
+            return load_config(str(candidate))
+    meta = source / "meta" / "metadata"  # a bare checkpoint step dir: its meta records the config
+    if meta.is_file() and json.loads(meta.read_text()).get("config"):
+        import yaml
+
+        from jaxinfra.config import from_dict, validate
+
+        cfg = from_dict(Config, yaml.safe_load(json.loads(meta.read_text())["config"]), "")
+        validate(cfg)
+        return cfg
+    raise CheckpointError(f"{source}: no config.yaml (expected a jaxinfra run directory or RUN/checkpoints/N)")
+
+
+def _flat(tree: Any) -> dict[str, Any]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+    return {"/".join(str(k.key) for k in path): leaf for path, leaf in leaves}
+
+
+def _specs(rule: Rule, shape: tuple[int, ...], dtype: np.dtype) -> list[tuple[str, tuple[int, ...], np.dtype, tuple]]:
+    """(HF name, shape, dtype, our lead index) for every HF tensor a rule makes, from shapes alone."""
+    out = []
+    dummy = np.zeros(shape[len(rule.lead):], np.float32)  # layouts depend on shapes only
+    hf_shapes = [t.shape for t in rule.save(dummy)]
+    for idx in itertools.product(*(range(n) for n in rule.lead)):
+        for name, hf_shape in zip(rule.names(*idx), hf_shapes, strict=True):
+            out.append((name, tuple(hf_shape), dtype, idx))
+    return out
+
+
+def export_hf(source: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: str = "float32",
+              max_shard_bytes: int = MAX_SHARD_BYTES) -> dict[str, Any]:
+    """Write config.json and model*.safetensors for the newest params under `source`."""
+    source, out_dir = pathlib.Path(source), pathlib.Path(out_dir)
+    if not source.exists():
+        raise CheckpointError(f"no run directory or checkpoint at {source}")
+    cfg = _source_config(source)
+    family = hf_family(cfg.model)
+    if dtype not in DTYPES:
+        raise HFError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    from jaxinfra.config import ParallelismConfig
+    from jaxinfra.state import init_params, sharding_rules, tree_shardings
+    from sharding.mesh import MeshConfig, make_mesh
+
+    # Restored FSDP-sharded over this host's devices (whatever mesh the run trained on), so that no
+    # device needs the whole model; slices are then gathered to the host one at a time.
+    mesh = make_mesh(MeshConfig(data=1, fsdp=-1), jax.local_devices())
+    abstract = jax.eval_shape(lambda: init_params(cfg.model, jax.random.key(0)))
+    shardings = tree_shardings(abstract, mesh, sharding_rules(ParallelismConfig(strategy="fsdp")).params)
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    step, params = restore_params(source, target)
+    flat = _flat(params)
+    np_dtype = DTYPES[dtype]
+    specs = []
+    for rule in rules(cfg.model, family):
+        # DeepSeek-V3 keeps its router in float32 (HF: _keep_in_fp32_modules_strict), whatever the rest is.
+        keep32 = family == "deepseek_v3" and rule.path.endswith(("router/w", "router/bias"))
+        specs += [(rule, *s) for s in _specs(rule, flat[rule.path].shape, DTYPES["float32"] if keep32 else np_dtype)]
+
+    def tensors(chunk: list) -> Iterator[tuple[str, np.ndarray]]:
+        # One (layer, expert) slice to the host at a time; its HF tensors are yielded in order.
+        cache: tuple[Any, list[np.ndarray]] | None = None
+        for rule, name, _, _, idx in chunk:
+            key = (rule.path, idx)
+            if cache is None or cache[0] != key:
+                value = flat[rule.path].get_raw_value()
+                piece = np.asarray(jax.device_get(value[idx] if idx else value)).astype(np.float32)
+                cache = (key, dict(zip(rule.names(*idx), rule.save(piece), strict=True)))
+            yield name, cache[1][name].astype(dtype_of[name])
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shards = plan_shards([(name, shape, dt) for _, name, shape, dt, _ in specs], max_shard_bytes)
+    by_name = {s[1]: s for s in specs}
+    dtype_of = {s[1]: s[3] for s in specs}
+    files = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    total, weight_map = 0, {}
+    for fname, shard in zip(files, shards, strict=True):
+        total += write_safetensors(out_dir / fname, shard, tensors([by_name[s[0]] for s in shard]))
+        weight_map.update({s[0]: fname for s in shard})
+    if len(files) > 1:
+        data_bytes = sum(int(np.prod(shape)) * dt.itemsize for _, _, shape, dt, _ in specs)
+        index = {"metadata": {"total_size": data_bytes}, "weight_map": weight_map}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (out_dir / "config.json").write_text(json.dumps(to_hf(cfg.model, dtype), indent=2))
+    return {"family": family, "step": step, "files": files, "tensors": len(specs), "bytes": total,
+            "out_dir": str(out_dir)}

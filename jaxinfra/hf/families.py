@@ -1,0 +1,266 @@
+"""HF `config.json` <-> our `ModelConfig`, per model family.
+
+Import is strict: an architecture we do not know, or a feature of a known family that our
+model does not implement (sliding windows, MLP biases, another activation, a rope type we
+lack), raises `HFError` naming it, rather than building a model that silently computes
+something else. Export picks the one HF family that computes exactly what our config does,
+or refuses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxinfra.config import ConfigError
+from models.config import ModelConfig
+
+
+class HFError(ConfigError):
+    """Bad or unsupported HF input/output; one line naming the thing (the CLI exits 2)."""
+
+
+# model_type -> the `architectures` entry we write on export.
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+}
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")
+_BY_ARCH = {v: k for k, v in ARCHITECTURES.items()}
+SUPPORTED = ", ".join(sorted(ARCHITECTURES.values()))
+
+
+def family_of(hf: dict[str, Any]) -> str:
+    """The family (model_type) of an HF config; unknown ones are refused by name."""
+    archs = hf.get("architectures") or []
+    model_type = hf.get("model_type")
+    for arch in archs:
+        if arch in _BY_ARCH:
+            return _BY_ARCH[arch]
+    if not archs and model_type in ARCHITECTURES:
+        return model_type
+    name = ", ".join(archs) or f"model_type={model_type!r}"
+    raise HFError(f"unsupported architecture {name}; supported: {SUPPORTED}")
+
+
+def _rope(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """Rope theta and scaling: transformers 5 nests them in `rope_parameters`, 4.x used top-level keys."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    out: dict[str, Any] = {"rope_theta": float(theta)}
+    if kind == "default":
+        return out
+    if kind == "llama3" and family not in DEEPSEEK:
+        return {**out, "rope_scaling_type": "llama3", "rope_scaling_factor": float(params["factor"]),
+                "rope_low_freq_factor": float(params["low_freq_factor"]),
+                "rope_high_freq_factor": float(params["high_freq_factor"]),
+                "rope_original_max_len": int(params["original_max_position_embeddings"])}
+    if kind == "yarn" and family in DEEPSEEK:
+        mscale, mscale_all = params.get("mscale", 1.0), params.get("mscale_all_dim", 0.0)
+        if mscale != mscale_all:  # HF then scales cos/sin by mscale/mscale_all_dim, which we do not model
+            raise HFError(f"rope yarn with mscale={mscale} != mscale_all_dim={mscale_all} is not supported")
+        return {**out, "rope_scaling_type": "yarn", "rope_scaling_factor": float(params["factor"]),
+                "rope_original_max_len": int(params["original_max_position_embeddings"]),
+                "rope_yarn_beta_fast": float(params.get("beta_fast", 32.0)),
+                "rope_yarn_beta_slow": float(params.get("beta_slow", 1.0)),
+                "rope_yarn_mscale": float(mscale_all)}
+    raise HFError(f"{family}: rope type {kind!r} is not supported (default, llama3; yarn for DeepSeek)")
+
+
+def _refuse(hf: dict[str, Any], family: str, key: str, ok: Any, why: str) -> None:
+    value = hf.get(key)  # absent or null is always fine
+    if value is not None and value != ok:
+        raise HFError(f"{family}: config.json {key}={value!r} is not supported ({why})")
+
+
+def from_hf(hf: dict[str, Any]) -> tuple[str, ModelConfig]:
+    """(family, ModelConfig) for an HF config.json dict."""
+    family = family_of(hf)
+    try:
+        return family, _model_config(hf, family)
+    except KeyError as e:
+        raise HFError(f"{family}: config.json has no {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        if isinstance(e, HFError):
+            raise
+        raise HFError(f"{family}: config.json has a value of the wrong type ({e})") from None
+
+
+def _model_config(hf: dict[str, Any], family: str) -> ModelConfig:
+    if hf.get("hidden_act", "silu") != "silu":
+        raise HFError(f"{family}: hidden_act={hf['hidden_act']!r} is not supported (SwiGLU with silu only)")
+    _refuse(hf, family, "mlp_bias", False, "MLP biases are not modelled")
+    heads = int(hf["num_attention_heads"])
+    fields: dict[str, Any] = dict(
+        vocab_size=int(hf["vocab_size"]), d_model=int(hf["hidden_size"]), num_layers=int(hf["num_hidden_layers"]),
+        num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        mlp_dim=int(hf["intermediate_size"]), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), init_std=float(hf.get("initializer_range", 0.02)),
+        param_dtype="float32", dtype="float32", **_rope(hf, family))
+    head_dim = hf.get("head_dim")
+    if family not in DEEPSEEK and head_dim and int(head_dim) != fields["d_model"] // heads:
+        fields["head_dim"] = int(head_dim)
+    if family in ("llama", "mistral", "mixtral", "qwen3"):
+        _refuse(hf, family, "attention_bias", False, "attention biases are modelled for qwen2 only")
+    if family in ("mistral", "mixtral"):
+        _refuse(hf, family, "sliding_window", None, "sliding-window attention is not modelled")
+    if family in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+        raise HFError(f"{family}: use_sliding_window=true is not supported (sliding-window attention)")
+    if family == "qwen2":
+        fields["qkv_bias"] = True  # Qwen2 always has q/k/v biases (and none on o_proj)
+    if family == "qwen3":
+        fields["qk_norm"] = True
+    if family == "mixtral":
+        fields.update(moe_num_experts=int(hf["num_local_experts"]), moe_top_k=int(hf["num_experts_per_tok"]),
+                      moe_mlp_dim=int(hf["intermediate_size"]), moe_router_score="softmax", moe_norm_top_k=True,
+                      moe_dispatch="dropless")
+    if family in DEEPSEEK:
+        fields.update(_deepseek(hf, family))
+    cfg = ModelConfig(**fields)
+    problems = cfg.problems()
+    if problems:
+        key, value, allowed = problems[0]
+        raise HFError(f"{family}: mapped config has model.{key}={value!r}; must be {allowed}")
+    return cfg
+
+
+def _deepseek(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """MLA + DeepSeekMoE. V3: sigmoid scores with the selection bias, group-limited (top-2 sum per
+    group), optional renormalisation. V2 as transformers 5 computes it: softmax, greedy top-k, no
+    renormalisation (HF's V2 router ignores norm_topk_prob), times routed_scaling_factor."""
+    v3 = family == "deepseek_v3"
+    _refuse(hf, family, "attention_bias", False, "attention biases are not modelled")
+    _refuse(hf, family, "moe_layer_freq", 1, "every layer after first_k_dense_replace is MoE")
+    if v3:
+        _refuse(hf, family, "topk_method", "noaux_tc", "only DeepSeek-V3's noaux_tc routing is modelled")
+        _refuse(hf, family, "scoring_func", "sigmoid", "only sigmoid scores")
+    else:  # group_limited_greedy scores a group by its best expert; ours by its two best (V3)
+        _refuse(hf, family, "topk_method", "greedy", "only greedy routing is modelled for V2")
+        _refuse(hf, family, "scoring_func", "softmax", "only softmax scores")
+    # HF's q_a_layernorm / kv_a_layernorm use a fixed eps of 1e-6 while ours use norm_eps.
+    if float(hf.get("rms_norm_eps", 1e-6)) != 1e-6:
+        raise HFError(f"{family}: rms_norm_eps={hf['rms_norm_eps']} is not supported (MLA's latent norms "
+                      f"use 1e-6 in HF and norm_eps here; only 1e-6 maps exactly)")
+    num_kv = hf.get("num_key_value_heads")
+    if num_kv not in (None, hf["num_attention_heads"]):
+        raise HFError(f"{family}: num_key_value_heads={num_kv} != num_attention_heads (MLA has no KV groups)")
+    routing = dict(moe_router_score="sigmoid", moe_norm_top_k=bool(hf.get("norm_topk_prob", True)),
+                   moe_num_groups=int(hf.get("n_group") or 1), moe_top_k_groups=int(hf.get("topk_group") or 1),
+                   moe_router_bias=True) if v3 else dict(moe_router_score="softmax", moe_norm_top_k=False)
+    return dict(**routing,
+        num_kv_heads=None, attention_type="mla",
+        q_lora_rank=int(hf["q_lora_rank"]) if hf.get("q_lora_rank") else None,
+        kv_lora_rank=int(hf["kv_lora_rank"]), qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(hf["qk_rope_head_dim"]), v_head_dim=int(hf["v_head_dim"]),
+        moe_num_experts=int(hf["n_routed_experts"]), moe_top_k=int(hf["num_experts_per_tok"]),
+        moe_mlp_dim=int(hf["moe_intermediate_size"]), moe_shared_experts=int(hf.get("n_shared_experts") or 0),
+        moe_first_dense_layers=int(hf.get("first_k_dense_replace") or 0), moe_every=1,
+        moe_routed_scale=float(hf.get("routed_scaling_factor", 1.0)), moe_dispatch="dropless")
+
+
+def rope_interleaved(hf: dict[str, Any], family: str) -> bool:
+    """Whether the checkpoint's rope columns are in DeepSeek's interleaved-pair order (V2's complex
+    rotation always is; V3 unless rope_interleave is false)."""
+    return family == "deepseek_v2" or (family == "deepseek_v3" and bool(hf.get("rope_interleave", True)))
+
+
+# ---------------------------------------------------------------- export
+
+
+def hf_family(cfg: ModelConfig) -> str:
+    """The HF family that computes what `cfg` computes, or HFError naming the feature HF lacks."""
+    def refuse(what: str) -> None:
+        raise HFError(f"no Hugging Face family for this model: {what}")
+
+    if cfg.logit_softcap is not None:
+        refuse(f"model.logit_softcap={cfg.logit_softcap} (no supported HF family soft-caps logits)")
+    if cfg.is_mla:
+        if not cfg.is_moe:
+            refuse("MLA without MoE (DeepSeek-V3 needs MoE layers)")
+        if cfg.moe_every != 1 or cfg.qkv_bias:
+            refuse("MLA + MoE needs moe_every=1 and no qkv_bias (DeepSeek)")
+        if cfg.norm_eps != 1e-6:
+            refuse(f"model.norm_eps={cfg.norm_eps} with MLA (HF's latent norms use 1e-6)")
+        if cfg.rope_scaling_factor is not None and cfg.rope_scaling_type != "yarn":
+            refuse("llama3 rope scaling with MLA")
+        if cfg.moe_router_score == "sigmoid":
+            return "deepseek_v3"
+        if cfg.moe_norm_top_k or cfg.moe_num_groups != 1 or cfg.moe_bias_update_rate or cfg.moe_router_bias:
+            refuse("MLA + softmax MoE other than DeepSeek-V2's (greedy top-k, no renormalisation, groups or bias)")
+        return "deepseek_v2"
+    if cfg.rope_scaling_factor is not None and cfg.rope_scaling_type != "llama3":
+        refuse("yarn rope scaling without MLA")
+    if cfg.is_moe:
+        plain = (cfg.moe_router_score == "softmax" and cfg.moe_norm_top_k and not cfg.moe_shared_experts
+                 and cfg.moe_num_groups == 1 and cfg.moe_routed_scale == 1.0 and cfg.moe_first_dense_layers == 0
+                 and cfg.moe_every == 1 and not cfg.qk_norm and not cfg.qkv_bias
+                 and not (cfg.moe_bias_update_rate or cfg.moe_router_bias))
+        if not plain:
+            refuse("MoE other than Mixtral's (softmax, renormalised top-k, no shared experts, groups, bias, "
+                   "dense layers, scale, qk_norm or qkv_bias)")
+        return "mixtral"
+    if cfg.qk_norm and cfg.qkv_bias:
+        refuse("qk_norm together with qkv_bias")
+    if cfg.qk_norm:
+        return "qwen3"
+    if cfg.qkv_bias:
+        return "qwen2"
+    return "llama"
+
+
+def to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
+    """config.json for `cfg` (see hf_family)."""
+    family = hf_family(cfg)
+    rope: dict[str, Any] = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
+    if cfg.rope_scaling_factor is not None and cfg.rope_scaling_type == "llama3":
+        rope.update(rope_type="llama3", factor=cfg.rope_scaling_factor, low_freq_factor=cfg.rope_low_freq_factor,
+                    high_freq_factor=cfg.rope_high_freq_factor,
+                    original_max_position_embeddings=cfg.rope_original_max_len)
+    elif cfg.rope_scaling_factor is not None:
+        rope.update(rope_type="yarn", factor=cfg.rope_scaling_factor, beta_fast=cfg.rope_yarn_beta_fast,
+                    beta_slow=cfg.rope_yarn_beta_slow, mscale=cfg.rope_yarn_mscale,
+                    mscale_all_dim=cfg.rope_yarn_mscale, original_max_position_embeddings=cfg.rope_original_max_len)
+    out: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[family]], "model_type": family, "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model, "intermediate_size": cfg.mlp_dim, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.kv_heads, "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std, "rope_theta": cfg.rope_theta, "rope_parameters": rope,
+        "max_position_embeddings": max(4096, cfg.rope_original_max_len), "attention_bias": False,
+        "dtype": dtype, "use_cache": True,
+    }
+    if family not in DEEPSEEK:
+        out["head_dim"] = cfg.resolved_head_dim
+    if family == "qwen2":
+        out.update(use_sliding_window=False, sliding_window=None)
+    if family == "qwen3":
+        out.update(use_sliding_window=False, sliding_window=None)
+    if family in ("mixtral", "mistral"):
+        out["sliding_window"] = None
+    if family == "mixtral":
+        if cfg.expert_dim != cfg.mlp_dim:
+            out["intermediate_size"] = cfg.expert_dim  # Mixtral has no dense MLPs: only the expert width matters
+        out.update(num_local_experts=cfg.moe_num_experts, num_experts_per_tok=cfg.moe_top_k,
+                   router_jitter_noise=0.0, output_router_logits=False)
+    if family in DEEPSEEK:
+        out.update(q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+                   qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
+                   v_head_dim=cfg.v_head_dim, head_dim=cfg.qk_rope_head_dim,
+                   n_routed_experts=cfg.moe_num_experts, num_experts_per_tok=cfg.moe_top_k,
+                   moe_intermediate_size=cfg.expert_dim, n_shared_experts=cfg.moe_shared_experts,
+                   first_k_dense_replace=cfg.moe_first_dense_layers, routed_scaling_factor=cfg.moe_routed_scale,
+                   norm_topk_prob=cfg.moe_norm_top_k)
+    if family == "deepseek_v3":
+        out.update(n_group=cfg.moe_num_groups, topk_group=cfg.moe_top_k_groups, topk_method="noaux_tc",
+                   scoring_func="sigmoid", rope_interleave=True, num_nextn_predict_layers=0)
+    if family == "deepseek_v2":
+        out.update(n_group=None, topk_group=None, topk_method="greedy", scoring_func="softmax")
+    return out
+

@@ -1,0 +1,174 @@
+"""`jaxinfra hf import HF_DIR OUT`: an HF checkpoint -> a jaxinfra run directory.
+
+    OUT/config.yaml          complete resolved Config (model mapped from config.json)
+    OUT/checkpoints/0/       Orbax, checkpoint.py's layout: `state` = {"params": ...} only,
+                             `meta` = {"params_only": true, "imported_from": ..., ...}
+
+Streaming: each of our parameters is built with `jax.make_array_from_callback` straight in
+its target sharding (from the config's mesh and the sharding rules); a device's callback
+reads only the HF tensors of the (layer, expert) slices its shard covers, converts them
+and slices out its part. So the host never holds more than one shard plus the HF tensors
+of one slice, beyond what the devices themselves hold (on the CPU backend device buffers
+are host memory too, so there RSS includes the model once).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import pathlib
+import resource
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxinfra.config import Config, apply_overrides, from_dict, validate
+from jaxinfra.hf.families import HFError, from_hf, rope_interleaved
+from jaxinfra.hf.safetensors_io import SafetensorsDir
+from jaxinfra.hf.tensors import Rule, ignored, rules
+from models.config import ModelConfig
+
+STEP = 0
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def read_hf_config(hf_dir: pathlib.Path) -> dict[str, Any]:
+    path = hf_dir / "config.json"
+    if not path.is_file():
+        raise HFError(f"{hf_dir}: no config.json (is it a Hugging Face model directory?)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise HFError(f"{path}: invalid JSON ({e})") from None
+
+
+def build_config(model: ModelConfig, overrides: Sequence[str] = (), device_count: int | None = None) -> Config:
+    """Config(model=mapped) + KEY=VALUE overrides, validated. The data section stays the default unless
+    its vocabulary does not fit the model (tiny test models): then synthetic tokens, to be overridden."""
+    from jaxinfra.data import vocab_size_of
+
+    tree = Config(model=model).to_dict()
+    if vocab_size_of(Config().data) > model.vocab_size:
+        tree["data"]["source"] = "synthetic"
+        tree["data"]["synthetic_vocab"] = min(64, model.vocab_size)
+    cfg = from_dict(Config, apply_overrides(tree, list(overrides)), "")
+    validate(cfg, device_count)
+    return cfg
+
+
+def _flat(tree: Any) -> dict[str, Any]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+    return {"/".join(str(k.key) for k in path): leaf for path, leaf in leaves}
+
+
+def _callback(rule: Rule, files: SafetensorsDir, shape: tuple[int, ...], dtype: np.dtype):
+    """make_array_from_callback's callback for one parameter: build only the requested shard."""
+    lead = len(rule.lead)
+
+    def one(index: tuple[int, ...]) -> np.ndarray:
+        got = rule.load([files.read(n) for n in rule.names(*index)])
+        if got.shape != shape[lead:]:
+            names = ", ".join(rule.names(*index))
+            raise HFError(f"tensor {names} has a shape that gives {rule.path} slice {got.shape}; the config "
+                          f"says {shape[lead:]}")
+        return got
+
+    def callback(index: tuple[slice, ...]) -> np.ndarray:
+        ranges = [range(*index[k].indices(shape[k])) for k in range(lead)]
+        rest = index[lead:]
+        if not lead:
+            return one(())[rest].astype(dtype)
+        out = None  # filled slice by slice: the shard plus one HF tensor, never a list of slices
+        for pos, idx in zip(itertools.product(*(range(len(r)) for r in ranges)), itertools.product(*ranges)):
+            piece = one(idx)[rest]
+            if out is None:
+                out = np.empty((*(len(r) for r in ranges), *piece.shape), dtype)
+            out[pos] = piece
+        return out
+
+    return callback
+
+
+def load_params(cfg: Config, family: str, interleaved: bool, files: SafetensorsDir,
+                devices: Sequence[jax.Device] | None = None) -> Any:
+    """Our params (an nnx.State of jax.Arrays on the config's mesh) built from the HF tensors."""
+    from jaxinfra.state import init_params, sharding_rules, tree_shardings
+    from sharding.mesh import make_mesh
+
+    mesh = make_mesh(cfg.mesh, list(devices) if devices is not None else jax.devices())
+    abstract = jax.eval_shape(lambda: init_params(cfg.model, jax.random.key(0)))
+    shardings = _flat(tree_shardings(abstract, mesh, sharding_rules(cfg.parallelism).params))
+    by_path = {r.path: r for r in rules(cfg.model, family, interleaved)}
+    flat = _flat(abstract)
+    if set(flat) != set(by_path):  # a model feature without a mapping is a bug here, not bad input
+        raise AssertionError(f"unmapped params: {sorted(set(flat) ^ set(by_path))}")
+    values = {}
+    for path, var in flat.items():
+        sharding = shardings[path].get_raw_value()
+        values[path] = jax.make_array_from_callback(var.shape, sharding,
+                                                    _callback(by_path[path], files, var.shape, var.dtype))
+
+    def fill(path, var):
+        return var.replace(values["/".join(str(k.key) for k in path)])
+
+    return jax.tree_util.tree_map_with_path(fill, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def check_unused(files: SafetensorsDir, cfg: ModelConfig, family: str) -> None:
+    extra = sorted(k for k in files.where if k not in files.used and not ignored(k, cfg, family))
+    if extra:
+        more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
+        raise HFError(f"unexpected tensor {extra[0]}{more} in {files.describe()} (a feature this importer does "
+                      f"not map)")
+
+
+def save_imported(out: pathlib.Path, cfg: Config, params: Any, meta: dict[str, Any]) -> pathlib.Path:
+    """OUT/config.yaml and OUT/checkpoints/0 in jaxinfra/checkpoint.py's item layout (params only)."""
+    import orbax.checkpoint as ocp
+
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt_dir = (out / "checkpoints").absolute()
+    if ckpt_dir.exists() and any(ckpt_dir.iterdir()):
+        raise HFError(f"{ckpt_dir} already holds checkpoints; import into a new directory")
+    (out / "config.yaml").write_text(cfg.to_yaml())
+    # Orbax copies arrays to the host before writing them; by default all at once (a full host copy
+    # of the model). Bounding the copies in flight to the largest parameter (at least 256 MiB) keeps
+    # the host to about one tensor at a time. Same PyTree format as StandardSave.
+    largest = max(x.nbytes for x in jax.tree.leaves(params))
+    budget = (max(largest, 2**28) + 2**20) / 10**9  # the limiter refuses a single array above its budget
+    handler = ocp.PyTreeCheckpointHandler(save_device_host_concurrent_gb=budget, save_concurrent_gb=budget)
+    manager = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(create=True),
+                                    item_names=("state", "data", "meta"), item_handlers={"state": handler})
+    manager.save(STEP, args=ocp.args.Composite(state=ocp.args.PyTreeSave({"params": params}),
+                                               meta=ocp.args.JsonSave({**meta, "config": cfg.to_yaml()})))
+    manager.wait_until_finished()
+    manager.close()
+    return ckpt_dir / str(STEP)
+
+
+def import_hf(hf_dir: str | pathlib.Path, out: str | pathlib.Path, overrides: Sequence[str] = (),
+              devices: Sequence[jax.Device] | None = None) -> dict[str, Any]:
+    """Convert and save; returns a report (family, params, bytes on disk, peak RSS, seconds)."""
+    start = time.perf_counter()
+    hf_dir, out = pathlib.Path(hf_dir), pathlib.Path(out)
+    hf = read_hf_config(hf_dir)
+    family, model = from_hf(hf)
+    devices = list(devices) if devices is not None else jax.devices()
+    cfg = build_config(model, overrides, len(devices))
+    files = SafetensorsDir(hf_dir)
+    params = load_params(cfg, family, rope_interleaved(hf, family), files, devices)
+    check_unused(files, cfg.model, family)
+    meta = {"params_only": True, "imported_from": str(hf_dir.absolute()), "hf_family": family,
+            "hf_architectures": hf.get("architectures"), "step": STEP}
+    path = save_imported(out, cfg, params, meta)
+    count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    return {"family": family, "checkpoint": str(path), "params": count, "bytes_on_disk": files.bytes_on_disk(),
+            "peak_rss_bytes": peak_rss_bytes(), "seconds": time.perf_counter() - start}

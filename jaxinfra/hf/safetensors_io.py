@@ -1,0 +1,140 @@
+"""Reading and writing safetensors one tensor at a time (no torch; numpy only).
+
+Reading opens the file with `safe_open(framework="numpy")` for each tensor and closes it
+right after: the file is memory-mapped, and pages touched through a mapping that stays
+open count in the process's resident set, so keeping one mapping for the whole import
+would make RSS grow to the checkpoint size even though every tensor is read once.
+
+Writing computes the header (names, dtypes, shapes, offsets) from the shapes alone, then
+appends each tensor's bytes as it is produced, so only one tensor is ever on the host.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import struct
+from collections.abc import Iterable, Iterator
+
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+
+from jaxinfra.hf.families import HFError
+
+# transformers 5.x holds MoE experts fused in memory; a checkpoint saved that way stores e.g.
+# `...mlp.experts.gate_up_proj` [E, 2F, d] and `...mlp.experts.down_proj` [E, d, F] instead of
+# the Hub's per-expert `...experts.{j}.w1.weight`. Per-expert names are resolved into slices of those.
+_PER_EXPERT = re.compile(r"^(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)"
+                         r"\.weight$")
+
+
+class SafetensorsDir:
+    """The tensors of an HF directory (one model.safetensors or an index of shards)."""
+
+    def __init__(self, directory: str | pathlib.Path):
+        self.directory = pathlib.Path(directory)
+        files = sorted(self.directory.glob("*.safetensors"))
+        if not files:
+            raise HFError(f"{self.directory}: no *.safetensors files (only safetensors checkpoints are supported)")
+        self.files = [f.name for f in files]
+        self.where: dict[str, pathlib.Path] = {}
+        for f in files:
+            with safe_open(f, framework="numpy") as st:
+                for key in st.keys():
+                    self.where[key] = f
+        self.used: set[str] = set()
+
+    def describe(self) -> str:
+        return f"{self.directory} ({', '.join(self.files)})"
+
+    def read(self, name: str) -> np.ndarray:
+        """One tensor (or a fused tensor's slice standing in for it), as a numpy array."""
+        if name in self.where:
+            self.used.add(name)
+            return self._get(name, None)
+        renamed = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral as transformers 5.x names it in memory
+        if renamed != name and renamed in self.where:
+            self.used.add(renamed)
+            return self._get(renamed, None)
+        fused = self._fused(name)
+        if fused is None:
+            raise HFError(f"missing tensor {name} in {self.describe()}")
+        key, index = fused
+        self.used.add(key)
+        return self._get(key, index)
+
+    def _fused(self, name: str) -> tuple[str, tuple] | None:
+        m = _PER_EXPERT.match(name)
+        if not m:
+            return None
+        prefix, j, which = m.group(1), int(m.group(2)), m.group(3)
+        if which in ("w2", "down_proj"):
+            key = f"{prefix}.mlp.experts.down_proj"
+            return (key, (j,)) if key in self.where else None
+        key = f"{prefix}.mlp.experts.gate_up_proj"
+        if key not in self.where:
+            return None
+        with safe_open(self.where[key], framework="numpy") as st:
+            f = st.get_slice(key).get_shape()[1] // 2
+        half = slice(0, f) if which in ("w1", "gate_proj") else slice(f, 2 * f)
+        return key, (j, half)
+
+    def _get(self, key: str, index: tuple | None) -> np.ndarray:
+        path = self.where[key]
+        with safe_open(path, framework="numpy") as st:  # opened per tensor: see the module docstring
+            if index is None:
+                out = st.get_tensor(key)
+            else:
+                out = st.get_slice(key)[index]
+        return np.array(out, copy=True)  # own the bytes before the mapping closes
+
+    def shape(self, key: str) -> list[int]:
+        with safe_open(self.where[key], framework="numpy") as st:
+            return list(st.get_slice(key).get_shape())
+
+    def bytes_on_disk(self) -> int:
+        return sum((self.directory / f).stat().st_size for f in self.files)
+
+
+_DTYPES = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.float16): "F16"}
+
+
+def write_safetensors(path: pathlib.Path, specs: list[tuple[str, tuple[int, ...], np.dtype]],
+                      tensors: Iterator[tuple[str, np.ndarray]], metadata: dict[str, str] | None = None) -> int:
+    """Write one safetensors file whose tensors are `specs` (name, shape, dtype), with the data
+    coming from `tensors` in the same order. Returns the bytes written."""
+    header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    for name, shape, dtype in specs:
+        size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        header[name] = {"dtype": _DTYPES[np.dtype(dtype)], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
+    with open(path, "wb") as out:
+        out.write(struct.pack("<Q", len(blob)))
+        out.write(blob)
+        for (name, shape, dtype), (got, array) in zip(specs, tensors, strict=True):
+            if got != name or tuple(array.shape) != tuple(shape) or array.dtype != dtype:
+                raise ValueError(f"tensor {got} {array.shape} {array.dtype} does not match its header entry "
+                                 f"{name} {shape} {dtype}")
+            out.write(np.ascontiguousarray(array).tobytes())
+    return 8 + len(blob) + offset
+
+
+def plan_shards(specs: Iterable[tuple[str, tuple[int, ...], np.dtype]],
+                max_bytes: int) -> list[list[tuple[str, tuple[int, ...], np.dtype]]]:
+    """Split tensors (in order) into files of at most max_bytes each (a bigger tensor gets its own)."""
+    shards: list[list] = [[]]
+    size = 0
+    for spec in specs:
+        n = int(np.prod(spec[1], dtype=np.int64)) * np.dtype(spec[2]).itemsize
+        if shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += n
+    return shards

@@ -1,0 +1,183 @@
+"""Tensor names and layouts: each of our parameters <-> the HF tensors it is made of.
+
+HF stores one tensor per layer (and per expert), Linear weights as [out, in]. We store
+layers stacked on a leading axis (`layers` for dense blocks, `moe_layers` for MoE blocks,
+each in model order: see models/transformer.py `_moe_stack`), experts stacked on the next
+axis, and projections as [in, heads, head_dim]. A `Rule` says, for one of our parameters:
+which HF tensors make one (layer, expert) slice, and how to convert that slice both ways.
+Converting one slice at a time is what lets import and export stream.
+
+DeepSeek's rope columns: HF DeepseekV3 with `rope_interleave` rotates pairs (x0, x1),
+(x2, x3), ... of q_b_proj's / kv_a_proj_with_mqa's rope outputs, and its result is laid out
+[even-rotated, odd-rotated]; our `apply_rope` is rotate-half on [first half, second half].
+Moving the even columns first and the odd ones second in the weights makes our
+rotate-half compute exactly HF's interleaved rotation (q.k is invariant to permuting
+both alike), so the importer applies that permutation and the exporter its inverse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from models.config import ModelConfig
+
+Convert = Callable[[Sequence[np.ndarray]], np.ndarray]
+Split = Callable[[np.ndarray], list[np.ndarray]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    path: str  # our parameter, e.g. "layers/attn/wq"
+    lead: tuple[int, ...]  # sizes of the leading axes that index separate HF tensors (layers, experts)
+    names: Callable[..., list[str]]  # HF tensor names for one lead index (layer, expert)
+    load: Convert  # HF tensors of one slice -> our slice
+    save: Split  # our slice -> HF tensors (same order as names)
+
+
+def _t(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x.T)
+
+
+def rope_perm(dim: int) -> np.ndarray:
+    """Interleaved-pair order -> rotate-half order: even columns, then odd ones."""
+    return np.concatenate([np.arange(0, dim, 2), np.arange(1, dim, 2)])
+
+
+def _permute_tail(x: np.ndarray, rope: int, inverse: bool = False) -> np.ndarray:
+    """Permute the last `rope` entries of the last axis (the rope part)."""
+    if not rope:
+        return x
+    perm = rope_perm(rope)
+    if inverse:
+        perm = np.argsort(perm)
+    head = x[..., : x.shape[-1] - rope]
+    return np.concatenate([head, x[..., x.shape[-1] - rope:][..., perm]], axis=-1)
+
+
+def linear(*shape: int, rope: int = 0) -> tuple[Convert, Split]:
+    """HF [out, in] <-> ours [in, *shape] with out = prod(shape); optional rope permutation."""
+    def load(ts: Sequence[np.ndarray]) -> np.ndarray:
+        w = ts[0].T.reshape(ts[0].shape[1], *shape)
+        return np.ascontiguousarray(_permute_tail(w, rope))
+
+    def save(x: np.ndarray) -> list[np.ndarray]:
+        w = _permute_tail(x, rope, inverse=True)
+        return [_t(w.reshape(x.shape[0], -1))]
+
+    return load, save
+
+
+def out_linear(*shape: int) -> tuple[Convert, Split]:
+    """HF [out, in] with in = prod(shape) <-> ours [*shape, out] (o_proj)."""
+    def load(ts: Sequence[np.ndarray]) -> np.ndarray:
+        return np.ascontiguousarray(ts[0].T.reshape(*shape, ts[0].shape[0]))
+
+    def save(x: np.ndarray) -> list[np.ndarray]:
+        return [_t(x.reshape(-1, x.shape[-1]))]
+
+    return load, save
+
+
+def vector(*shape: int) -> tuple[Convert, Split]:
+    """Same values; with `shape`, ours is the HF vector reshaped (q/k/v biases as [heads, head_dim])."""
+    def load(ts: Sequence[np.ndarray]) -> np.ndarray:
+        return np.ascontiguousarray(ts[0].reshape(shape)) if shape else ts[0]
+
+    def save(x: np.ndarray) -> list[np.ndarray]:
+        return [np.ascontiguousarray(x.reshape(-1) if shape else x)]
+
+    return load, save
+
+
+def _rules_for_block(cfg: ModelConfig, stack: str, hf_layers: list[int], family: str,
+                     interleaved: bool) -> list[Rule]:
+    """Rules for one stacked block group (`layers` or `moe_layers`) whose slots are `hf_layers`."""
+    n = len(hf_layers)
+    pre = lambda i: f"model.layers.{hf_layers[i]}"  # noqa: E731
+    rules: list[Rule] = []
+
+    def add(path: str, hf: str, conv: tuple[Convert, Split]) -> None:
+        rules.append(Rule(f"{stack}/{path}", (n,), lambda i, hf=hf: [f"{pre(i)}.{hf}"], *conv))
+
+    add("attn_norm/scale", "input_layernorm.weight", vector())
+    add("mlp_norm/scale", "post_attention_layernorm.weight", vector())
+    h, kv, dh, d = cfg.num_heads, cfg.kv_heads, cfg.resolved_head_dim, cfg.d_model
+    if cfg.is_mla:
+        nope, rope, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        r = rope if interleaved else 0
+        if cfg.q_lora_rank is None:
+            add("attn/wq", "self_attn.q_proj.weight", linear(h, nope + rope, rope=r))
+        else:
+            add("attn/wq_a", "self_attn.q_a_proj.weight", linear(cfg.q_lora_rank))
+            add("attn/q_norm", "self_attn.q_a_layernorm.weight", vector())
+            add("attn/wq_b", "self_attn.q_b_proj.weight", linear(h, nope + rope, rope=r))
+        add("attn/wkv_a", "self_attn.kv_a_proj_with_mqa.weight", linear(cfg.kv_lora_rank + rope, rope=r))
+        add("attn/kv_norm", "self_attn.kv_a_layernorm.weight", vector())
+        add("attn/wkv_b", "self_attn.kv_b_proj.weight", linear(h, nope + dv))
+        add("attn/wo", "self_attn.o_proj.weight", out_linear(h, dv))
+    else:
+        add("attn/wq", "self_attn.q_proj.weight", linear(h, dh))
+        add("attn/wk", "self_attn.k_proj.weight", linear(kv, dh))
+        add("attn/wv", "self_attn.v_proj.weight", linear(kv, dh))
+        add("attn/wo", "self_attn.o_proj.weight", out_linear(h, dh))
+        if cfg.qkv_bias:
+            add("attn/bq", "self_attn.q_proj.bias", vector(h, dh))
+            add("attn/bk", "self_attn.k_proj.bias", vector(kv, dh))
+            add("attn/bv", "self_attn.v_proj.bias", vector(kv, dh))
+        if cfg.qk_norm:
+            add("attn/q_norm", "self_attn.q_norm.weight", vector())
+            add("attn/k_norm", "self_attn.k_norm.weight", vector())
+    if stack == "layers":
+        f = cfg.mlp_dim
+        add("mlp/w_gate", "mlp.gate_proj.weight", linear(f))
+        add("mlp/w_up", "mlp.up_proj.weight", linear(f))
+        add("mlp/w_down", "mlp.down_proj.weight", linear(d))
+        return rules
+    # MoE block
+    e, f = cfg.moe_num_experts, cfg.expert_dim
+    moe = "block_sparse_moe" if family == "mixtral" else "mlp"
+    gate, up, down = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    add("moe/router/w", f"{moe}.gate.weight", linear(e))
+    if cfg.moe_bias_update_rate > 0 or cfg.moe_router_bias:
+        add("moe/router/bias", f"{moe}.gate.e_score_correction_bias", vector())
+    for ours, theirs, width in (("w_gate", gate, f), ("w_up", up, f), ("w_down", down, d)):
+        conv = linear(width)
+        rules.append(Rule(f"{stack}/moe/{ours}", (n, e),
+                          lambda i, j, theirs=theirs: [f"{pre(i)}.{moe}.experts.{j}.{theirs}.weight"], *conv))
+    if cfg.moe_shared_experts:
+        sf = cfg.moe_shared_experts * f
+        add("moe/shared/w_gate", "mlp.shared_experts.gate_proj.weight", linear(sf))
+        add("moe/shared/w_up", "mlp.shared_experts.up_proj.weight", linear(sf))
+        add("moe/shared/w_down", "mlp.shared_experts.down_proj.weight", linear(d))
+    return rules
+
+
+def rules(cfg: ModelConfig, family: str, interleaved: bool = True) -> list[Rule]:
+    """Every parameter of `cfg`'s model as a Rule (the order export writes them in)."""
+    out = [Rule("embed", (), lambda: ["model.embed_tokens.weight"], *vector())]
+    flags = cfg.moe_layer_flags()
+    dense = [i for i, m in enumerate(flags) if not m]
+    sparse = [i for i, m in enumerate(flags) if m]
+    if dense:
+        out += _rules_for_block(cfg, "layers", dense, family, interleaved)
+    if sparse:
+        out += _rules_for_block(cfg, "moe_layers", sparse, family, interleaved)
+    out.append(Rule("final_norm/scale", (), lambda: ["model.norm.weight"], *vector()))
+    if not cfg.tie_embeddings:
+        out.append(Rule("unembed", (), lambda: ["lm_head.weight"], *linear(cfg.vocab_size)))
+    return out
+
+
+def ignored(name: str, cfg: ModelConfig, family: str) -> bool:
+    """HF tensors we knowingly drop: rotary caches, a tied lm_head copy, DeepSeek's MTP layers."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    if cfg.tie_embeddings and name == "lm_head.weight":
+        return True
+    if family == "deepseek_v3" and name.startswith("model.layers."):
+        # Multi-token-prediction modules are stored as layers num_hidden_layers and up; we do not model them.
+        return int(name.split(".")[2]) >= cfg.num_layers
+    return False

@@ -1,0 +1,166 @@
+"""Tiny random Hugging Face checkpoints + reference logits, for tests/test_hf.py.
+
+Families: Llama (GQA, untied), Qwen2 (q/k/v bias), Qwen3 (QK-norm, tied), Mixtral (8 experts top-2),
+DeepSeek-V3 (MLA with q_lora_rank, YaRN, sigmoid MoE with bias, groups, shared expert, first layer dense)
+and DeepSeek-V2 (MLA without q_lora_rank, softmax greedy MoE, 2 shared experts).
+
+Run with the fixture venv (torch + transformers; the test suite itself never imports them):
+
+    /work/venv/hf/bin/python scripts/make_hf_fixtures.py            # writes tests/fixtures/hf/<name>/
+    /work/venv/hf/bin/python scripts/make_hf_fixtures.py --check-export EXPORT_DIR --reference tests/fixtures/hf/llama
+
+Each fixture dir holds what `save_pretrained(safe_serialization=True)` writes (config.json,
+model.safetensors) plus `reference.npz`: `tokens` [2, 16] int32, `logits` [2, 16, vocab]
+float32 and `loss`, the mean next-token cross-entropy over all 2 * 15 predictions computed in
+float32 from those logits (HF's `labels=` convention: logits[:, :-1] predict tokens[:, 1:]).
+
+Weights are re-drawn with larger scales than HF's init (std 0.02 makes every logit ~0 and the
+MoE routers near-ties, which would test nothing); norm weights are 1 + noise; DeepSeek's
+e_score_correction_bias gets non-zero values so the selection bias is exercised.
+
+`--check-export` loads a jaxinfra-exported directory back with transformers and compares its
+logits on the reference tokens with the reference logits (max |diff| / max |ref|).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import torch
+import transformers
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+OUT = ROOT / "tests" / "fixtures" / "hf"
+VOCAB, SEQ, BATCH = 128, 16, 2
+
+
+def configs() -> dict[str, transformers.PretrainedConfig]:
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=256, torch_dtype="float32")
+    return {
+        "llama": transformers.LlamaConfig(**common, num_key_value_heads=2, intermediate_size=128,
+                                          tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=10000.0),
+        "qwen2": transformers.Qwen2Config(**common, num_key_value_heads=2, intermediate_size=128,
+                                          tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=1e6),
+        "qwen3": transformers.Qwen3Config(**common, num_key_value_heads=2, head_dim=24, intermediate_size=128,
+                                          tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1e6),
+        "mixtral": transformers.MixtralConfig(**common, num_key_value_heads=2, intermediate_size=32,
+                                              num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False,
+                                              rms_norm_eps=1e-5, rope_theta=1e6),
+        "deepseek_v3": transformers.DeepseekV3Config(
+            **{**common, "num_hidden_layers": 3, "max_position_embeddings": 32}, intermediate_size=96,
+            moe_intermediate_size=32,
+            num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+            n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2,
+            first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
+            tie_word_embeddings=False, rms_norm_eps=1e-6,
+            # YaRN x4 over an original length of 8 < 16 tokens: the frequency ramp and MLA's softmax scale matter.
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "mscale": 0.707, "mscale_all_dim": 0.707}),
+        # V2-Lite shape: full-rank queries (q_proj), softmax greedy routing without renormalisation, 2 shared.
+        "deepseek_v2": transformers.DeepseekV2Config(
+            **{**common, "num_hidden_layers": 3}, num_key_value_heads=4, intermediate_size=96,
+            moe_intermediate_size=32, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+            v_head_dim=16, n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=2, first_k_dense_replace=1,
+            routed_scaling_factor=1.5, topk_method="greedy", norm_topk_prob=False, tie_word_embeddings=False,
+            rms_norm_eps=1e-6, rope_theta=10000.0),
+    }
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Larger-than-init random weights so that logits and routing are far from ties."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1 and ("norm" in name or "layernorm" in name):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif p.ndim == 1:  # biases
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            else:
+                fan_in = p.shape[-1]
+                p.copy_(torch.randn(p.shape, generator=g) / fan_in ** 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn(b.shape, generator=g))
+
+
+def reference(model: torch.nn.Module, tokens: np.ndarray) -> tuple[np.ndarray, float]:
+    with torch.no_grad():
+        logits = model(torch.from_numpy(tokens).long()).logits.float().numpy()
+    logp = torch.log_softmax(torch.from_numpy(logits[:, :-1]).float(), dim=-1)
+    targets = torch.from_numpy(tokens[:, 1:]).long()
+    loss = float(-logp.gather(-1, targets[..., None]).mean())
+    return logits, loss
+
+
+def build(name: str, cfg: transformers.PretrainedConfig, seed: int) -> None:
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    randomize(model, seed)
+    tokens = np.random.default_rng(seed).integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32)
+    logits, loss = reference(model, tokens)
+    with torch.no_grad():  # HF's own loss (labels shifted inside) agrees with ours
+        hf_loss = float(model(torch.from_numpy(tokens).long(), labels=torch.from_numpy(tokens).long()).loss)
+    assert abs(hf_loss - loss) <= 1e-5 * abs(loss), (hf_loss, loss)
+    out = OUT / name
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*"):
+        old.unlink()
+    model.save_pretrained(out, safe_serialization=True)
+    np.savez(out / "reference.npz", tokens=tokens, logits=logits, loss=np.float32(loss))
+    # What did transformers write? (5.x may store fused expert tensors; the Hub uses per-expert names.)
+    from safetensors import safe_open
+    with safe_open(out / "model.safetensors", "np") as f:
+        keys = sorted(f.keys())
+    experts = [k for k in keys if ".experts." in k][:3]
+    size = sum(p.stat().st_size for p in out.iterdir())
+    print(f"{name}: {len(keys)} tensors, {size / 1024:.0f} KiB, loss {loss:.6f}, expert keys e.g. {experts}")
+    # Reload check: what we wrote loads back to the same logits.
+    again = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").float().eval()
+    err = _rel_err(reference(again, tokens)[0], logits)
+    assert err == 0.0, f"{name}: reload changed logits (rel err {err})"
+
+
+def _rel_err(got: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+
+
+def check_export(export_dir: pathlib.Path, reference_dir: pathlib.Path) -> int:
+    ref = np.load(reference_dir / "reference.npz")
+    model = transformers.AutoModelForCausalLM.from_pretrained(export_dir, attn_implementation="eager",
+                                                              torch_dtype=torch.float32).eval()
+    logits, loss = reference(model, ref["tokens"])
+    err = _rel_err(logits, ref["logits"])
+    loss_err = abs(loss - float(ref["loss"])) / abs(float(ref["loss"]))
+    ok = err <= 1e-4 and loss_err <= 1e-5
+    print(f"check-export {export_dir} vs {reference_dir.name}: {type(model).__name__}, max rel logits err "
+          f"{err:.2e}, loss rel err {loss_err:.2e}: {'OK' if ok else 'MISMATCH'}")
+    return 0 if ok else 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", help="fixture names (default: all)")
+    parser.add_argument("--check-export", type=pathlib.Path, metavar="EXPORT_DIR")
+    parser.add_argument("--reference", type=pathlib.Path, metavar="FIXTURE_DIR")
+    args = parser.parse_args()
+    if args.check_export:
+        if args.reference is None:
+            parser.error("--check-export needs --reference FIXTURE_DIR")
+        return check_export(args.check_export, args.reference)
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}")
+    for i, (name, cfg) in enumerate(configs().items()):
+        if not args.only or name in args.only:
+            build(name, cfg, seed=i + 1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

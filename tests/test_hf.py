@@ -1,0 +1,354 @@
+"""Hugging Face import/export against tiny checkpoints written by transformers
+(scripts/make_hf_fixtures.py; reference logits and loss committed beside them). No torch here."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxinfra import cli
+from jaxinfra.checkpoint import is_params_only, restore_params
+from jaxinfra.config import load_config
+from jaxinfra.hf.exporter import export_hf
+from jaxinfra.hf.families import HFError, from_hf, hf_family
+from jaxinfra.hf.importer import import_hf
+from jaxinfra.hf.safetensors_io import SafetensorsDir
+from jaxinfra.hf.tensors import rope_perm
+from jaxinfra.loss import cross_entropy_sums
+from jaxinfra.metrics import param_counts
+from jaxinfra.state import init_params, model_graphdef
+from models.config import ModelConfig
+from models.layers import apply_rope
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+FIXTURES = REPO_ROOT / "tests" / "fixtures" / "hf"
+NAMES = ["llama", "qwen2", "qwen3", "mixtral", "deepseek_v3", "deepseek_v2"]
+
+
+def reference(name: str) -> dict[str, np.ndarray]:
+    return dict(np.load(FIXTURES / name / "reference.npz"))
+
+
+def one_device() -> list[jax.Device]:
+    return jax.devices()[:1]
+
+
+def restored(run_dir: pathlib.Path) -> tuple[ModelConfig, nnx.State]:
+    """The imported run's config and params, on one device (as tools load them)."""
+    cfg = load_config(str(run_dir / "config.yaml"))
+    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev),
+                          jax.eval_shape(lambda: init_params(cfg.model, jax.random.key(0))))
+    return cfg.model, restore_params(run_dir, target)[1]
+
+
+@functools.cache
+def forward(cfg: ModelConfig):
+    """One jitted forward per model config, shared by all tests (compiles are the budget)."""
+    graphdef = model_graphdef(cfg)
+    return jax.jit(lambda params, tokens: nnx.merge(graphdef, params)(tokens))
+
+
+def logits_of(run_dir: pathlib.Path, tokens: np.ndarray) -> np.ndarray:
+    cfg, params = restored(run_dir)
+    return np.asarray(forward(cfg)(params, jnp.asarray(tokens)))
+
+
+def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+
+
+def mean_next_token_ce(logits: np.ndarray, tokens: np.ndarray) -> float:
+    sums = cross_entropy_sums(jnp.asarray(logits[:, :-1]), jnp.asarray(tokens[:, 1:]),
+                              jnp.ones(tokens[:, 1:].shape, bool))
+    return float(sums["ce_sum"] / sums["tokens"])
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory) -> dict[str, pathlib.Path]:
+    """Each fixture imported once, on one device."""
+    root = tmp_path_factory.mktemp("imported")
+    out = {}
+    for name in NAMES:
+        report = import_hf(FIXTURES / name, root / name, devices=one_device())
+        assert report["family"] == name and report["peak_rss_bytes"] > 0 and report["bytes_on_disk"] > 0
+        # The analytic count (metrics) knows the new parameters (q/k/v biases, a fixed router bias).
+        assert param_counts(load_config(str(root / name / "config.yaml")).model)["total"] == report["params"]
+        out[name] = root / name
+    return out
+
+
+# ---------------------------------------------------------------- numerics vs transformers
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_and_loss_match_transformers(imported, name):
+    ref = reference(name)
+    logits = logits_of(imported[name], ref["tokens"])
+    assert rel_err(logits, ref["logits"]) <= 1e-4
+    loss = mean_next_token_ce(logits, ref["tokens"])
+    assert loss == pytest.approx(float(ref["loss"]), rel=1e-5)
+
+
+def test_rope_interleave_permutation_is_needed(imported, tmp_path):
+    """Verify, not assume: importing DeepSeek's interleaved rope columns unpermuted breaks the logits."""
+    src = tmp_path / "hf"
+    shutil.copytree(FIXTURES / "deepseek_v3", src)
+    hf = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**hf, "rope_interleave": False}))
+    import_hf(src, tmp_path / "out", devices=one_device())
+    ref = reference("deepseek_v3")
+    assert rel_err(logits_of(tmp_path / "out", ref["tokens"]), ref["logits"]) > 1e-2
+
+
+def test_rope_perm_turns_interleaved_rotation_into_rotate_half():
+    """HF DeepSeek's interleaved rotation of x == our rotate-half rotation of x[perm] (plain numpy reference)."""
+    rng = np.random.default_rng(0)
+    dim, t = 8, 5
+    x = rng.standard_normal((1, t, 1, dim)).astype(np.float32)
+    freqs = 1.0 / (10000 ** (np.arange(0, dim, 2) / dim))
+    ang = np.arange(t)[:, None] * freqs[None, :]
+    cos, sin = np.cos(ang)[None, :, None, :], np.sin(ang)[None, :, None, :]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    hf = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)  # apply_rotary_pos_emb_interleave
+    ours = apply_rope(jnp.asarray(x[..., rope_perm(dim)]), jnp.arange(t)[None], jnp.asarray(freqs, jnp.float32))
+    np.testing.assert_allclose(np.asarray(ours), hf, atol=1e-6)
+
+
+def test_fused_expert_tensors_are_read_too(imported, tmp_path):
+    """transformers 5.x's in-memory layout (block_sparse_moe renamed mlp; mlp.experts.gate_up_proj [E, 2F, d],
+    down_proj [E, d, F]) imports to the same params as the Hub's per-expert tensors."""
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "hf"
+    shutil.copytree(FIXTURES / "mixtral", src)
+    files = SafetensorsDir(src)
+    tensors = {k.replace(".block_sparse_moe.", ".mlp."): files.read(k) for k in files.where if ".experts." not in k}
+    for i in range(2):
+        per = lambda j, w: files.read(f"model.layers.{i}.block_sparse_moe.experts.{j}.{w}.weight")  # noqa: E731
+        tensors[f"model.layers.{i}.mlp.experts.gate_up_proj"] = np.stack(
+            [np.concatenate([per(j, "w1"), per(j, "w3")]) for j in range(8)])
+        tensors[f"model.layers.{i}.mlp.experts.down_proj"] = np.stack([per(j, "w2") for j in range(8)])
+    save_file(tensors, src / "model.safetensors")
+    import_hf(src, tmp_path / "out", devices=one_device())
+    for x, y in zip(jax.tree.leaves(restored(imported["mixtral"])[1]), jax.tree.leaves(restored(tmp_path / "out")[1]),
+                    strict=True):
+        assert np.array_equal(np.asarray(x), np.asarray(y))
+
+
+# ---------------------------------------------------------------- export
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_export_then_reimport_is_bitwise_identical(imported, name, tmp_path):
+    export_hf(imported[name], tmp_path / "hf")
+    # Hub naming (per-expert tensors), the same tensor set transformers wrote.
+    assert set(SafetensorsDir(tmp_path / "hf").where) == set(SafetensorsDir(FIXTURES / name).where)
+    assert from_hf(json.loads((tmp_path / "hf" / "config.json").read_text())) == \
+        from_hf(json.loads((FIXTURES / name / "config.json").read_text()))
+    import_hf(tmp_path / "hf", tmp_path / "again", devices=one_device())
+    _, a = restored(imported[name])
+    _, b = restored(tmp_path / "again")
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_export_shards_and_bfloat16(imported, tmp_path):
+    out = tmp_path / "hf"
+    report = export_hf(imported["deepseek_v3"] / "checkpoints" / "0", out, dtype="bfloat16",
+                       max_shard_bytes=200_000)
+    assert len(report["files"]) > 1
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = SafetensorsDir(out)
+    assert set(index["weight_map"]) == set(files.where)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert str(files.read("model.layers.1.self_attn.q_b_proj.weight").dtype) == "bfloat16"
+    assert files.read("model.layers.1.mlp.gate.e_score_correction_bias").dtype == np.float32  # as HF keeps it
+
+
+@pytest.mark.parametrize("preset", ["llama3-8b", "mixtral-8x7b", "deepseek-v3", "tiny"])
+def test_preset_configs_map_to_hf_and_back(preset):
+    """to_hf then from_hf gives back every field that changes the function (llama3 rope scaling, YaRN, MoE)."""
+    from jaxinfra.hf.families import to_hf
+
+    cfg = load_config(preset).model
+    if cfg.moe_bias_update_rate:  # a trained balancing bias exports as e_score_correction_bias, imports fixed
+        cfg = dataclasses.replace(cfg, moe_bias_update_rate=0.0, moe_router_bias=True)
+    _, back = from_hf(to_hf(cfg))
+    skip = {"init_std", "scan_layers", "remat_policy", "attention_impl", "moe_dispatch", "moe_capacity_factor",
+            "moe_aux_loss_weight", "moe_z_loss_weight", "z_loss_weight", "param_dtype", "dtype", "head_dim",
+            "num_kv_heads", "mlp_dim"}
+    diff = {k: (v, getattr(back, k)) for k, v in dataclasses.asdict(cfg).items()
+            if k not in skip and getattr(back, k) != v}
+    assert not diff
+    assert (back.resolved_head_dim, back.kv_heads) == (cfg.resolved_head_dim, cfg.kv_heads)
+
+
+def test_mistral_maps_like_llama_and_sliding_window_is_refused():
+    hf = {"architectures": ["MistralForCausalLM"], "vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64, "rms_norm_eps": 1e-5,
+          "rope_theta": 1e6, "sliding_window": None, "head_dim": None}
+    family, cfg = from_hf(hf)
+    assert family == "mistral" and (cfg.kv_heads, cfg.rope_theta, cfg.norm_eps) == (2, 1e6, 1e-5)
+    with pytest.raises(HFError, match="sliding_window=4096"):
+        from_hf({**hf, "sliding_window": 4096})
+    with pytest.raises(HFError, match="unsupported architecture FooForCausalLM; supported: "):
+        from_hf({**hf, "architectures": ["FooForCausalLM"]})
+
+
+def test_export_refuses_models_without_hf_family():
+    with pytest.raises(HFError, match="logit_softcap"):
+        hf_family(ModelConfig(logit_softcap=30.0))
+    with pytest.raises(HFError, match="MoE other than Mixtral"):
+        hf_family(ModelConfig(moe_num_experts=4, moe_shared_experts=1))
+
+
+# ---------------------------------------------------------------- sharded import, eval loss
+
+
+@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3"])
+def test_sharded_import_gives_the_reference_loss(tmp_path, name):
+    """Import straight into fsdp=4 x tensor=2 on the 8 fake devices; the eval step's loss over the
+    reference tokens (inputs t[:-1], targets t[1:]) is the loss transformers computed."""
+    from jaxinfra.runtime import build_runtime
+
+    ref = reference(name)
+    tokens = np.tile(ref["tokens"], (4, 1))  # 8 rows: the batch splits over fsdp; the mean is unchanged
+    overrides = ["mesh.fsdp=4", "mesh.tensor=2", "mesh.data=1", "train.seq_len=15", "train.batch_size=8"]
+    import_hf(FIXTURES / name, tmp_path / "run", overrides)
+    cfg = load_config(str(tmp_path / "run" / "config.yaml"))
+    rt = build_runtime(cfg)
+    _, params = restore_params(tmp_path / "run", jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        jax.eval_shape(lambda: init_params(cfg.model, jax.random.key(0))), rt.state_shardings.params))
+    assert params["moe_layers"]["moe"]["w_gate"][...].sharding.spec != jax.sharding.PartitionSpec()
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": np.ones((8, 15), np.int32),
+             "positions": np.broadcast_to(np.arange(15, dtype=np.int32), (8, 15)).copy()}
+    ce, count = rt.eval_sums(params, [batch])
+    assert ce / count == pytest.approx(float(ref["loss"]), rel=1e-5)
+
+
+# ---------------------------------------------------------------- training from an import
+
+
+def test_train_restores_imported_params(imported, tmp_path, capsys):
+    """`train --restore OUT` with the default checkpoint.restore=full falls back to params with one
+    line; the first step's loss is the imported params' loss on that batch; 3 steps stay finite."""
+    from jaxinfra.data import make_train_iterator
+    from jaxinfra.runtime import build_runtime
+    from jaxinfra.train import train
+
+    src = imported["llama"]
+    assert is_params_only(src) and is_params_only(src / "checkpoints" / "0")
+    cfg = load_config(str(src / "config.yaml"), [
+        "train.steps=3", "train.batch_size=8", "train.seq_len=16", "train.eval_every=0", "log.every=1",
+        "log.progress=false", "log.tensorboard=false", "data.eval_batches=1", "mesh.data=1"])
+    summary = train(cfg, tmp_path / "run", one_device(), restore_from=src)
+    assert "holds params only" in capsys.readouterr().out
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+              if "loss" in json.loads(line)]
+    assert summary["exit_code"] == 0 and len(losses) == 3 and np.all(np.isfinite(losses))
+    t = cfg.train
+    first = next(iter(make_train_iterator(cfg.data, seq_len=t.seq_len, global_batch_size=t.batch_size,
+                                          vocab_size=cfg.model.vocab_size, seed=t.seed)))
+    rt = build_runtime(cfg, one_device())
+    _, params = restored(src)
+    ce, count = rt.eval_sums(params, [first])
+    assert losses[0] == pytest.approx(ce / count, rel=1e-5)
+    # A step directory works as --restore too (same params).
+    _, via_step = restore_params(src / "checkpoints" / "0", jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(via_step)))
+    # The trained run (a full TrainState checkpoint) exports back to HF.
+    assert export_hf(tmp_path / "run", tmp_path / "hf")["step"] == 3
+    # Training with the import itself as the run directory starts from its params too (not "unreadable").
+    from jaxinfra.train import Trainer
+
+    run_dir = tmp_path / "import-as-run"
+    shutil.copytree(src, run_dir)
+    step, state, _ = Trainer(cfg, run_dir, one_device()).initial_state()
+    assert step == 0 and (run_dir / "checkpoints" / "0").is_dir()
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(state.params)))
+
+
+def test_fixed_router_bias_is_not_moved_by_the_step():
+    """moe_router_bias with rate 0 (an imported DeepSeek-V3 bias): the step's bias pass restores it exactly."""
+    from models.router import RouterBias, apply_bias_updates
+
+    old = nnx.State({"bias": RouterBias(jnp.asarray([[0.1, -0.2, 0.3]], jnp.float32))})
+    new = nnx.State({"bias": RouterBias(jnp.asarray([[0.5, 0.5, 0.5]], jnp.float32))})  # e.g. moved by weight decay
+    out = apply_bias_updates(new, old, jnp.asarray([[4.0, 0.0, 2.0]]), 0.0)
+    assert np.array_equal(np.asarray(out["bias"][...]), np.asarray(old["bias"][...]))
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _one_line_error(capsys, argv: list[str]) -> str:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("jaxinfra: error: "), err
+    return err
+
+
+def test_unsupported_architecture_exits_2_with_one_line(tmp_path):
+    src = tmp_path / "hf"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"architectures": ["GPTNeoXForCausalLM"],
+                                                 "model_type": "gpt_neox"}))
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "jaxinfra", "hf", "import", str(src), str(tmp_path / "out")],
+                          capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=300)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "GPTNeoXForCausalLM" in lines[0] and "LlamaForCausalLM" in lines[0], proc.stderr
+
+
+def _fixture_with(tmp_path: pathlib.Path, name: str, drop: str | None = None, add: str | None = None,
+                  config: dict | None = None) -> pathlib.Path:
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "hf"
+    shutil.copytree(FIXTURES / name, src)
+    files = SafetensorsDir(src)
+    tensors = {k: files.read(k) for k in files.where if k != drop}
+    if add:
+        tensors[add] = np.zeros(3, np.float32)
+    save_file(tensors, src / "model.safetensors")
+    if config:
+        (src / "config.json").write_text(json.dumps({**json.loads((src / "config.json").read_text()), **config}))
+    return src
+
+
+def test_missing_tensor_exits_2_naming_it(tmp_path, capsys):
+    name = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
+    src = _fixture_with(tmp_path, "mixtral", drop=name)
+    err = _one_line_error(capsys, ["hf", "import", str(src), str(tmp_path / "out")])
+    assert name in err and "model.safetensors" in err
+
+
+def test_unexpected_tensor_and_unsupported_feature_exit_2(tmp_path, capsys):
+    src = _fixture_with(tmp_path, "llama", add="model.layers.0.self_attn.q_proj.bias")
+    err = _one_line_error(capsys, ["hf", "import", str(src), str(tmp_path / "out")])
+    assert "model.layers.0.self_attn.q_proj.bias" in err
+    shutil.rmtree(src)
+    src = _fixture_with(tmp_path, "qwen2", config={"use_sliding_window": True, "sliding_window": 64})
+    assert "use_sliding_window" in _one_line_error(capsys, ["hf", "import", str(src), str(tmp_path / "out2")])
+
+
+def test_ignored_tensors_are_accepted(tmp_path):
+    """DeepSeek's multi-token-prediction layer (model.layers.{num_hidden_layers}.*) is dropped, as documented."""
+    src = _fixture_with(tmp_path, "deepseek_v3", add="model.layers.3.eh_proj.weight")
+    assert import_hf(src, tmp_path / "out", devices=one_device())["family"] == "deepseek_v3"
