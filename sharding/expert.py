@@ -38,6 +38,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from sharding.rules import active, logical_to_mesh
 
 EXPERT = "expert"
+STAGE = "stage"
 TENSOR = "tensor"
 
 logger = logging.getLogger(__name__)
@@ -156,7 +157,10 @@ def capacity_experts(x_e: jax.Array, weights: Sequence[jax.Array],
         y = ffn(x, *local_weights)
         return jax.lax.all_to_all(y, EXPERT, split_axis=1, concat_axis=e_dim, tiled=True)  # [o, 1, i, E, C, d]
 
-    out = jax.shard_map(body, mesh=mesh, axis_names={EXPERT},
+    # Inside the pipeline (sharding/pipeline.py) this runs under a vmap with spmd_axis_name
+    # `stage`, which adds `stage` to the specs: it must then be manual too (each stage's slice).
+    manual = {EXPERT} | ({STAGE} if mesh.shape.get(STAGE, 1) > 1 else set())
+    out = jax.shard_map(body, mesh=mesh, axis_names=manual,
                         in_specs=(P(None, EXPERT),) + (P(EXPERT),) * len(weights),
                         out_specs=P(None, EXPERT))(split, *weights)
     return out.reshape(x_e.shape)
