@@ -45,6 +45,14 @@ optimizer tables (sharding/rules.py). Under `circular` with R > 1 the stored (co
 layer order does not match the interleaved placement, so XLA moves the chunks into place
 each step (one all-to-all of the layer weights); the checkpoint format is unchanged.
 
+Per-layer statistics (`apply_layers(..., with_stats=True)`, used by MoE models whose
+pipeline layers are MoE periods): each layer also returns a pytree of additive statistics
+(router counts, loss sums); the pipeline accumulates them per layer over microbatches in a
+stage-sharded [S, R, chunk, ...] buffer, masking bubble slots (a slot with no microbatch
+still computes, on a clipped index), and returns them in layer order. Gradients flow
+through them: by autodiff for gpipe/circular, and for 1f1b the custom VJP feeds their
+cotangent (the same for every microbatch, since they are sums) to each chunk's VJP.
+
 Microbatching: microbatch m holds rows m, m+M, m+2M, ... of the (per-accumulation-step)
 batch, so a batch sharded in contiguous blocks over data/fsdp splits without moving
 data. The loss is a token sum, so gradient accumulation over microbatches is exact
