@@ -215,9 +215,9 @@ SLOW_MOE_LAYOUTS = {
 }
 
 
-def moe_cfg(mesh: dict, dispatch: str = "capacity", **parallelism) -> Config:
-    return make_cfg(mesh, model=dataclasses.replace(MOE_MODEL, moe_dispatch=dispatch), batch=MOE_BATCH,
-                    accum=MOE_ACCUM, **parallelism)
+def moe_cfg(mesh: dict, dispatch: str = "capacity", capacity_factor: float = 4.0, **parallelism) -> Config:
+    model = dataclasses.replace(MOE_MODEL, moe_dispatch=dispatch, moe_capacity_factor=capacity_factor)
+    return make_cfg(mesh, model=model, batch=MOE_BATCH, accum=MOE_ACCUM, **parallelism)
 
 
 @pytest.fixture(scope="module")
@@ -225,9 +225,9 @@ def moe_baseline():
     return run(moe_cfg({}), jax.devices()[:1])
 
 
-def _check_moe(moe_baseline: dict, name: str, layouts: dict) -> None:
+def _check_moe(moe_baseline: dict, name: str, layouts: dict, capacity_factor: float = 4.0) -> None:
     mesh, parallelism, dispatch = layouts[name]
-    result = run(moe_cfg(mesh, dispatch, **parallelism), jax.devices())
+    result = run(moe_cfg(mesh, dispatch, capacity_factor, **parallelism), jax.devices())
     _check(moe_baseline, result, name)
     for key in ("moe_aux_loss", "moe_z_loss", "moe_load_cv", "moe_load_max", "moe_dropped_frac"):
         np.testing.assert_allclose([m[key] for m in result["metrics"]], [m[key] for m in moe_baseline["metrics"]],
@@ -249,6 +249,15 @@ def test_moe_pipeline_matches_single_device(moe_baseline, name):
 @pytest.mark.parametrize("name", list(SLOW_MOE_LAYOUTS))
 def test_moe_pipeline_more_schedules(moe_baseline, name):
     _check_moe(moe_baseline, name, SLOW_MOE_LAYOUTS)
+
+
+@pytest.mark.slow
+def test_moe_pipeline_with_capacity_drops():
+    """Capacity factor 1: ~20% of assignments dropped, and the drops match too (slow: its own
+    baseline; drops are per sequence, so the pipeline's row microbatches cannot change them)."""
+    base = run(moe_cfg({}, capacity_factor=1.0), jax.devices()[:1])
+    assert base["metrics"][-1]["moe_dropped_frac"] > 0.05
+    _check_moe(base, "moe-gpipe-stage2-expert2-fsdp2", MOE_LAYOUTS, capacity_factor=1.0)
 
 
 def test_moe_baseline_statistics_matter(moe_baseline):
