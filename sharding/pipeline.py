@@ -47,9 +47,9 @@ each step (one all-to-all of the layer weights); the checkpoint format is unchan
 
 Per-layer statistics (`apply_layers(..., with_stats=True)`, used by MoE models whose
 pipeline layers are MoE periods): each layer also returns a pytree of additive statistics
-(router counts, loss sums); the pipeline accumulates them per layer over microbatches in a
-stage-sharded [S, R, chunk, ...] buffer, masking bubble slots (a slot with no microbatch
-still computes, on a clipped index), and returns them in layer order. Gradients flow
+(router counts, loss sums); each tick emits every stage's chunk stats with bubble slots
+zeroed (a slot with no microbatch still computes, on a clipped index), and after the tick
+loop they are summed per (stage, round) and returned in layer order. Gradients flow
 through them: by autodiff for gpipe/circular, and for 1f1b the custom VJP feeds their
 cotangent (the same for every microbatch, since they are sums) to each chunk's VJP.
 
@@ -240,32 +240,30 @@ def _pipeline_forward(run: Callable, staged: Any, x: jax.Array, side: Any, stage
 
     step = jax.vmap(stage_step, spmd_axis_name=STAGE)
 
-    def tick(carry: tuple, xs: tuple) -> tuple[tuple, jax.Array]:
-        buf, acc = carry
+    def tick(buf: jax.Array, xs: tuple) -> tuple[jax.Array, tuple[jax.Array, Any]]:
         mb, rep, fresh, valid = xs
         new = x[mb[0]]
         buf = jnp.where(((stage_ids == 0) & fresh)[:, None, None, None], new[None], buf)
         buf = _constrain(buf, act, stage_dim=0)
         out, stats = step(staged, rep, buf, _pick(side, mb))
         out = _constrain(out, act, stage_dim=0)
-        # Stage s's chunk stats [S, chunk, ...] go to round rep[s] of the [S, R, chunk, ...] sums.
-        slot = valid[:, None] & (rep[:, None] == jnp.arange(repeats)[None, :])  # [S, R]
-
-        def add(a: jax.Array, st: jax.Array) -> jax.Array:
-            keep = slot.reshape(*slot.shape, *([1] * (st.ndim - 1)))
-            return a + jnp.where(keep, st[:, None], jnp.zeros((), st.dtype))
-
-        acc = jax.tree.map(add, acc, stats)
+        # Bubble slots (no microbatch) computed on a clipped index: their stats are zeroed.
+        stats = jax.tree.map(lambda st: jnp.where(valid.reshape(-1, *([1] * (st.ndim - 1))), st,
+                                                  jnp.zeros((), st.dtype)), stats)
         last = out[stages - 1]
-        return (_constrain(jnp.roll(out, 1, axis=0), act, stage_dim=0), acc), last
+        return _constrain(jnp.roll(out, 1, axis=0), act, stage_dim=0), (last, stats)
 
     buf = _constrain(jnp.zeros((stages, *x.shape[1:]), x.dtype), act, stage_dim=0)
-    stats_shape = jax.eval_shape(lambda b: step(staged, jnp.zeros((stages,), jnp.int32), b, _pick(side, jnp.zeros(
-        (stages,), jnp.int32)))[1], buf)
-    acc = jax.tree.map(lambda a: jnp.zeros((a.shape[0], repeats, *a.shape[1:]), a.dtype), stats_shape)
     xs = (jnp.asarray(tab["mb"]), jnp.asarray(tab["rep"]), jnp.asarray(tab["fresh"]), jnp.asarray(tab["valid"]))
-    (_, acc), lasts = jax.lax.scan(tick, (buf, acc), xs)
-    return lasts[jnp.asarray(tab["out_tick"])], _unstage(acc)
+    _, (lasts, stats) = jax.lax.scan(tick, buf, xs)
+    # Per-tick stats [ticks, S, chunk, ...] -> sums per (stage, round) [S, R, chunk, ...] -> layer order.
+    rounds = jnp.asarray(np.eye(repeats, dtype=np.float32)[tab["rep"]])  # [ticks, S, R], static
+
+    def per_round(st: jax.Array) -> jax.Array:
+        onehot = rounds.reshape(*rounds.shape, *([1] * (st.ndim - 2))).astype(st.dtype)
+        return jnp.sum(st[:, :, None] * onehot, axis=0)
+
+    return lasts[jnp.asarray(tab["out_tick"])], _unstage(jax.tree.map(per_round, stats))
 
 
 # ---------------------------------------------------------------- 1F1B
