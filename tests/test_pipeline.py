@@ -273,9 +273,9 @@ def _toy_layer(h, w, mask):
     return h, {"sum": jnp.sum(h * m, axis=(0, 1)), "tokens": jnp.sum(m)}
 
 
-@pytest.mark.parametrize("schedule, stages, micro, repeats",
-                         [("gpipe", 4, 8, 1), ("circular", 2, 2, 2), ("1f1b", 4, 2, 1)])
-def test_layer_stats_are_microbatch_sums_without_bubbles(schedule, stages, micro, repeats):
+@pytest.mark.parametrize("schedule, stages, micro, repeats, scan",
+                         [("gpipe", 4, 8, 1, True), ("circular", 2, 2, 2, False), ("1f1b", 4, 2, 1, True)])
+def test_layer_stats_are_microbatch_sums_without_bubbles(schedule, stages, micro, repeats, scan):
     """apply_layers(with_stats=True): per-layer stats summed over microbatches equal the unsplit
     sequential run's, bubble slots add nothing, and gradients flow through them (1F1B's custom VJP too)."""
     layers, rng = 8, np.random.default_rng(0)
@@ -294,7 +294,7 @@ def test_layer_stats_are_microbatch_sums_without_bubbles(schedule, stages, micro
         return objective(h, jax.tree.map(lambda *x: jnp.stack(x), *outs))
 
     def piped(params, h):
-        return objective(*pipeline.apply_layers(_toy_layer, h, params, mask, with_stats=True))
+        return objective(*pipeline.apply_layers(_toy_layer, h, params, mask, scan_layers=scan, with_stats=True))
 
     mesh = make_mesh(MeshConfig(stage=stages, data=8 // stages), jax.devices())
     rules = dataclasses.replace(rules_for("fsdp"), pipeline=pipeline.PipelineSettings(schedule, micro, repeats))
