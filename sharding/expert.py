@@ -23,6 +23,11 @@ the experts they chose live elsewhere. Two exchanges, one per MoE dispatch path:
 
 Without an active mesh (unit tests, one device), or for layouts these exchanges do not
 cover (logged), the same math runs under GSPMD alone.
+
+Under pipeline parallelism (mesh.stage > 1) MoE layers run inside the pipeline's
+`vmap(spmd_axis_name="stage")` (sharding/pipeline.py), which adds `stage` to both
+shard_maps' specs: the capacity exchange is then manual over `stage` as well, and the
+dropless one runs with `check_vma=False` (see there).
 """
 
 from __future__ import annotations
