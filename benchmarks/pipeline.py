@@ -1,6 +1,7 @@
 """Pipeline schedules on fake CPU devices: analytic bubble, step time and activation memory.
 
     python benchmarks/pipeline.py [--devices 8] [--stages 4] [--microbatches 8] [--repeats 2] [--steps 5]
+                                  [--moe-experts 8 --expert 2]
 
 For each schedule (gpipe, circular, 1f1b; sharding/pipeline.py) on a stage x data mesh,
 prints the analytic bubble (S-1)/(R M + S-1), the median steady-state step time, the
@@ -9,6 +10,10 @@ same model without pipelining (all devices on `data`) as a reference. On fake CP
 all "devices" share the host cores, so step times measure total work (the bubble's idle
 slots still execute masked work in the SPMD form), not pipeline overlap: compare the
 bubble and memory columns across schedules, and step times only as a cost check.
+
+`--moe-experts E` makes every layer an MoE layer (top-2 of E, capacity dispatch, aux loss)
+and `--expert N` splits the experts over N devices inside each stage (the pipeline's layers
+are then the MoE periods; the reference run keeps `expert` too).
 """
 
 from __future__ import annotations
@@ -39,10 +44,12 @@ from sharding.pipeline import bubble_fraction  # noqa: E402
 
 
 def make_cfg(args: argparse.Namespace, schedule: str | None) -> Config:
+    moe = dict(moe_num_experts=args.moe_experts, moe_top_k=2, moe_mlp_dim=args.d_model, moe_dispatch="capacity",
+               moe_aux_loss_weight=0.01) if args.moe_experts else {}
     model = ModelConfig(vocab_size=64, d_model=args.d_model, num_layers=args.layers, num_heads=4, num_kv_heads=2,
-                        head_dim=args.d_model // 4, mlp_dim=4 * args.d_model, tie_embeddings=False)
-    data = args.devices // args.stages if schedule else args.devices
-    mesh = MeshConfig(data=data, stage=args.stages if schedule else 1)
+                        head_dim=args.d_model // 4, mlp_dim=4 * args.d_model, tie_embeddings=False, **moe)
+    data = args.devices // (args.stages * args.expert) if schedule else args.devices // args.expert
+    mesh = MeshConfig(data=data, stage=args.stages if schedule else 1, expert=args.expert)
     parallelism = ParallelismConfig(pipeline_schedule=schedule or "gpipe", microbatches=args.microbatches,
                                     pipeline_repeats=args.repeats if schedule == "circular" else 1)
     return Config(model=model, optimizer=OptimizerConfig(lr=1e-3), schedule=ScheduleConfig(warmup_steps=0),
@@ -86,21 +93,28 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--moe-experts", type=int, default=0, help="MoE layers with this many experts (0: dense)")
+    p.add_argument("--expert", type=int, default=1, help="mesh.expert (expert parallelism inside a stage)")
     args = p.parse_args()
     s, m, r = args.stages, args.microbatches, args.repeats
-    print(f"{args.devices} fake CPU devices, stage={s} x data={args.devices // s}, {m} microbatches, "
-          f"{args.layers} layers, d_model {args.d_model}, batch {args.batch} x seq {args.seq}")
+    ep = args.expert
+    print(f"{args.devices} fake CPU devices, stage={s} x data={args.devices // (s * ep)}"
+          f"{f' x expert={ep}' if ep > 1 else ''}, {m} microbatches, {args.layers} layers"
+          f"{f' (MoE, {args.moe_experts} experts top-2)' if args.moe_experts else ''}, d_model {args.d_model}, "
+          f"batch {args.batch} x seq {args.seq}")
     print("| schedule | mesh | analytic bubble | median step | compile | temp memory / device |")
     print("|---|---|---|---|---|---|")
     for schedule in (None, "gpipe", "circular", "1f1b"):
         cfg = make_cfg(args, schedule)
         compile_s, step_s, temp = measure(cfg, args.steps)
         if schedule is None:
-            name, mesh, bubble = "none (data only)", f"data={args.devices}", "-"
+            name, bubble = "none (data only)", "-"
+            mesh = f"data={args.devices // ep}" + (f", expert={ep}" if ep > 1 else "")
         else:
             reps = r if schedule == "circular" else 1
             name = f"{schedule}" + (f" (R={r})" if schedule == "circular" else "")
-            mesh, bubble = f"stage={s}, data={args.devices // s}", f"{bubble_fraction(s, m, reps):.3f}"
+            mesh = f"stage={s}, data={args.devices // (s * ep)}" + (f", expert={ep}" if ep > 1 else "")
+            bubble = f"{bubble_fraction(s, m, reps):.3f}"
         print(f"| {name} | {mesh} | {bubble} | {step_s * 1e3:.1f} ms | {compile_s:.1f} s | "
               f"{temp / 2**20:.2f} MiB |", flush=True)
 

@@ -391,12 +391,16 @@ def _validate_pipeline(cfg: Config, stages: int | None, context: int = 1) -> Non
         return
     m, t = cfg.model, cfg.train
     micro, repeats = pipeline_sizes(cfg, stages)
-    if m.is_moe:
-        raise ConfigError(f"mesh.stage={stages} with MoE layers (model.moe_num_experts={m.moe_num_experts}) "
-                          f"is not supported yet: pipeline parallelism covers dense stacks")
     if context != 1:
         raise ConfigError(f"mesh.stage={stages} with mesh.context={context} is not supported yet")
-    if m.num_layers % (stages * repeats):
+    if m.is_moe:  # the pipeline's layers are the MoE periods; the dense prefix runs before it
+        periods = (m.num_layers - m.moe_first_dense_layers) // m.moe_every
+        if periods % (stages * repeats):
+            raise ConfigError(f"model.num_layers={m.num_layers} gives {periods} MoE periods (after "
+                              f"model.moe_first_dense_layers={m.moe_first_dense_layers}, model.moe_every="
+                              f"{m.moe_every}), not divisible by mesh.stage={stages} x "
+                              f"parallelism.pipeline_repeats={repeats} = {stages * repeats}")
+    elif m.num_layers % (stages * repeats):
         raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by mesh.stage={stages} x "
                           f"parallelism.pipeline_repeats={repeats} = {stages * repeats}")
     if repeats > 1 and micro % stages:

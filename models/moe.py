@@ -36,7 +36,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.config import ModelConfig
 from models.layers import DTYPES, MLP, param
-from models.router import Router
+from models.router import Router, router_losses
 from sharding.expert import capacity_experts, dropless_experts
 
 GATE_NAMES = ("experts", "embed", "mlp")
@@ -64,7 +64,9 @@ class MoE(nnx.Module):
         capacity path's slot priority); None: the array order.
 
         Statistics: counts [E] (assignments per expert), dropped (assignments dropped
-        for capacity), aux_loss, z_loss (see models/router.py)."""
+        for capacity), aux_loss, z_loss (see models/router.py), and the additive sums the
+        losses are built from (`PARTIAL_STATS`: prob_sum [E], z_sum, tokens), so that a
+        caller that split the batch can rebuild the whole batch's losses (`merge_stats`)."""
         cfg, dt = self.cfg, self.dtype
         b, t, d = x.shape
         k = cfg.moe_top_k
@@ -85,8 +87,20 @@ class MoE(nnx.Module):
         if cfg.moe_shared_experts:
             y = y + self.shared(x)
         stats = {"counts": routing.counts, "dropped": dropped, "aux_loss": routing.aux_loss,
-                 "z_loss": routing.z_loss}
+                 "z_loss": routing.z_loss, "prob_sum": routing.prob_sum, "z_sum": routing.z_sum,
+                 "tokens": routing.tokens}
         return y.astype(x.dtype), stats
+
+
+# Statistics that add up over microbatches (everything `merge_stats` needs).
+PARTIAL_STATS = ("counts", "dropped", "prob_sum", "z_sum", "tokens")
+
+
+def merge_stats(partial: dict[str, jax.Array], top_k: int) -> dict[str, jax.Array]:
+    """Per-layer statistics (counts, dropped, aux_loss, z_loss) from `PARTIAL_STATS` summed over
+    the parts of a batch: the same values as one MoE call on the whole batch."""
+    aux, z = router_losses(partial["counts"], partial["prob_sum"], partial["z_sum"], partial["tokens"], top_k)
+    return {"counts": partial["counts"], "dropped": partial["dropped"], "aux_loss": aux, "z_loss": z}
 
 
 def expert_capacity(tokens_per_group: int, top_k: int, num_experts: int, factor: float) -> int:

@@ -43,6 +43,11 @@ class Routing:
     counts: jax.Array  # [E] float32 assignments per expert (real tokens)
     aux_loss: jax.Array  # scalar load-balancing loss
     z_loss: jax.Array  # scalar router z-loss
+    # Additive parts of the losses (sums over real tokens), from which `router_losses` rebuilds
+    # them for a batch split into microbatches (the pipeline, sharding/pipeline.py).
+    prob_sum: jax.Array  # [E] sum of routing probabilities
+    z_sum: jax.Array  # scalar sum of logsumexp(logits)^2
+    tokens: jax.Array  # scalar count of real tokens
 
 
 class Router(nnx.Module):
@@ -83,12 +88,23 @@ def route(logits: jax.Array, mask: jax.Array, cfg: ModelConfig, bias: jax.Array 
     weights = weights * cfg.moe_routed_scale
 
     m = mask.astype(jnp.float32)
-    tokens = jnp.maximum(jnp.sum(m), 1.0)
+    tokens = jnp.sum(m)
     counts = jnp.sum(jax.nn.one_hot(experts, e, dtype=jnp.float32) * m[:, None, None], axis=(0, 1))
-    mean_prob = jnp.sum(probs * m[:, None], axis=0) / tokens
-    aux_loss = e * jnp.sum(jax.lax.stop_gradient(counts / (tokens * k)) * mean_prob)
-    z_loss = jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)) * m) / tokens
-    return Routing(experts.astype(jnp.int32), weights, counts, aux_loss, z_loss)
+    prob_sum = jnp.sum(probs * m[:, None], axis=0)
+    z_sum = jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)) * m)
+    aux_loss, z_loss = router_losses(counts, prob_sum, z_sum, tokens, k)
+    return Routing(experts.astype(jnp.int32), weights, counts, aux_loss, z_loss, prob_sum, z_sum, tokens)
+
+
+def router_losses(counts: jax.Array, prob_sum: jax.Array, z_sum: jax.Array, tokens: jax.Array,
+                  top_k: int) -> tuple[jax.Array, jax.Array]:
+    """(aux_loss, z_loss) from additive sums over a batch's real tokens: counts, prob_sum [..., E],
+    z_sum, tokens [...]. Summing these over microbatches first gives the whole batch's losses."""
+    e = counts.shape[-1]
+    tokens = jnp.maximum(tokens, 1.0)[..., None]
+    mean_prob = prob_sum / tokens
+    aux_loss = e * jnp.sum(jax.lax.stop_gradient(counts / (tokens * top_k)) * mean_prob, axis=-1)
+    return aux_loss, z_sum / tokens[..., 0]
 
 
 def _limit_to_top_groups(choice: jax.Array, groups: int, keep: int) -> jax.Array:

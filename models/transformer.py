@@ -27,7 +27,7 @@ from models.attention import Attention
 from models.config import ModelConfig
 from models.layers import DTYPES, MLP, RMSNorm, param, rope_frequencies
 from models.mla import MLA
-from models.moe import MoE
+from models.moe import PARTIAL_STATS, MoE, merge_stats
 from sharding import pipeline
 from sharding.rules import constrain
 
@@ -190,44 +190,62 @@ class Transformer(nnx.Module):
     def _moe_stack(self, h: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                    rope_freqs: jax.Array, mask: jax.Array,
                    order: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """Dense prefix, then periods of (moe_every - 1) dense blocks + one MoE block."""
+        """Dense prefix, then periods of (moe_every - 1) dense blocks + one MoE block.
+
+        Pipelined (mesh.stage > 1): the prefix runs first, outside the pipeline (replicated
+        over `stage`, like the embeddings); the periods are the pipeline's layers, and their
+        router statistics come out as sums over microbatches, from which `merge_stats`
+        rebuilds the whole batch's losses exactly."""
         cfg = self.cfg
         prefix, per = cfg.moe_first_dense_layers, cfg.moe_every - 1
         dense_def, dense = nnx.split(self.layers) if hasattr(self, "layers") else (None, None)
         moe_def, moe = nnx.split(self.moe_layers)
         take = lambda tree, lo, hi: jax.tree.map(lambda x: x[lo:hi], tree)  # noqa: E731
 
-        def dense_block(h, layer_state):
-            return nnx.merge(dense_def, layer_state)(h, positions, segment_ids, rope_freqs), None
+        # Per-row inputs travel as `side` so that the pipeline can split them into microbatches.
+        def dense_block(h, layer_state, side):
+            pos, seg = side[:2]
+            return nnx.merge(dense_def, layer_state)(h, pos, seg, rope_freqs), None
 
-        def moe_block(h, layer_state):
-            return nnx.merge(moe_def, layer_state)(h, positions, segment_ids, rope_freqs, mask, order)
+        def moe_block(h, layer_state, side):
+            return nnx.merge(moe_def, layer_state)(h, *side[:2], rope_freqs, *side[2:])
 
         if cfg.remat_policy != "none":
             policy = remat_policy(cfg.remat_policy)
             dense_block = jax.checkpoint(dense_block, policy=policy, prevent_cse=not cfg.scan_layers)
             moe_block = jax.checkpoint(moe_block, policy=policy, prevent_cse=not cfg.scan_layers)
 
-        def period(h, xs):
+        def period(h, xs, side):
             group, layer_state = xs
             for j in range(per):
-                h, _ = dense_block(h, jax.tree.map(lambda x, j=j: x[j], group))
-            return moe_block(h, layer_state)
+                h, _ = dense_block(h, jax.tree.map(lambda x, j=j: x[j], group), side)
+            return moe_block(h, layer_state, side)
 
+        side = (positions, segment_ids, mask, order)
         periods = jax.tree.leaves(moe)[0].shape[0]
         groups = None
         if per:  # the dense blocks after the prefix, as [periods, per, ...]
             groups = jax.tree.map(lambda x: x.reshape(periods, per, *x.shape[1:]), take(dense, prefix, None))
         if cfg.scan_layers:
             if prefix:
-                h, _ = jax.lax.scan(dense_block, h, take(dense, 0, prefix))
-            h, stats = jax.lax.scan(period, h, (groups, moe))
+                h, _ = jax.lax.scan(lambda h, p: dense_block(h, p, side), h, take(dense, 0, prefix))
         else:
             for i in range(prefix):
-                h, _ = dense_block(h, jax.tree.map(lambda x, i=i: x[i], dense))
+                h, _ = dense_block(h, jax.tree.map(lambda x, i=i: x[i], dense), side)
+        if pipeline.is_pipelined():  # periods split over the `stage` mesh axis (sharding/pipeline.py)
+            def stage_layer(h, xs, side):
+                h, stats = period(h, xs, side)
+                return h, {k: stats[k] for k in PARTIAL_STATS}
+
+            h, partial = pipeline.apply_layers(stage_layer, h, (groups, moe), side, scan_layers=cfg.scan_layers,
+                                               with_stats=True)
+            return h, merge_stats(partial, cfg.moe_top_k)
+        if cfg.scan_layers:
+            h, stats = jax.lax.scan(lambda h, xs: period(h, xs, side), h, (groups, moe))
+        else:
             outs = []
             for p in range(periods):
-                h, out = period(h, jax.tree.map(lambda x, p=p: x[p], (groups, moe)))
+                h, out = period(h, jax.tree.map(lambda x, p=p: x[p], (groups, moe)), side)
                 outs.append(out)
             stats = jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
-        return h, stats
+        return h, {k: stats[k] for k in ("counts", "dropped", "aux_loss", "z_loss")}

@@ -23,6 +23,11 @@ the experts they chose live elsewhere. Two exchanges, one per MoE dispatch path:
 
 Without an active mesh (unit tests, one device), or for layouts these exchanges do not
 cover (logged), the same math runs under GSPMD alone.
+
+Under pipeline parallelism (mesh.stage > 1) MoE layers run inside the pipeline's
+`vmap(spmd_axis_name="stage")` (sharding/pipeline.py), which adds `stage` to both
+shard_maps' specs: the capacity exchange is then manual over `stage` as well, and the
+dropless one runs with `check_vma=False` (see there).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from sharding.rules import active, logical_to_mesh
 
 EXPERT = "expert"
+STAGE = "stage"
 TENSOR = "tensor"
 
 logger = logging.getLogger(__name__)
@@ -156,7 +162,10 @@ def capacity_experts(x_e: jax.Array, weights: Sequence[jax.Array],
         y = ffn(x, *local_weights)
         return jax.lax.all_to_all(y, EXPERT, split_axis=1, concat_axis=e_dim, tiled=True)  # [o, 1, i, E, C, d]
 
-    out = jax.shard_map(body, mesh=mesh, axis_names={EXPERT},
+    # Inside the pipeline (sharding/pipeline.py) this runs under a vmap with spmd_axis_name
+    # `stage`, which adds `stage` to the specs: it must then be manual too (each stage's slice).
+    manual = {EXPERT} | ({STAGE} if mesh.shape.get(STAGE, 1) > 1 else set())
+    out = jax.shard_map(body, mesh=mesh, axis_names=manual,
                         in_specs=(P(None, EXPERT),) + (P(EXPERT),) * len(weights),
                         out_specs=P(None, EXPERT))(split, *weights)
     return out.reshape(x_e.shape)
@@ -197,8 +206,12 @@ def dropless_experts(x: jax.Array, experts: jax.Array, gates: jax.Array, weights
             y = jax.lax.psum(y, TENSOR)
         return y.reshape(b, t, d)
 
+    # Inside the pipeline (a vmap with spmd_axis_name `stage`), jax 0.10's batching of the
+    # varying-axes checks re-marks values already varying over `stage` (a pvary error), so the
+    # check is off there; the body's collectives name their axes explicitly either way.
+    pipelined = mesh.shape.get(STAGE, 1) > 1
     return jax.shard_map(body, mesh=mesh, in_specs=(token_spec, token_spec, token_spec, *map(_to_pspec, weight_specs)),
-                         out_specs=token_spec)(x, experts, gates, *weights)
+                         out_specs=token_spec, check_vma=not pipelined)(x, experts, gates, *weights)
 
 
 def _dropless_plan(x, weights, weight_names, mesh: Mesh, rules):

@@ -45,6 +45,14 @@ optimizer tables (sharding/rules.py). Under `circular` with R > 1 the stored (co
 layer order does not match the interleaved placement, so XLA moves the chunks into place
 each step (one all-to-all of the layer weights); the checkpoint format is unchanged.
 
+Per-layer statistics (`apply_layers(..., with_stats=True)`, used by MoE models whose
+pipeline layers are MoE periods): each layer also returns a pytree of additive statistics
+(router counts, loss sums); each tick emits every stage's chunk stats with bubble slots
+zeroed (a slot with no microbatch still computes, on a clipped index), and after the tick
+loop they are summed per (stage, round) and returned in layer order. Gradients flow
+through them: by autodiff for gpipe/circular, and for 1f1b the custom VJP feeds their
+cotangent (the same for every microbatch, since they are sums) to each chunk's VJP.
+
 Microbatching: microbatch m holds rows m, m+M, m+2M, ... of the (per-accumulation-step)
 batch, so a batch sharded in contiguous blocks over data/fsdp splits without moving
 data. The loss is a token sum, so gradient accumulation over microbatches is exact
@@ -68,7 +76,8 @@ STAGE = "stage"
 SCHEDULES: tuple[str, ...] = ("gpipe", "circular", "1f1b")
 
 # layer(h [micro, length, embed], one layer's params, side inputs of this microbatch) -> h
-Layer = Callable[[jax.Array, Any, Any], jax.Array]
+# (or -> (h, stats) with apply_layers(..., with_stats=True))
+Layer = Callable[[jax.Array, Any, Any], Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,18 +196,26 @@ def _stage_params(stacked: Any, stages: int, repeats: int) -> Any:
     return jax.tree.map(one, stacked)
 
 
-def _chunk_fn(layer: Layer, scan_layers: bool) -> Callable[[Any, jax.Array, Any], jax.Array]:
-    """Apply one chunk of layers (leaves [L/(S R), ...]) to one microbatch."""
+def _chunk_fn(layer: Callable, scan_layers: bool) -> Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]]:
+    """Apply one chunk of layers (leaves [L/(S R), ...]) to one microbatch.
 
-    def run(chunk: Any, h: jax.Array, side: Any) -> jax.Array:
+    `layer` returns (h, stats); the chunk returns (h, stats stacked over its layers)."""
+
+    def run(chunk: Any, h: jax.Array, side: Any) -> tuple[jax.Array, Any]:
         if scan_layers:
-            h, _ = jax.lax.scan(lambda h, p: (layer(h, p, side), None), h, chunk)
-            return h
+            return jax.lax.scan(lambda h, p: layer(h, p, side), h, chunk)
+        outs = []
         for i in range(jax.tree.leaves(chunk)[0].shape[0]):
-            h = layer(h, jax.tree.map(lambda x, i=i: x[i], chunk), side)
-        return h
+            h, out = layer(h, jax.tree.map(lambda x, i=i: x[i], chunk), side)
+            outs.append(out)
+        return h, jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
 
     return run
+
+
+def _unstage(acc: Any) -> Any:
+    """Inverse of `_stage_params`: leaves [S, R, chunk, ...] -> [L, ...] in layer order."""
+    return jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1).reshape(-1, *a.shape[3:]), acc)
 
 
 def _pick(tree: Any, index: jax.Array | int) -> Any:
@@ -209,33 +226,44 @@ def _pick(tree: Any, index: jax.Array | int) -> Any:
 
 
 def _pipeline_forward(run: Callable, staged: Any, x: jax.Array, side: Any, stages: int,
-                      repeats: int) -> jax.Array:
-    """gpipe / circular forward: x [M, micro, T, D] -> [M, micro, T, D]."""
+                      repeats: int) -> tuple[jax.Array, Any]:
+    """gpipe / circular forward: x [M, micro, T, D] -> ([M, micro, T, D], per-layer stats summed
+    over the M microbatches, leaves [L, ...]). Bubble slots (no microbatch) add nothing."""
     micro = x.shape[0]
     tab = forward_tables(stages, micro, repeats)
     act = (None, "batch", "residual_length", "embed")
     stage_ids = jnp.arange(stages)
 
-    def stage_step(params_s: Any, rep: jax.Array, h: jax.Array, side_s: Any) -> jax.Array:
+    def stage_step(params_s: Any, rep: jax.Array, h: jax.Array, side_s: Any) -> tuple[jax.Array, Any]:
         chunk = _pick(params_s, 0 if repeats == 1 else rep)
         return run(chunk, h, side_s)
 
     step = jax.vmap(stage_step, spmd_axis_name=STAGE)
 
-    def tick(buf: jax.Array, xs: tuple) -> tuple[jax.Array, jax.Array]:
-        mb, rep, fresh = xs
+    def tick(buf: jax.Array, xs: tuple) -> tuple[jax.Array, tuple[jax.Array, Any]]:
+        mb, rep, fresh, valid = xs
         new = x[mb[0]]
         buf = jnp.where(((stage_ids == 0) & fresh)[:, None, None, None], new[None], buf)
         buf = _constrain(buf, act, stage_dim=0)
-        out = step(staged, rep, buf, _pick(side, mb))
+        out, stats = step(staged, rep, buf, _pick(side, mb))
         out = _constrain(out, act, stage_dim=0)
+        # Bubble slots (no microbatch) computed on a clipped index: their stats are zeroed.
+        stats = jax.tree.map(lambda st: jnp.where(valid.reshape(-1, *([1] * (st.ndim - 1))), st,
+                                                  jnp.zeros((), st.dtype)), stats)
         last = out[stages - 1]
-        return _constrain(jnp.roll(out, 1, axis=0), act, stage_dim=0), last
+        return _constrain(jnp.roll(out, 1, axis=0), act, stage_dim=0), (last, stats)
 
     buf = _constrain(jnp.zeros((stages, *x.shape[1:]), x.dtype), act, stage_dim=0)
-    xs = (jnp.asarray(tab["mb"]), jnp.asarray(tab["rep"]), jnp.asarray(tab["fresh"]))
-    _, lasts = jax.lax.scan(tick, buf, xs)
-    return lasts[jnp.asarray(tab["out_tick"])]
+    xs = (jnp.asarray(tab["mb"]), jnp.asarray(tab["rep"]), jnp.asarray(tab["fresh"]), jnp.asarray(tab["valid"]))
+    _, (lasts, stats) = jax.lax.scan(tick, buf, xs)
+    # Per-tick stats [ticks, S, chunk, ...] -> sums per (stage, round) [S, R, chunk, ...] -> layer order.
+    rounds = jnp.asarray(np.eye(repeats, dtype=np.float32)[tab["rep"]])  # [ticks, S, R], static
+
+    def per_round(st: jax.Array) -> jax.Array:
+        onehot = rounds.reshape(*rounds.shape, *([1] * (st.ndim - 2))).astype(st.dtype)
+        return jnp.sum(st[:, :, None] * onehot, axis=0)
+
+    return lasts[jnp.asarray(tab["out_tick"])], _unstage(jax.tree.map(per_round, stats))
 
 
 # ---------------------------------------------------------------- 1F1B
@@ -248,25 +276,28 @@ def _one_f_one_b(run: Callable, stages: int) -> Callable:
     slots = stash_slots(stages)
 
     @jax.custom_vjp
-    def stack(staged: Any, x: jax.Array, side: Any) -> jax.Array:
+    def stack(staged: Any, x: jax.Array, side: Any) -> tuple[jax.Array, Any]:
         return _pipeline_forward(run, staged, x, side, stages, 1)
 
-    def fwd(staged: Any, x: jax.Array, side: Any) -> tuple[jax.Array, tuple]:
+    def fwd(staged: Any, x: jax.Array, side: Any) -> tuple[tuple[jax.Array, Any], tuple]:
         return stack(staged, x, side), (staged, x, side)
 
-    def bwd(res: tuple, dy: jax.Array) -> tuple:
+    def bwd(res: tuple, cotangents: tuple) -> tuple:
         staged, x, side = res
+        dy, d_stats = cotangents  # d_stats [L, ...]: the same for every microbatch (stats are sums)
+        d_stats = jax.tree.map(lambda d: d[:, 0], _stage_params(d_stats, stages, 1))  # [S, chunk, ...]
         micro = x.shape[0]
         tab = one_f_one_b_tables(stages, micro)
 
-        def stage_tick(params_s, h_in, stash_s, f, f_ok, b, b_ok, g_in, side_f, side_b):
+        def stage_tick(params_s, h_in, stash_s, f, f_ok, b, b_ok, g_in, side_f, side_b, d_stats_s):
             chunk = _pick(params_s, 0)
-            y = run(chunk, h_in, side_f)
+            y, _ = run(chunk, h_in, side_f)
             stash_s = jnp.where(f_ok, stash_s.at[f % slots].set(h_in), stash_s)
             h_saved = stash_s[b % slots]
             _, vjp = jax.vjp(lambda p, h: run(p, h, side_b), chunk, h_saved)
             g = jnp.where(b_ok, g_in, jnp.zeros_like(g_in))
-            d_chunk, d_h = vjp(g)
+            g_stats = jax.tree.map(lambda d: jnp.where(b_ok, d, jnp.zeros_like(d)), d_stats_s)
+            d_chunk, d_h = vjp((g, g_stats))
             d_chunk = jax.tree.map(lambda d: jnp.where(b_ok, d, jnp.zeros_like(d)), d_chunk)
             return y, stash_s, d_chunk, jnp.where(b_ok, d_h, jnp.zeros_like(d_h))
 
@@ -279,7 +310,7 @@ def _one_f_one_b(run: Callable, stages: int) -> Callable:
             g_in = jnp.where((stage_ids == stages - 1)[:, None, None, None], dy[b[stages - 1]][None], bbuf)
             h_in, g_in = _constrain(h_in, act, 0), _constrain(g_in, act, 0)
             y, stash, d_chunk, d_h = step(staged, h_in, stash, f, f_ok, b, b_ok, g_in,
-                                          _pick(side, f), _pick(side, b))
+                                          _pick(side, f), _pick(side, b), d_stats)
             grads = jax.tree.map(lambda acc, d: acc + d[:, None], grads, d_chunk)
             fbuf = _constrain(jnp.roll(y, 1, axis=0), act, 0)
             bbuf = _constrain(jnp.roll(d_h, -1, axis=0), act, 0)
@@ -300,12 +331,18 @@ def _one_f_one_b(run: Callable, stages: int) -> Callable:
 # ---------------------------------------------------------------- entry point
 
 
-def apply_layers(layer: Layer, h: jax.Array, stacked: Any, side: Any, *, scan_layers: bool = True) -> jax.Array:
+def apply_layers(layer: Callable, h: jax.Array, stacked: Any, side: Any, *, scan_layers: bool = True,
+                 with_stats: bool = False) -> Any:
     """Run the stacked layers on h [batch, length, embed] as a pipeline over `stage`.
 
     `layer(h, layer_params, side)` applies one layer to one microbatch; `stacked` holds
     every layer's params on a leading axis; `side` is a pytree of per-row inputs
     ([batch, ...] arrays, e.g. positions and segment ids) split along with h.
+
+    With `with_stats`, `layer` returns (h, stats) with `stats` a pytree of float arrays
+    that add up over microbatches (e.g. MoE router counts and loss sums); the result is
+    then (h, stats summed over microbatches, leaves [layers, ...]), bubble slots excluded,
+    and differentiable in every schedule.
     """
     stages = stage_count()
     settings = _settings()
@@ -314,16 +351,20 @@ def apply_layers(layer: Layer, h: jax.Array, stacked: Any, side: Any, *, scan_la
     if layers % (stages * repeats) or h.shape[0] % micro:
         raise ValueError(f"pipeline: {layers} layers / (stages {stages} x repeats {repeats}) or batch "
                          f"{h.shape[0]} / microbatches {micro} does not divide")
+    if not with_stats:
+        plain = layer
+        layer = lambda h, p, s: (plain(h, p, s), ())  # noqa: E731
     run = _chunk_fn(layer, scan_layers)
     staged = _stage_params(stacked, stages, repeats)
     staged = jax.tree.map(lambda p: _constrain_param(p), staged)
     x = _constrain(_split_micro(h, micro), (None, "batch", "residual_length", "embed"))
     side = jax.tree.map(lambda a: _split_micro(a, micro), side)
     if settings.schedule == "1f1b":
-        y = _one_f_one_b(run, stages)(staged, x, side)
+        y, stats = _one_f_one_b(run, stages)(staged, x, side)
     else:
-        y = _pipeline_forward(run, staged, x, side, stages, repeats)
-    return _merge_micro(y)
+        y, stats = _pipeline_forward(run, staged, x, side, stages, repeats)
+    y = _merge_micro(y)
+    return (y, stats) if with_stats else y
 
 
 def _constrain_param(p: jax.Array) -> jax.Array:
