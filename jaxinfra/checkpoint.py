@@ -127,8 +127,9 @@ class Checkpointer:
         self.manager.close()
 
 
-def restore_params(directory: str | pathlib.Path, target_params: Any) -> tuple[int, Any]:
-    """Params only from the newest readable checkpoint under `directory` (a run dir or its checkpoints/)."""
+def restore_params(directory: str | pathlib.Path, target_params: Any, step: int | None = None) -> tuple[int, Any]:
+    """Params only from the newest readable checkpoint under `directory` (a run dir or its checkpoints/),
+    or from checkpoint `step` alone when given."""
     directory = pathlib.Path(directory)
     if (directory / "checkpoints").is_dir():
         directory = directory / "checkpoints"
@@ -136,7 +137,12 @@ def restore_params(directory: str | pathlib.Path, target_params: Any) -> tuple[i
         raise CheckpointError(f"no checkpoint directory at {directory}")
     manager = ocp.CheckpointManager(directory.absolute(), options=ocp.CheckpointManagerOptions(read_only=True, create=False),
                                     item_names=("state", "data", "meta"))
-    for step in sorted(manager.all_steps(), reverse=True):
+    steps = sorted(manager.all_steps(), reverse=True)
+    if step is not None:
+        if step not in steps:
+            raise CheckpointError(f"no committed checkpoint {step} under {directory} (have: {sorted(steps)})")
+        steps = [step]
+    for step in steps:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")

@@ -1,0 +1,69 @@
+"""The decoding cache: what each attention layer keeps per token, stacked like the layers.
+
+A cache is a dict per layer stack (`layers`, and `moe_layers` for MoE models, as the
+parameters are stacked), each a dict of arrays with a leading layer axis:
+
+    MHA/GQA/MQA  k, v     [L, batch, max_len, kv_heads, head_dim]        2 L kv_heads head_dim / token
+    MLA          latent   [L, batch, max_len, kv_lora_rank]              L (kv_lora_rank + qk_rope_head_dim)
+                 k_rope   [L, batch, max_len, qk_rope_head_dim]           / token (k_rope absent when 0)
+
+in the compute dtype, keys stored after RoPE. Slot j of row b holds the token at position
+j of that row, so a row's next write index is its own length: right-padded prompts of
+different lengths share one cache, and attention masks slots at or beyond each row's
+position (models/attention.py: decode_attention). Logical axes: (`layers`, `batch`,
+`kv_length`, `kv_heads` | `kv_lora` | `head_dim`, `head_dim`): the batch is split like the
+activations' and KV heads over `tensor`; the cache length is never split.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+from models.layers import DTYPES
+
+Cache = dict[str, dict[str, jax.Array]]
+
+
+def layout(cfg: ModelConfig, batch: int, max_len: int) -> dict[str, dict[str, tuple[tuple[int, ...], tuple]]]:
+    """{stack: {name: (shape, logical axis names)}} of a cache for `batch` rows of `max_len` slots."""
+    flags = cfg.moe_layer_flags()
+    counts = {"layers": flags.count(False), "moe_layers": flags.count(True)}
+    if cfg.is_mla:
+        per_layer = {"latent": ((cfg.kv_lora_rank,), ("kv_lora",))}
+        if cfg.qk_rope_head_dim:
+            per_layer["k_rope"] = ((cfg.qk_rope_head_dim,), ("head_dim",))
+    else:
+        kv = ((cfg.kv_heads, cfg.resolved_head_dim), ("kv_heads", "head_dim"))
+        per_layer = {"k": kv, "v": kv}
+    lead = ("layers", "batch", "kv_length")
+    return {stack: {name: ((n, batch, max_len, *shape), lead + names) for name, (shape, names) in per_layer.items()}
+            for stack, n in counts.items() if n}
+
+
+def init(cfg: ModelConfig, batch: int, max_len: int) -> Cache:
+    """A zero cache (call under jit with out_shardings to create it sharded)."""
+    dt = DTYPES[cfg.dtype]
+    return {stack: {name: jnp.zeros(shape, dt) for name, (shape, _) in arrays.items()}
+            for stack, arrays in layout(cfg, batch, max_len).items()}
+
+
+def bytes_per_token(cfg: ModelConfig) -> int:
+    """Cache bytes one token takes over all layers (the formulas in the module docstring)."""
+    elements = sum(math.prod(shape) for arrays in layout(cfg, 1, 1).values() for shape, _ in arrays.values())
+    return elements * jnp.dtype(DTYPES[cfg.dtype]).itemsize
+
+
+def write(cache: Cache, entries: Cache, starts: jax.Array) -> Cache:
+    """Write per-row entries [L, B, T, ...] at slots starts[b] .. starts[b] + T - 1 of row b."""
+
+    def one(c: jax.Array, e: jax.Array) -> jax.Array:
+        # vmap over the batch axis: each row's own write index (a scatter; in place if donated).
+        row = lambda c_b, e_b, s: jax.lax.dynamic_update_slice_in_dim(c_b, e_b.astype(c_b.dtype), s, axis=1)  # noqa: E731
+        return jax.vmap(row, in_axes=(1, 1, 0), out_axes=1)(c, e, starts)
+
+    return {stack: {name: one(cache[stack][name], entries[stack][name]) for name in cache[stack]}
+            for stack in cache}
