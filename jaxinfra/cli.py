@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxinfra.scaling.cli import add_subcommands  # sweep, scaling {collect,fit,predict}
 
     add_subcommands(sub)
+    from jaxinfra.infer_cli import add_subcommands as add_inference  # generate, eval
+
+    add_inference(sub)
     return parser
 
 
