@@ -326,3 +326,12 @@ def test_cli_bad_input_is_one_line_exit_2(trained_run, tmp_path):
         assert out.returncode == 2, (args, out.stderr[-2000:])
         errors = [l for l in out.stderr.splitlines() if l.startswith("jaxinfra: error:")]
         assert len(errors) == 1 and "Traceback" not in out.stderr and out.stdout == ""
+
+
+def test_expert_and_tensor_parallel_moe_decode_equals_unsharded(moe):
+    """MLA + MoE with experts split over `expert` (dropless exchange) and heads over `tensor`."""
+    cfg, params, gen = moe
+    sharded = Generator(load_config("tiny", [*MOE, "mesh.data=1", "mesh.expert=2", "mesh.tensor=2"]), params)
+    assert sharded.mesh.shape["expert"] == 2 and sharded.mesh.shape["tensor"] == 2
+    prompts = PROMPTS + PROMPTS[::-1]
+    assert sharded.generate(prompts, max_new_tokens=16).tokens == gen.generate(prompts, max_new_tokens=16).tokens
