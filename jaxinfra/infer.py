@@ -43,7 +43,7 @@ from jaxinfra.loss import cross_entropy_sums
 from jaxinfra.state import init_params, model_graphdef, sharding_rules, tree_shardings
 from models import ModelConfig
 from models import cache as kv_cache
-from sharding.mesh import make_mesh
+from sharding.mesh import make_mesh, resolve_mesh_sizes
 from sharding.rules import ShardingRules, activation_sharding, constrain, logical_to_mesh
 
 MAX_CONTEXT = 32768  # prompt + new tokens per row: the cache is allocated up front
@@ -93,9 +93,13 @@ def inference_devices(cfg: Config, devices: Sequence[jax.Device] | None = None) 
 def inference_mesh(cfg: Config, devices: Sequence[jax.Device] | None = None) -> tuple[Mesh, ShardingRules]:
     """The training mesh and sharding rules for a config (pipeline stages are not supported)."""
     devices = inference_devices(cfg, devices)
-    validate(cfg, len(devices))
-    if cfg.mesh.stage * cfg.mesh.dcn_stage != 1:
-        raise ConfigError(f"inference does not run pipeline stages: set mesh.stage=1 (got {cfg.mesh.stage})")
+    sizes = resolve_mesh_sizes(cfg.mesh, len(devices))
+    if sizes["stage"] != 1:
+        raise ConfigError(f"inference does not run pipeline stages: set mesh.stage=1 (got {sizes['stage']})")
+    # The training batch does not matter here: check the rest against a batch the mesh divides.
+    shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    validate(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=shards, grad_accum_steps=1)),
+             len(devices))
     return make_mesh(cfg.mesh, devices), sharding_rules(cfg.parallelism)
 
 
