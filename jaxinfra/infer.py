@@ -282,7 +282,7 @@ class Generator:
             b, p = tokens.shape
             max_len = p + max_new
             logits, entries = nnx.merge(graphdef, params).prefill(tokens)
-            pad = lambda e: jnp.pad(e, [(0, 0), (0, 0), (0, max_len - p)] + [(0, 0)] * (e.ndim - 3))  # noqa: E731
+            pad = lambda e: jnp.pad(e, [(0, 0), (0, 0), (0, 0), (0, max_len - p), (0, 0)])  # noqa: E731
             cache = self._cache_constrain(jax.tree.map(pad, entries), b, max_len)
             last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
             temperature, top_k, top_p, seed = settings
@@ -405,7 +405,7 @@ class Generator:
 
 
 def cache_len(cache: kv_cache.Cache) -> int:
-    return jax.tree.leaves(cache)[0].shape[2]
+    return jax.tree.leaves(cache)[0].shape[3]
 
 
 # ---------------------------------------------------------------- text

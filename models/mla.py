@@ -64,46 +64,40 @@ class MLA(nnx.Module):
 
     def prefill(self, x: jax.Array, positions: jax.Array, rope_freqs: jax.Array) -> tuple[jax.Array, Cache]:
         """The training computation on a (right-padded) prompt, plus what the cache keeps of
-        each token: {"latent": c_kv [B, T, kv_lora_rank], "k_rope": [B, T, qk_rope_head_dim]}."""
-        y, entries = self._attend(x, positions, None, rope_freqs)
-        return y, entries
+        each token: {"latent": c_kv [B, 1, T, kv_lora_rank], "k_rope": [B, 1, T, qk_rope_head_dim]}
+        (the cache layout: one "head", shared by all query heads)."""
+        return self._attend(x, positions, None, rope_freqs)
 
     def decode(self, x: jax.Array, positions: jax.Array, rope_freqs: jax.Array, cache: Cache,
                absorb: bool = True) -> tuple[jax.Array, Cache]:
         """One new token per row against the cached latents (see Attention.decode for the
-        arguments; cache {"latent" [B, S, rank], "k_rope" [B, S, rope]}).
+        arguments; cache {"latent" [B, 1, S, rank], "k_rope" [B, 1, S, rope]}).
 
         absorb=True (DeepSeek-V2 sec. 2.1.2): W_uk is folded into the query and W_uv into
         the output, so the heads attend straight over the latent: as MQA with one shared
-        "key" [c_kv; k_rope] of width rank + rope and "value" c_kv, then o_h = (p . c_kv) W_uv_h.
-        Per step and layer that costs ~2 H S (rank + rope) + 2 H (nope + v) rank FLOPs per
-        row instead of reconstructing K/V for all S cached tokens, 2 S rank H (nope + v) more.
+        key [c_kv; k_rope] of width rank + rope and value c_kv, then o_h = (p . c_kv) W_uv_h.
+        Per step, layer and row that costs ~2 H S (2 rank + rope) + 2 H (nope + v) rank FLOPs;
+        reconstructing K/V for all S cached tokens costs 2 S rank H (nope + v) more.
         absorb=False reconstructs K and V from the cached latent and runs the training form."""
-        dt = self.dtype
-        b = x.shape[0]
         q, latent, k_rope = self._project(x, positions, rope_freqs)  # [B,1,H,nope+rope], [B,1,rank], [B,1,rope]
-        entries = self._entries(latent, k_rope)
-        heads = q.shape[2]
+        new = self._entries(latent, k_rope)
         scale = (self.nope + self.rope) ** -0.5  # the training attention's default (q_scale is in q)
-        wkv_b = self.wkv_b[...].astype(dt)
+        wkv_b = self.wkv_b[...].astype(self.dtype)
         w_uk, w_uv = wkv_b[..., :self.nope], wkv_b[..., self.nope:]
-        c_old = cache["latent"]
+        q_nope, q_rope = q[..., :self.nope], q[..., self.nope:]
+        rope_parts = ([q_rope], [cache["k_rope"]], [new["k_rope"]]) if self.rope else ([], [], [])
         if absorb:
-            q_lat = jnp.einsum("bthn,rhn->bthr", q[..., :self.nope], w_uk)  # [B, 1, H, rank]
-            q_abs, k_old, k_new = q_lat, c_old[:, :, None], latent[:, :, None]
-            if self.rope:
-                q_abs = jnp.concatenate([q_lat, q[..., self.nope:]], axis=-1)
-                k_old = jnp.concatenate([c_old, cache["k_rope"]], axis=-1)[:, :, None]
-                k_new = jnp.concatenate([latent, k_rope], axis=-1)[:, :, None]
-            o_lat = decode_attention(q_abs, k_old, c_old[:, :, None], k_new, latent[:, :, None], positions[:, 0],
-                                     scale)  # [B, 1, H, rank]
+            q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk)  # [B, 1, H, rank]
+            o_lat = decode_attention([q_lat, *rope_parts[0]], [cache["latent"], *rope_parts[1]],
+                                     [new["latent"], *rope_parts[2]], cache["latent"], new["latent"],
+                                     positions[:, 0], scale)  # [B, 1, H, rank]
             out = jnp.einsum("bthr,rhv->bthv", o_lat, w_uv)
-        else:
-            s_len = c_old.shape[1]
-            k_old, v_old = self._keys_values(c_old, cache.get("k_rope"), wkv_b, b, s_len, heads)
-            k_new, v_new = self._keys_values(latent, k_rope, wkv_b, b, 1, heads)
-            out = decode_attention(q, k_old, v_old, k_new, v_new, positions[:, 0], scale)
-        return self._output(out), entries
+        else:  # K_nope and V of every cached token from the latent: [B, H, S, nope], [B, H, S, v]
+            up = lambda c, w: jnp.einsum("bsr,rhd->bhsd", c[:, 0], w)  # noqa: E731
+            out = decode_attention([q_nope, *rope_parts[0]], [up(cache["latent"], w_uk), *rope_parts[1]],
+                                   [up(new["latent"], w_uk), *rope_parts[2]], up(cache["latent"], w_uv),
+                                   up(new["latent"], w_uv), positions[:, 0], scale)
+        return self._output(out), new
 
     def _project(self, x: jax.Array, positions: jax.Array,
                  rope_freqs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
@@ -144,9 +138,10 @@ class MLA(nnx.Module):
         return k, v
 
     def _entries(self, latent: jax.Array, k_rope: jax.Array | None) -> Cache:
-        entries = {"latent": constrain(latent, ("batch", "length", "kv_lora"))}
+        """c_kv [B, T, rank], k_rope [B, T, rope] -> the cache layout [B, 1, T, ...] (one shared head)."""
+        entries = {"latent": constrain(latent[:, None], ("batch", None, "kv_length", "kv_lora"))}
         if k_rope is not None:
-            entries["k_rope"] = constrain(k_rope, ("batch", "length", "head_dim"))
+            entries["k_rope"] = constrain(k_rope[:, None], ("batch", None, "kv_length", "head_dim"))
         return entries
 
     def _output(self, out: jax.Array) -> jax.Array:

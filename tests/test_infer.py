@@ -160,11 +160,11 @@ def test_batched_prompts_of_different_lengths_equal_each_alone(gqa):
 def test_cache_layout_and_bytes_per_token():
     gqa_cfg, mla_cfg, moe_cfg = (load_config("tiny", o).model for o in (GQA, MLA, MOE))
     lay = kv_cache.layout(gqa_cfg, 3, 20)
-    assert lay["layers"]["k"][0] == (2, 3, 20, 2, 8) and lay["layers"]["k"][1][:3] == ("layers", "batch", "kv_length")
+    assert lay["layers"]["k"] == ((2, 3, 2, 20, 8), ("layers", "batch", "kv_heads", "kv_length", "head_dim"))
     assert kv_cache.bytes_per_token(gqa_cfg) == 4 * 2 * 2 * 2 * 8  # fp32 * 2 L kv_heads head_dim
     assert kv_cache.bytes_per_token(mla_cfg) == 4 * 2 * (16 + 4)  # fp32 * L (rank + rope)
     lay = kv_cache.layout(moe_cfg, 1, 5)
-    assert lay["layers"]["latent"][0][0] == 1 and lay["moe_layers"]["k_rope"][0] == (2, 1, 5, 4)
+    assert lay["layers"]["latent"][0] == (1, 1, 1, 5, 16) and lay["moe_layers"]["k_rope"][0] == (2, 1, 1, 5, 4)
 
 
 # ---------------------------------------------------------------- sampling and stopping
