@@ -335,3 +335,20 @@ def test_expert_and_tensor_parallel_moe_decode_equals_unsharded(moe):
     assert sharded.mesh.shape["expert"] == 2 and sharded.mesh.shape["tensor"] == 2
     prompts = PROMPTS + PROMPTS[::-1]
     assert sharded.generate(prompts, max_new_tokens=16).tokens == gen.generate(prompts, max_new_tokens=16).tokens
+
+
+def test_load_model_reads_a_params_only_checkpoint(tmp_path):
+    """The HF importer's layout: config.yaml + checkpoints/<step> whose `state` item holds
+    {"params": ...} only (no optimizer state, no data or meta items)."""
+    import orbax.checkpoint as ocp
+
+    cfg, params = make(GQA, seed=5)
+    (tmp_path / "config.yaml").write_text(cfg.to_yaml())
+    manager = ocp.CheckpointManager((tmp_path / "checkpoints").absolute(), item_names=("state",))
+    manager.save(7, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": params})))
+    manager.wait_until_finished()
+    manager.close()
+    for path in (tmp_path, tmp_path / "checkpoints" / "7"):
+        loaded_cfg, loaded = load_model(path)
+        assert loaded_cfg.model == cfg.model
+        assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), loaded, params))
