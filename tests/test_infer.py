@@ -9,6 +9,7 @@ are traced values, so one compiled prefill/decode pair serves every sampling tes
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -352,3 +353,26 @@ def test_load_model_reads_a_params_only_checkpoint(tmp_path):
         loaded_cfg, loaded = load_model(path)
         assert loaded_cfg.model == cfg.model
         assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), loaded, params))
+
+
+def test_text_codec_byte_level_and_tokenizer_json(tmp_path):
+    from jaxinfra.infer import text_codec
+
+    encode, decode = text_codec(load_config("tiny"))
+    assert encode("hé") == [104, 195, 169] and decode(encode("hé")) == "hé"
+    with pytest.raises(InferenceError, match="prompt-ids"):
+        text_codec(load_config("tiny", ["data.source=synthetic"]))
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    tok.train_from_iterator(["the quick brown fox", "the lazy dog"], tokenizers.trainers.BpeTrainer(
+        vocab_size=280, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    cfg = load_config("tiny", [f"data.tokenizer={tmp_path / 'tokenizer.json'}", "model.vocab_size=512"])
+    # A relative data.tokenizer is also looked up in the run directory.
+    rel = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer="tokenizer.json"))
+    for c in (cfg, rel):
+        encode, decode = text_codec(c, tmp_path)
+        ids = encode("the quick dog")
+        assert ids == tok.encode("the quick dog", add_special_tokens=False).ids and decode(ids) == "the quick dog"
