@@ -1,14 +1,15 @@
 """KV-cache decoding throughput on CPU for the `small` preset (random weights), batch 1 and 8.
 
-    python benchmarks/decode.py [--batches 1,8] [--prompt-len 64] [--new-tokens 128] [--repeats 3] [KEY=VALUE ...]
+    python benchmarks/decode.py [--batches 1,8] [--prompt-len 64] [--new-tokens 128] [--repeats 3]
+                                [--temperature T --top-k K --top-p P] [KEY=VALUE ...]
 
 For each batch size: prefill tokens/s, decode tokens/s (batch x steps / decode time) and the
 decode step time, next to a roofline-ish reference measured in the same process: the time
 to stream every parameter once (a jitted sum over all parameter arrays). Decoding at small
 batch is memory-bound: each step must read all weights (plus the cache), so
 "stream/step" = param-stream time / decode step time is the fraction of that bound reached
-(1.0 = a step costs no more than reading the weights once). Greedy decoding with no stop id,
-so every row runs all steps. Figures are medians over `--repeats` timed calls after a warm-up.
+(1.0 = a step costs no more than reading the weights once). Greedy decoding by default (or
+the given sampling settings), no stop id, so every row runs all steps. Figures are medians over `--repeats` timed calls after a warm-up.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfra.config import load_config
-from jaxinfra.infer import Generator
+from jaxinfra.infer import Generator, Sampling
 from jaxinfra.metrics import measure_matmul_flops, param_counts
 from jaxinfra.state import init_params
 from models import cache as kv_cache
@@ -46,6 +47,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
 
@@ -58,13 +62,15 @@ def main() -> None:
     print(f"small: {counts['total'] / 1e6:.1f}M params ({nbytes / 2**20:.0f} MiB), cache "
           f"{kv_cache.bytes_per_token(gen.model_cfg) / 1024:.0f} KiB/token; param stream {stream_s * 1e3:.2f} ms "
           f"({nbytes / stream_s / 1e9:.1f} GB/s); matmul {matmul / 1e12:.3f} TFLOP/s")
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    print(f"sampling: {sampling}")
     print("| batch | prompt | new | prefill tok/s | decode tok/s | step ms | stream/step | decode TFLOP/s | /matmul | compile s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     rng = np.random.default_rng(0)
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = rng.integers(0, cfg.model.vocab_size, (batch, args.prompt_len)).tolist()
-        first = gen.generate(prompts, max_new_tokens=args.new_tokens)  # compile + warm-up
-        runs = [gen.generate(prompts, max_new_tokens=args.new_tokens) for _ in range(args.repeats)]
+        first = gen.generate(prompts, max_new_tokens=args.new_tokens, sampling=sampling)  # compile + warm-up
+        runs = [gen.generate(prompts, max_new_tokens=args.new_tokens, sampling=sampling) for _ in range(args.repeats)]
         prefill = float(np.median([r.prefill_tokens_per_s for r in runs]))
         decode = float(np.median([r.decode_tokens_per_s for r in runs]))
         step_s = float(np.median([r.decode_s / r.decode_steps for r in runs]))

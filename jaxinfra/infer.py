@@ -184,15 +184,29 @@ def check_token_array(tokens: Any, vocab_size: int) -> np.ndarray:
 
 def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
            top_p: jax.Array) -> jax.Array:
-    """Next ids [B] from float32 logits [B, V]: greedy (argmax) where temperature == 0, else a
+    """Next ids [B] from float32 logits [B, V]: greedy (argmax) when temperature == 0, else a
     draw from softmax(logits / temperature) restricted to the top_k ids (0: all) and then to
     the smallest set of the most likely ids whose probability reaches top_p (nucleus; 1: all).
 
-    All settings are traced values, so one compiled step serves every setting. keys [B]: one
+    All settings are traced scalars, so one compiled step serves every setting; `lax.cond`
+    runs only the branch in use (the sort behind top-k/top-p cost ~9 ms per step at batch 8
+    x vocab 8192 on CPU, so greedy and plain temperature sampling skip it). keys [B]: one
     key per row, so a row's draws do not depend on the other rows."""
-    vocab = logits.shape[-1]
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = logits / jnp.maximum(temperature, 1e-6)
+
+    def greedy(_):
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw(_):
+        scaled = logits / temperature
+        scaled = jax.lax.cond((top_k > 0) | (top_p < 1), _top_k_top_p, lambda x, k, p: x, scaled, top_k, top_p)
+        return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+
+    return jax.lax.cond(temperature > 0, draw, greedy, None)
+
+
+def _top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """-inf outside the top_k ids (0: all) and then outside the nucleus of mass top_p."""
+    vocab = scaled.shape[-1]
     ordered = -jnp.sort(-scaled, axis=-1)  # descending
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     ranks = jnp.arange(vocab)
@@ -202,9 +216,7 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: ja
     kept = (before < top_p) & (ranks[None, :] < k)
     kept = kept.at[:, 0].set(True)  # the most likely id always stays
     threshold = jnp.min(jnp.where(kept, ordered, jnp.inf), axis=-1, keepdims=True)
-    masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
-    drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
-    return jnp.where(temperature > 0, drawn, greedy)
+    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
 def _row_keys(seed: jax.Array, step: jax.Array, batch: int) -> jax.Array:
