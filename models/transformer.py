@@ -15,6 +15,10 @@ With MoE, the dense blocks stay in `layers` and the MoE blocks form a second sta
 `moe_every - 1` dense blocks followed by one MoE block) runs as: one scan over the dense
 prefix, then one scan over the periods, each step running its dense blocks and its MoE
 block. Per-layer router statistics come out of that scan as stacked outputs.
+
+Inference (jaxinfra/infer.py, docs/inference.md) runs the same blocks through the same layer
+runner: `prefill` is the forward that also returns each layer's KV-cache entries, `decode`
+runs one token per row with the layer scan over (layer params, layer cache).
 """
 
 from __future__ import annotations
@@ -180,7 +184,7 @@ class Transformer(nnx.Module):
         """The training forward on causal (unpacked) rows, plus every layer's cache entries.
 
         Returns (logits [B, T, vocab] float32, entries): per layer stack (`layers`,
-        `moe_layers`) a dict of [L, B, T, ...] arrays (models/cache.py names them), to be
+        `moe_layers`) a dict of [L, B, heads, T, width] arrays (models/cache.py), to be
         written at slots 0..T-1 of a cache (`models.cache.write`). MoE layers route each
         token on its own (pass a config with moe_dispatch="dropless" for exact decoding)."""
         h, positions, rope_freqs = self._embed(tokens, positions)
