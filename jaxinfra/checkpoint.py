@@ -153,15 +153,20 @@ def is_params_only(directory: str | pathlib.Path) -> bool:
     return False
 
 
-def restore_params(directory: str | pathlib.Path, target_params: Any) -> tuple[int, Any]:
+def restore_params(directory: str | pathlib.Path, target_params: Any, step: int | None = None) -> tuple[int, Any]:
     """Params only from the newest readable checkpoint under `directory` (a run dir, its
-    checkpoints/, or one step directory RUN/checkpoints/N)."""
+    checkpoints/, or one step directory RUN/checkpoints/N), or from checkpoint `step` alone."""
     directory, only_step = _checkpoints_dir(directory)
+    step = only_step if step is None else step
     if not directory.is_dir():
         raise CheckpointError(f"no checkpoint directory at {directory}")
     manager = ocp.CheckpointManager(directory.absolute(), options=ocp.CheckpointManagerOptions(read_only=True, create=False),
                                     item_names=("state", "data", "meta"))
-    steps = [only_step] if only_step is not None else sorted(manager.all_steps(), reverse=True)
+    steps = sorted(manager.all_steps(), reverse=True)
+    if step is not None:
+        if step not in steps:
+            raise CheckpointError(f"no committed checkpoint {step} under {directory} (have: {sorted(steps)})")
+        steps = [step]
     for step in steps:
         try:
             with warnings.catch_warnings():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,8 @@ from models.config import ModelConfig
 from models.layers import DTYPES, apply_rope, ones_param, param, rms_norm
 from sharding.context import attention as context_attention
 from sharding.rules import constrain
+
+Cache = dict[str, jax.Array]  # one layer's cache (or one step's new entries), by name
 
 
 class Attention(nnx.Module):
@@ -40,6 +43,30 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                  rope_freqs: jax.Array) -> jax.Array:
+        return self._attend(x, positions, segment_ids, rope_freqs)[0]
+
+    def prefill(self, x: jax.Array, positions: jax.Array, rope_freqs: jax.Array) -> tuple[jax.Array, Cache]:
+        """The training computation on a (right-padded) prompt, plus what the cache keeps of
+        each token: {"k", "v"} [batch, kv_heads, length, head_dim] (k after RoPE; the cache layout)."""
+        y, k, v = self._attend(x, positions, None, rope_freqs)
+        return y, cache_entries(k, v)
+
+    def decode(self, x: jax.Array, positions: jax.Array, rope_freqs: jax.Array, cache: Cache,
+               absorb: bool = True) -> tuple[jax.Array, Cache]:
+        """One new token per row against this layer's cache.
+
+        x [B, 1, d]; positions [B, 1] (also the token's cache slot: slots below it are the
+        row's earlier tokens); cache {"k", "v"} [B, kv_heads, S, head_dim]. Returns the
+        output [B, 1, d] and the token's own entries {"k", "v"} [B, kv_heads, 1, head_dim]
+        (the caller writes them at `positions`). `absorb` only matters for MLA."""
+        q, k, v = self._qkv(x, positions, rope_freqs)
+        new = cache_entries(k, v)
+        out = decode_attention([q], [cache["k"]], [new["k"]], cache["v"], new["v"], positions[:, 0],
+                               q.shape[-1] ** -0.5)
+        return self._output(out), new
+
+    def _qkv(self, x: jax.Array, positions: jax.Array,
+             rope_freqs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         dt = self.dtype
         b, t, d = x.shape
         rows = x.reshape(b * t, d)  # 2-D matmuls: see models/layers.py MLP for why
@@ -58,8 +85,61 @@ class Attention(nnx.Module):
         q = constrain(apply_rope(q, positions, rope_freqs), ("batch", "length", "heads", "head_dim"))
         k = constrain(apply_rope(k, positions, rope_freqs), ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+        return q, k, v
+
+    def _output(self, out: jax.Array) -> jax.Array:
+        b, t, heads, dh = out.shape
+        d = self.wo.shape[-1]
+        return (out.reshape(b * t, heads * dh) @ self.wo[...].astype(self.dtype).reshape(heads * dh, d)).reshape(b, t, d)
+
+    def _attend(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
+                rope_freqs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        q, k, v = self._qkv(x, positions, rope_freqs)
         # Plain attention, or context-parallel when the mesh splits the sequence.
         out = context_attention(q, k, v, segment_ids=segment_ids, impl=self.impl)
         out = checkpoint_name(out, "attn_out")
-        heads, dh = out.shape[2:]
-        return (out.reshape(b * t, heads * dh) @ self.wo[...].astype(dt).reshape(heads * dh, d)).reshape(b, t, d)
+        return self._output(out), k, v
+
+
+def cache_entries(k: jax.Array, v: jax.Array) -> Cache:
+    """Projected k, v [B, T, kv_heads, head_dim] -> the cache layout [B, kv_heads, T, head_dim]."""
+    names = ("batch", "kv_heads", "kv_length", "head_dim")
+    return {"k": constrain(jnp.swapaxes(k, 1, 2), names), "v": constrain(jnp.swapaxes(v, 1, 2), names)}
+
+
+def decode_attention(qs: Sequence[jax.Array], ks: Sequence[jax.Array], k_news: Sequence[jax.Array],
+                     v_cache: jax.Array, v_new: jax.Array, positions: jax.Array, scale: float) -> jax.Array:
+    """Softmax attention of one query per row over its cached keys plus its own new key.
+
+    Scores are sums over parts, q . k = sum_i q_i . k_i, so a key kept in pieces (MLA: latent
+    and rope key) is read where it lies, never concatenated. Part i: query qs[i] [B, 1, Hq, d_i]
+    (as projected), cached keys ks[i] [B, Hk_i, S, d_i] and the new token's key k_news[i]
+    [B, Hk_i, 1, d_i] (not yet in the cache), in the heads-major cache layout. Values:
+    v_cache [B, Hv, S, d_v], v_new [B, Hv, 1, d_v]. Query head h reads key/value head
+    h // (Hq / H) (GQA/MQA; MLA's shared latent has H = 1). positions [B]: cache slots
+    j < positions[b] are row b's earlier tokens, later slots (padding, stale entries) are
+    masked. Scores and softmax in float32 as in training; result [B, 1, Hq, d_v] in q's dtype.
+
+    Heads-major caches make both products batched over (batch, heads) with no transpose: with
+    a [B, S, heads, d] cache XLA:CPU copied the whole cache into that order every step.
+    """
+    b, _, hq, _ = qs[0].shape
+    s_len, hv, dv = v_cache.shape[2], v_cache.shape[1], v_cache.shape[-1]
+    s_old = s_new = jnp.zeros((), jnp.float32)
+    for q, k, k_new in zip(qs, ks, k_news):
+        hk = k.shape[1]
+        qg = q.reshape(b, hk, hq // hk, q.shape[-1])
+        s_old = s_old + jnp.einsum("bkgd,bksd->bkgs", qg, k, preferred_element_type=jnp.float32).reshape(b, hq, s_len)
+        s_new = s_new + jnp.einsum("bkgd,bkd->bkg", qg, k_new[:, :, 0], preferred_element_type=jnp.float32).reshape(b, hq)
+    s_old, s_new = s_old * scale, s_new * scale
+    visible = jnp.arange(s_len)[None, :] < positions[:, None]  # [B, S]
+    s_old = jnp.where(visible[:, None, :], s_old, -jnp.inf)
+    m = jnp.maximum(jnp.max(s_old, axis=-1), s_new)  # finite: the new key is always visible
+    p_old = jnp.exp(s_old - m[..., None])
+    p_new = jnp.exp(s_new - m)
+    denom = jnp.sum(p_old, axis=-1) + p_new  # [B, Hq]
+    pg = p_old.reshape(b, hv, hq // hv, s_len).astype(v_cache.dtype)
+    o = jnp.einsum("bkgs,bksd->bkgd", pg, v_cache, preferred_element_type=jnp.float32)
+    o = o + p_new.reshape(b, hv, hq // hv, 1) * v_new[:, :, None, 0, :].astype(jnp.float32)
+    o = o.reshape(b, hq, dv) / denom[..., None]
+    return o.reshape(b, 1, hq, dv).astype(qs[0].dtype)

@@ -14,9 +14,11 @@ RoPE is "decoupled": position lives only in the rope parts, because a rotation b
 W_uk and W_uq would stop the up-projection from being absorbed into the query at inference.
 scale = (qk_nope + qk_rope)^-1/2, times YaRN's (0.1 ln s + 1)^2 with YaRN rope scaling.
 
-Training uses the explicit (non-absorbed) form: K and V per head go through the shared
-attention entry `sharding.context.attention` with d_qk != d_v. The W_dkv and W_kr
-projections are one [d, kv_lora_rank + qk_rope_head_dim] matrix (one matmul).
+Training (and inference prefill) use the explicit (non-absorbed) form: K and V per head go
+through the shared attention entry `sharding.context.attention` with d_qk != d_v. The W_dkv
+and W_kr projections are one [d, kv_lora_rank + qk_rope_head_dim] matrix (one matmul).
+Decoding (`MLA.decode`) caches only c_kv and k_rope and, by default, absorbs W_uk into the
+query and W_uv into the output (DeepSeek-V2 sec. 2.1.2; see docs/inference.md).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from models.config import ModelConfig
+from models.attention import Cache, decode_attention
 from models.layers import DTYPES, apply_rope, ones_param, param, rms_norm, yarn_softmax_scale
 from sharding.context import attention as context_attention
 from sharding.rules import constrain
@@ -57,35 +60,104 @@ class MLA(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                  rope_freqs: jax.Array) -> jax.Array:
+        return self._attend(x, positions, segment_ids, rope_freqs)[0]
+
+    def prefill(self, x: jax.Array, positions: jax.Array, rope_freqs: jax.Array) -> tuple[jax.Array, Cache]:
+        """The training computation on a (right-padded) prompt, plus what the cache keeps of
+        each token: {"latent": c_kv [B, 1, T, kv_lora_rank], "k_rope": [B, 1, T, qk_rope_head_dim]}
+        (the cache layout: one "head", shared by all query heads)."""
+        return self._attend(x, positions, None, rope_freqs)
+
+    def decode(self, x: jax.Array, positions: jax.Array, rope_freqs: jax.Array, cache: Cache,
+               absorb: bool = True) -> tuple[jax.Array, Cache]:
+        """One new token per row against the cached latents (see Attention.decode for the
+        arguments; cache {"latent" [B, 1, S, rank], "k_rope" [B, 1, S, rope]}).
+
+        absorb=True (DeepSeek-V2 sec. 2.1.2): W_uk is folded into the query and W_uv into
+        the output, so the heads attend straight over the latent: as MQA with one shared
+        key [c_kv; k_rope] of width rank + rope and value c_kv, then o_h = (p . c_kv) W_uv_h.
+        Per step, layer and row that costs ~2 H S (2 rank + rope) + 2 H (nope + v) rank FLOPs;
+        reconstructing K/V for all S cached tokens costs 2 S rank H (nope + v) more.
+        absorb=False reconstructs K and V from the cached latent and runs the training form."""
+        q, latent, k_rope = self._project(x, positions, rope_freqs)  # [B,1,H,nope+rope], [B,1,rank], [B,1,rope]
+        new = self._entries(latent, k_rope)
+        scale = (self.nope + self.rope) ** -0.5  # the training attention's default (q_scale is in q)
+        wkv_b = self.wkv_b[...].astype(self.dtype)
+        w_uk, w_uv = wkv_b[..., :self.nope], wkv_b[..., self.nope:]
+        q_nope, q_rope = q[..., :self.nope], q[..., self.nope:]
+        rope_parts = ([q_rope], [cache["k_rope"]], [new["k_rope"]]) if self.rope else ([], [], [])
+        if absorb:
+            q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk)  # [B, 1, H, rank]
+            o_lat = decode_attention([q_lat, *rope_parts[0]], [cache["latent"], *rope_parts[1]],
+                                     [new["latent"], *rope_parts[2]], cache["latent"], new["latent"],
+                                     positions[:, 0], scale)  # [B, 1, H, rank]
+            out = jnp.einsum("bthr,rhv->bthv", o_lat, w_uv)
+        else:  # K_nope and V of every cached token from the latent: [B, H, S, nope], [B, H, S, v]
+            up = lambda c, w: jnp.einsum("bsr,rhd->bhsd", c[:, 0], w)  # noqa: E731
+            out = decode_attention([q_nope, *rope_parts[0]], [up(cache["latent"], w_uk), *rope_parts[1]],
+                                   [up(new["latent"], w_uk), *rope_parts[2]], up(cache["latent"], w_uv),
+                                   up(new["latent"], w_uv), positions[:, 0], scale)
+        return self._output(out), new
+
+    def _project(self, x: jax.Array, positions: jax.Array,
+                 rope_freqs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """(q [B, T, H, nope + rope] with RoPE and the YaRN factor applied, c_kv [B, T, rank],
+        k_rope [B, T, rope] with RoPE, or None without a rope part)."""
         dt = self.dtype
         b, t, d = x.shape
         rows = x.reshape(b * t, d)  # 2-D matmuls: see models/layers.py MLP for why
-
-        def up(inputs: jax.Array, w: nnx.Param) -> jax.Array:  # [N, r] @ [r, H, D] -> [B, T, H, D]
-            r, heads, dh = w.shape
-            return (inputs @ w[...].astype(dt).reshape(r, heads * dh)).reshape(b, t, heads, dh)
-
         if hasattr(self, "wq"):
-            q = up(rows, self.wq)
+            q = self._up(rows, self.wq, b, t)
         else:
-            q = up(rms_norm(rows @ self.wq_a[...].astype(dt), self.q_norm[...], self.eps), self.wq_b)
+            q = self._up(rms_norm(rows @ self.wq_a[...].astype(dt), self.q_norm[...], self.eps), self.wq_b, b, t)
         kv_a = rows @ self.wkv_a[...].astype(dt)
         latent = rms_norm(kv_a[:, :-self.rope] if self.rope else kv_a, self.kv_norm[...], self.eps)
-        kv = up(latent, self.wkv_b)
-        k_nope, v = kv[..., :self.nope], kv[..., self.nope:]
-        heads = q.shape[2]
+        k_rope = None
         if self.rope:
             q_rope = apply_rope(q[..., self.nope:], positions, rope_freqs)
-            k_rope = apply_rope(kv_a[:, -self.rope:].reshape(b, t, 1, self.rope), positions, rope_freqs)
+            k_rope = apply_rope(kv_a[:, -self.rope:].reshape(b, t, 1, self.rope), positions, rope_freqs)[:, :, 0]
             q = jnp.concatenate([q[..., :self.nope], q_rope], axis=-1)
-            k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (b, t, heads, self.rope))], axis=-1)
-        else:
-            k = k_nope
         if self.q_scale != 1.0:
             q = q * jnp.asarray(self.q_scale, q.dtype)
+        return q, latent.reshape(b, t, -1), k_rope
+
+    def _up(self, inputs: jax.Array, w: nnx.Param, b: int, t: int) -> jax.Array:
+        """[N, r] @ [r, H, D] -> [B, T, H, D]."""
+        r, heads, dh = w.shape
+        return (inputs @ w[...].astype(self.dtype).reshape(r, heads * dh)).reshape(b, t, heads, dh)
+
+    def _keys_values(self, latent: jax.Array, k_rope: jax.Array | None, wkv_b: jax.Array, b: int, t: int,
+                     heads: int) -> tuple[jax.Array, jax.Array]:
+        """K [B, T, H, nope + rope] and V [B, T, H, v] up-projected from c_kv (the explicit form)."""
+        r = latent.shape[-1]
+        kv = (latent.reshape(b * t, r) @ wkv_b.reshape(r, -1)).reshape(b, t, heads, self.nope + self.dv)
+        k_nope, v = kv[..., :self.nope], kv[..., self.nope:]
+        if k_rope is None:
+            return k_nope, v
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None], (b, t, heads, self.rope))], axis=-1)
+        return k, v
+
+    def _entries(self, latent: jax.Array, k_rope: jax.Array | None) -> Cache:
+        """c_kv [B, T, rank], k_rope [B, T, rope] -> the cache layout [B, 1, T, ...] (one shared head)."""
+        entries = {"latent": constrain(latent[:, None], ("batch", None, "kv_length", "kv_lora"))}
+        if k_rope is not None:
+            entries["k_rope"] = constrain(k_rope[:, None], ("batch", None, "kv_length", "head_dim"))
+        return entries
+
+    def _output(self, out: jax.Array) -> jax.Array:
+        b, t, heads, dv = out.shape
+        d = self.wo.shape[-1]
+        wo = self.wo[...].astype(self.dtype).reshape(heads * dv, d)
+        return (out.reshape(b * t, heads * dv) @ wo).reshape(b, t, d)
+
+    def _attend(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
+                rope_freqs: jax.Array) -> tuple[jax.Array, Cache]:
+        b, t, _ = x.shape
+        q, latent, k_rope = self._project(x, positions, rope_freqs)
+        heads = q.shape[2]
+        k, v = self._keys_values(latent, k_rope, self.wkv_b[...].astype(self.dtype), b, t, heads)
         q = constrain(checkpoint_name(q, "query_proj"), ("batch", "length", "heads", "head_dim"))
         k = constrain(checkpoint_name(k, "key_proj"), ("batch", "length", "heads", "head_dim"))
         v = constrain(checkpoint_name(v, "value_proj"), ("batch", "length", "heads", "head_dim"))
         out = checkpoint_name(context_attention(q, k, v, segment_ids=segment_ids, impl=self.impl), "attn_out")
-        wo = self.wo[...].astype(dt).reshape(heads * self.dv, d)
-        return (out.reshape(b * t, heads * self.dv) @ wo).reshape(b, t, d)
+        return self._output(out), self._entries(latent, k_rope)

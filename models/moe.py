@@ -93,6 +93,7 @@ class MoE(nnx.Module):
 
 
 # Statistics that add up over microbatches (everything `merge_stats` needs).
+MOE_STATS = ("counts", "dropped", "aux_loss", "z_loss")  # what forward() reports per MoE layer
 PARTIAL_STATS = ("counts", "dropped", "prob_sum", "z_sum", "tokens")
 
 

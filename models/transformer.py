@@ -15,6 +15,10 @@ With MoE, the dense blocks stay in `layers` and the MoE blocks form a second sta
 `moe_every - 1` dense blocks followed by one MoE block) runs as: one scan over the dense
 prefix, then one scan over the periods, each step running its dense blocks and its MoE
 block. Per-layer router statistics come out of that scan as stacked outputs.
+
+Inference (jaxinfra/infer.py, docs/inference.md) runs the same blocks through the same layer
+runner: `prefill` is the forward that also returns each layer's KV-cache entries, `decode`
+runs one token per row with the layer scan over (layer params, layer cache).
 """
 
 from __future__ import annotations
@@ -23,11 +27,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.attention import Attention
+from models.attention import Attention, Cache
+from models.cache import write as write_cache
 from models.config import ModelConfig
 from models.layers import DTYPES, MLP, RMSNorm, param, rope_frequencies
 from models.mla import MLA
-from models.moe import PARTIAL_STATS, MoE, merge_stats
+from models.moe import MOE_STATS, PARTIAL_STATS, MoE, merge_stats
 from sharding import pipeline
 from sharding.rules import constrain
 
@@ -69,7 +74,18 @@ class Block(nnx.Module):
 
     def __call__(self, h: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                  rope_freqs: jax.Array) -> jax.Array:
-        h = h + self.attn(self.attn_norm(h), positions, segment_ids, rope_freqs)
+        return self._ffn(h + self.attn(self.attn_norm(h), positions, segment_ids, rope_freqs))
+
+    def prefill(self, h: jax.Array, positions: jax.Array, rope_freqs: jax.Array) -> tuple[jax.Array, Cache]:
+        a, entries = self.attn.prefill(self.attn_norm(h), positions, rope_freqs)
+        return self._ffn(h + a), entries
+
+    def decode(self, h: jax.Array, positions: jax.Array, rope_freqs: jax.Array, cache: Cache,
+               absorb: bool) -> tuple[jax.Array, Cache]:
+        a, entries = self.attn.decode(self.attn_norm(h), positions, rope_freqs, cache, absorb)
+        return self._ffn(h + a), entries
+
+    def _ffn(self, h: jax.Array) -> jax.Array:
         h = h + self.mlp(self.mlp_norm(h))
         return constrain(h, ("batch", "residual_length", "embed"))
 
@@ -87,6 +103,18 @@ class MoEBlock(nnx.Module):
                  rope_freqs: jax.Array, mask: jax.Array,
                  order: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         h = h + self.attn(self.attn_norm(h), positions, segment_ids, rope_freqs)
+        return self._ffn(h, mask, order)
+
+    def prefill(self, h: jax.Array, positions: jax.Array, rope_freqs: jax.Array) -> tuple[jax.Array, Cache]:
+        a, entries = self.attn.prefill(self.attn_norm(h), positions, rope_freqs)
+        return self._ffn(h + a, jnp.ones(h.shape[:2], jnp.bool_), None)[0], entries
+
+    def decode(self, h: jax.Array, positions: jax.Array, rope_freqs: jax.Array, cache: Cache,
+               absorb: bool) -> tuple[jax.Array, Cache]:
+        a, entries = self.attn.decode(self.attn_norm(h), positions, rope_freqs, cache, absorb)
+        return self._ffn(h + a, jnp.ones(h.shape[:2], jnp.bool_), None)[0], entries
+
+    def _ffn(self, h: jax.Array, mask: jax.Array, order: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array]]:
         y, stats = self.moe(self.mlp_norm(h), mask, order)
         return constrain(h + y, ("batch", "residual_length", "embed")), stats
 
@@ -137,6 +165,56 @@ class Transformer(nnx.Module):
         """(logits, MoE statistics stacked over MoE layers: {} for a dense model).
 
         Statistics (see models/moe.py): counts [L_moe, E], dropped, aux_loss, z_loss [L_moe]."""
+        cfg = self.cfg
+        h, positions, rope_freqs = self._embed(tokens, positions)
+        stats: dict[str, jax.Array] = {}
+        if cfg.is_moe:
+            mask = segment_ids > 0 if segment_ids is not None else jnp.ones(tokens.shape, jnp.bool_)
+            order = sequence_order(positions, segment_ids)
+            if pipeline.is_pipelined():
+                h, stats = self._moe_pipelined(h, positions, segment_ids, rope_freqs, mask, order)
+            else:
+                h, (_, stats) = self._run_layers(
+                    h, lambda blk, h, _: (blk(h, positions, segment_ids, rope_freqs), None),
+                    lambda blk, h, _: blk(h, positions, segment_ids, rope_freqs, mask, order), remat=True)
+                stats = {k: stats[k] for k in MOE_STATS}
+        else:
+            h = self._dense_stack(h, positions, segment_ids, rope_freqs)
+        return self._head(h), stats
+
+    # ------------------------------------------------------------ inference (jaxinfra/infer.py)
+
+    def prefill(self, tokens: jax.Array, positions: jax.Array | None = None) -> tuple[jax.Array, dict[str, Cache]]:
+        """The training forward on causal (unpacked) rows, plus every layer's cache entries.
+
+        Returns (logits [B, T, vocab] float32, entries): per layer stack (`layers`,
+        `moe_layers`) a dict of [L, B, heads, T, width] arrays (models/cache.py), to be
+        written at slots 0..T-1 of a cache (`models.cache.write`). MoE layers route each
+        token on its own (pass a config with moe_dispatch="dropless" for exact decoding)."""
+        h, positions, rope_freqs = self._embed(tokens, positions)
+        h, ys = self._run_layers(h, lambda blk, h, _: blk.prefill(h, positions, rope_freqs),
+                                 lambda blk, h, _: blk.prefill(h, positions, rope_freqs))
+        return self._head(h), self._by_stack(ys)
+
+    def decode(self, tokens: jax.Array, positions: jax.Array, cache: dict[str, Cache],
+               absorb: bool = True) -> tuple[jax.Array, dict[str, Cache]]:
+        """One token per row with a cache: tokens, positions [B, 1] -> (logits [B, 1, vocab],
+        cache with the tokens' entries written at their positions).
+
+        The layer scan runs over (layer params, layer cache) together; each layer reads its
+        cache slice and returns only the new token's entries, which are scattered into the
+        stacked cache once after the scan (in place when the caller donates the cache).
+        absorb: MLA's absorbed (True) or explicit (False) decode, see models/mla.py."""
+        h, positions, rope_freqs = self._embed(tokens, positions)
+        h, ys = self._run_layers(
+            h, lambda blk, h, c: blk.decode(h, positions, rope_freqs, c, absorb),
+            lambda blk, h, c: blk.decode(h, positions, rope_freqs, c, absorb),
+            dense_xs=cache.get("layers"), moe_xs=cache.get("moe_layers"))
+        return self._head(h), write_cache(cache, self._by_stack(ys), positions[:, 0])
+
+    # ------------------------------------------------------------ pieces
+
+    def _embed(self, tokens: jax.Array, positions: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
         cfg, dt = self.cfg, DTYPES[self.cfg.dtype]
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
@@ -145,14 +223,10 @@ class Transformer(nnx.Module):
         table = constrain(self.embed[...], ("vocab", None))
         h = jnp.take(table, tokens, axis=0).astype(dt)
         h = constrain(h, ("batch", "residual_length", "embed"))
-        rope_freqs = rope_frequencies(cfg)
-        stats: dict[str, jax.Array] = {}
-        if cfg.is_moe:
-            mask = segment_ids > 0 if segment_ids is not None else jnp.ones(tokens.shape, jnp.bool_)
-            order = sequence_order(positions, segment_ids)
-            h, stats = self._moe_stack(h, positions, segment_ids, rope_freqs, mask, order)
-        else:
-            h = self._dense_stack(h, positions, segment_ids, rope_freqs)
+        return h, positions, rope_frequencies(cfg)
+
+    def _head(self, h: jax.Array) -> jax.Array:
+        cfg, dt = self.cfg, DTYPES[self.cfg.dtype]
         h = self.final_norm(h)
         if cfg.tie_embeddings:
             logits = jnp.einsum("btd,vd->btv", h, self.embed[...].astype(dt), preferred_element_type=jnp.float32)
@@ -160,92 +234,163 @@ class Transformer(nnx.Module):
             logits = jnp.einsum("btd,dv->btv", h, self.unembed[...].astype(dt), preferred_element_type=jnp.float32)
         if cfg.logit_softcap is not None:
             logits = cfg.logit_softcap * jnp.tanh(logits / cfg.logit_softcap)
-        return constrain(logits, ("batch", "length", "vocab")), stats
+        return constrain(logits, ("batch", "length", "vocab"))
+
+    def _by_stack(self, ys: tuple) -> dict:
+        dense, sparse = ys
+        out = {}
+        if hasattr(self, "layers"):
+            out["layers"] = dense
+        if hasattr(self, "moe_layers"):
+            out["moe_layers"] = sparse
+        return out
 
     def _dense_stack(self, h: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                      rope_freqs: jax.Array) -> jax.Array:
         cfg = self.cfg
-        graphdef, stacked = nnx.split(self.layers)
         if pipeline.is_pipelined():  # layers split over the `stage` mesh axis (sharding/pipeline.py)
+            graphdef, stacked = nnx.split(self.layers)
+
             def layer(h: jax.Array, layer_state, side) -> jax.Array:
                 return nnx.merge(graphdef, layer_state)(h, side[0], side[1], rope_freqs)
 
             if cfg.remat_policy != "none":
                 layer = jax.checkpoint(layer, policy=remat_policy(cfg.remat_policy), prevent_cse=not cfg.scan_layers)
             return pipeline.apply_layers(layer, h, stacked, (positions, segment_ids), scan_layers=cfg.scan_layers)
-
-        def block(h: jax.Array, layer_state) -> tuple[jax.Array, None]:
-            return nnx.merge(graphdef, layer_state)(h, positions, segment_ids, rope_freqs), None
-
-        policy = remat_policy(cfg.remat_policy)
-        if cfg.remat_policy != "none":
-            block = jax.checkpoint(block, policy=policy, prevent_cse=not cfg.scan_layers)
-        if cfg.scan_layers:
-            h, _ = jax.lax.scan(block, h, stacked)
-        else:
-            for i in range(cfg.num_layers):
-                h, _ = block(h, jax.tree.map(lambda x, i=i: x[i], stacked))
+        h, _ = self._run_layers(h, lambda blk, h, _: (blk(h, positions, segment_ids, rope_freqs), None), None,
+                                remat=True)
         return h
 
-    def _moe_stack(self, h: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
-                   rope_freqs: jax.Array, mask: jax.Array,
-                   order: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """Dense prefix, then periods of (moe_every - 1) dense blocks + one MoE block.
+    def _run_layers(self, h: jax.Array, dense_fn, moe_fn, dense_xs=None, moe_xs=None,
+                    remat: bool = False) -> tuple[jax.Array, tuple]:
+        """Every layer in order: the dense prefix, then periods of (moe_every - 1) dense blocks
+        and one MoE block (a dense model: one scan over `layers`).
 
-        Pipelined (mesh.stage > 1): the prefix runs first, outside the pipeline (replicated
-        over `stage`, like the embeddings); the periods are the pipeline's layers, and their
-        router statistics come out as sums over microbatches, from which `merge_stats`
-        rebuilds the whole batch's losses exactly."""
+        dense_fn(block, h, x) -> (h, y) and moe_fn(block, h, x) -> (h, y) apply one layer; x is
+        that layer's slice of dense_xs / moe_xs (stacked like the layers; None: nothing) and
+        the y's come back stacked in layer order: (dense ys [L_dense, ...], moe ys [L_moe, ...]).
+        `remat` applies the config's remat policy (training)."""
+        cfg = self.cfg
+        prefix, per = cfg.moe_first_dense_layers, cfg.moe_every - 1
+        dense_def, dense = nnx.split(self.layers) if hasattr(self, "layers") else (None, None)
+        take = lambda tree, lo, hi: jax.tree.map(lambda x: x[lo:hi], tree)  # noqa: E731
+        at = lambda tree, i: jax.tree.map(lambda x: x[i], tree)  # noqa: E731
+
+        def dense_block(h, xs):
+            layer_state, x = xs
+            return dense_fn(nnx.merge(dense_def, layer_state), h, x)
+
+        if remat and cfg.remat_policy != "none":
+            dense_block = jax.checkpoint(dense_block, policy=remat_policy(cfg.remat_policy),
+                                         prevent_cse=not cfg.scan_layers)
+        if not cfg.is_moe:
+            if cfg.scan_layers:
+                h, ys = jax.lax.scan(dense_block, h, (dense, dense_xs))
+            else:
+                outs = []
+                for i in range(cfg.num_layers):
+                    h, y = dense_block(h, at((dense, dense_xs), i))
+                    outs.append(y)
+                ys = jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
+            return h, (ys, None)
+
+        moe_def, moe = nnx.split(self.moe_layers)
+
+        def moe_block(h, xs):
+            layer_state, x = xs
+            return moe_fn(nnx.merge(moe_def, layer_state), h, x)
+
+        if remat and cfg.remat_policy != "none":
+            moe_block = jax.checkpoint(moe_block, policy=remat_policy(cfg.remat_policy),
+                                       prevent_cse=not cfg.scan_layers)
+
+        def period(h, xs):
+            group, group_xs, layer_state, x = xs
+            ys = []
+            for j in range(per):
+                h, y = dense_block(h, at((group, group_xs), j))
+                ys.append(y)
+            h, y = moe_block(h, (layer_state, x))
+            return h, (jax.tree.map(lambda *xs: jnp.stack(xs), *ys) if per else None, y)
+
+        periods = jax.tree.leaves(moe)[0].shape[0]
+        groups = group_xs = None
+        if per:  # the dense blocks after the prefix, as [periods, per, ...]
+            as_groups = lambda tree: jax.tree.map(  # noqa: E731
+                lambda x: x.reshape(periods, per, *x.shape[1:]), take(tree, prefix, None))
+            groups, group_xs = as_groups(dense), as_groups(dense_xs)
+        if cfg.scan_layers:
+            prefix_ys = None
+            if prefix:
+                h, prefix_ys = jax.lax.scan(dense_block, h, (take(dense, 0, prefix), take(dense_xs, 0, prefix)))
+            h, (group_ys, moe_ys) = jax.lax.scan(period, h, (groups, group_xs, moe, moe_xs))
+        else:
+            prefix_outs = []
+            for i in range(prefix):
+                h, y = dense_block(h, at((dense, dense_xs), i))
+                prefix_outs.append(y)
+            outs = []
+            for p in range(periods):
+                h, out = period(h, at((groups, group_xs, moe, moe_xs), p))
+                outs.append(out)
+            stack = lambda outs: jax.tree.map(lambda *xs: jnp.stack(xs), *outs) if outs else None  # noqa: E731
+            prefix_ys = stack(prefix_outs)
+            group_ys, moe_ys = stack([o[0] for o in outs]), stack([o[1] for o in outs])
+        dense_ys = None
+        if hasattr(self, "layers"):  # back to the order of `layers`: prefix, then each period's group
+            parts = [prefix_ys] if prefix else []
+            if per:
+                parts.append(jax.tree.map(lambda x: x.reshape(periods * per, *x.shape[2:]), group_ys))
+            dense_ys = jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts) if parts else None
+        return h, (dense_ys, moe_ys)
+
+    def _moe_pipelined(self, h: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
+                       rope_freqs: jax.Array, mask: jax.Array,
+                       order: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """A MoE stack split over the `stage` mesh axis (sharding/pipeline.py).
+
+        The dense prefix runs first, outside the pipeline (replicated over `stage`, like the
+        embeddings); each period of (moe_every - 1) dense blocks + one MoE block is one pipeline
+        layer. Router statistics come out of the pipeline as sums over microbatches
+        (`PARTIAL_STATS`), from which `merge_stats` rebuilds the whole batch's losses exactly."""
         cfg = self.cfg
         prefix, per = cfg.moe_first_dense_layers, cfg.moe_every - 1
         dense_def, dense = nnx.split(self.layers) if hasattr(self, "layers") else (None, None)
         moe_def, moe = nnx.split(self.moe_layers)
-        take = lambda tree, lo, hi: jax.tree.map(lambda x: x[lo:hi], tree)  # noqa: E731
+        at = lambda tree, i: jax.tree.map(lambda x: x[i], tree)  # noqa: E731
 
         # Per-row inputs travel as `side` so that the pipeline can split them into microbatches.
         def dense_block(h, layer_state, side):
-            pos, seg = side[:2]
-            return nnx.merge(dense_def, layer_state)(h, pos, seg, rope_freqs), None
+            return nnx.merge(dense_def, layer_state)(h, side[0], side[1], rope_freqs), None
 
         def moe_block(h, layer_state, side):
-            return nnx.merge(moe_def, layer_state)(h, *side[:2], rope_freqs, *side[2:])
+            return nnx.merge(moe_def, layer_state)(h, side[0], side[1], rope_freqs, side[2], side[3])
 
         if cfg.remat_policy != "none":
             policy = remat_policy(cfg.remat_policy)
             dense_block = jax.checkpoint(dense_block, policy=policy, prevent_cse=not cfg.scan_layers)
             moe_block = jax.checkpoint(moe_block, policy=policy, prevent_cse=not cfg.scan_layers)
 
-        def period(h, xs, side):
-            group, layer_state = xs
-            for j in range(per):
-                h, _ = dense_block(h, jax.tree.map(lambda x, j=j: x[j], group), side)
-            return moe_block(h, layer_state, side)
-
         side = (positions, segment_ids, mask, order)
+        if prefix:
+            head = jax.tree.map(lambda x: x[:prefix], dense)
+            if cfg.scan_layers:
+                h, _ = jax.lax.scan(lambda h, p: dense_block(h, p, side), h, head)
+            else:
+                for i in range(prefix):
+                    h, _ = dense_block(h, at(head, i), side)
         periods = jax.tree.leaves(moe)[0].shape[0]
         groups = None
         if per:  # the dense blocks after the prefix, as [periods, per, ...]
-            groups = jax.tree.map(lambda x: x.reshape(periods, per, *x.shape[1:]), take(dense, prefix, None))
-        if cfg.scan_layers:
-            if prefix:
-                h, _ = jax.lax.scan(lambda h, p: dense_block(h, p, side), h, take(dense, 0, prefix))
-        else:
-            for i in range(prefix):
-                h, _ = dense_block(h, jax.tree.map(lambda x, i=i: x[i], dense), side)
-        if pipeline.is_pipelined():  # periods split over the `stage` mesh axis (sharding/pipeline.py)
-            def stage_layer(h, xs, side):
-                h, stats = period(h, xs, side)
-                return h, {k: stats[k] for k in PARTIAL_STATS}
+            groups = jax.tree.map(lambda x: x[prefix:].reshape(periods, per, *x.shape[1:]), dense)
 
-            h, partial = pipeline.apply_layers(stage_layer, h, (groups, moe), side, scan_layers=cfg.scan_layers,
-                                               with_stats=True)
-            return h, merge_stats(partial, cfg.moe_top_k)
-        if cfg.scan_layers:
-            h, stats = jax.lax.scan(lambda h, xs: period(h, xs, side), h, (groups, moe))
-        else:
-            outs = []
-            for p in range(periods):
-                h, out = period(h, jax.tree.map(lambda x, p=p: x[p], (groups, moe)), side)
-                outs.append(out)
-            stats = jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
-        return h, {k: stats[k] for k in ("counts", "dropped", "aux_loss", "z_loss")}
+        def stage_layer(h, xs, side):
+            group, layer_state = xs
+            for j in range(per):
+                h, _ = dense_block(h, at(group, j), side)
+            h, stats = moe_block(h, layer_state, side)
+            return h, {k: stats[k] for k in PARTIAL_STATS}
+
+        h, partial = pipeline.apply_layers(stage_layer, h, (groups, moe), side, scan_layers=cfg.scan_layers,
+                                           with_stats=True)
+        return h, merge_stats(partial, cfg.moe_top_k)

@@ -1,0 +1,92 @@
+"""`jaxinfra generate` and `jaxinfra eval`: thin wrappers over jaxinfra/infer.py.
+
+    jaxinfra generate CKPT (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N] [--temperature T]
+                      [--top-k K] [--top-p P] [--seed S] [--stop-ids 10,13] [--no-absorb] [KEY=VALUE ...]
+    jaxinfra eval CKPT --tokens FILE.npy [--batch-size N] [KEY=VALUE ...]
+
+CKPT is a run directory (newest readable checkpoint) or RUN/checkpoints/<step>; KEY=VALUE
+overrides the run's config (e.g. mesh.tensor=2). stdout carries only the result (the text,
+one JSON list of ids, or one JSON line of the eval loss); timings and logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_subcommands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate from a checkpoint with a KV cache (text or token ids)")
+    p.add_argument("ckpt", help="run directory or RUN/checkpoints/<step>")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. mesh.tensor=2")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="text, encoded with the run's tokenizer; prints prompt + continuation")
+    what.add_argument("--prompt-ids", help="comma-separated token ids; prints the generated ids as one JSON list")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely ids (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop-ids", default="", help="comma-separated ids that end generation (kept as the last id)")
+    p.add_argument("--no-absorb", action="store_true", help="MLA: reconstruct K/V from the latent cache instead "
+                   "of absorbing the up-projections (same result, more FLOPs)")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("eval", help="mean next-token cross-entropy of a token file under a checkpoint")
+    p.add_argument("ckpt", help="run directory or RUN/checkpoints/<step>")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    p.add_argument("--tokens", required=True, help=".npy integer array [batch, seq] of token ids")
+    p.add_argument("--batch-size", type=int, default=8, help="rows per forward pass")
+    p.set_defaults(func=cmd_eval)
+
+
+def _ids(text: str, what: str) -> list[int]:
+    from jaxinfra.infer import InferenceError
+
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise InferenceError(f"{what} must be comma-separated integers, got {text!r}") from None
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from jaxinfra.infer import Generator, InferenceError, Sampling, load_model, resolve_checkpoint, text_codec
+
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    sampling.check()
+    stop_ids = _ids(args.stop_ids, "--stop-ids")
+    prompt_ids = _ids(args.prompt_ids, "--prompt-ids") if args.prompt_ids is not None else None
+    if prompt_ids is not None and not prompt_ids:
+        raise InferenceError("--prompt-ids is empty")
+    cfg, params = load_model(args.ckpt, args.overrides)
+    if prompt_ids is None:
+        encode, decode = text_codec(cfg, resolve_checkpoint(args.ckpt)[0])
+        prompt_ids = encode(args.prompt)
+        if not prompt_ids:
+            raise InferenceError("--prompt encodes to no tokens")
+    gen = Generator(cfg, params, absorb=not args.no_absorb)
+    result = gen.generate([prompt_ids], max_new_tokens=args.max_new_tokens, sampling=sampling, stop_ids=stop_ids)
+    print(f"jaxinfra generate: {result.summary()}", file=sys.stderr)
+    if args.prompt_ids is not None:
+        print(json.dumps(result.tokens[0]))
+    else:
+        print(args.prompt + decode(result.tokens[0]))
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from jaxinfra.infer import InferenceError, load_model, score
+
+    if args.batch_size < 1:
+        raise InferenceError(f"--batch-size={args.batch_size} is invalid: must be >= 1")
+    try:
+        tokens = np.load(args.tokens, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise InferenceError(f"--tokens: cannot read {args.tokens!r} as a .npy array ({str(e).splitlines()[0]})") from None
+    cfg, params = load_model(args.ckpt, args.overrides)
+    loss, count = score(cfg, params, tokens, args.batch_size)
+    print(json.dumps({"eval_loss": loss, "tokens": count}))
+    return 0
