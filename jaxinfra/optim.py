@@ -10,6 +10,7 @@ import optax
 from flax import nnx
 
 from jaxinfra.config import OptimizerConfig, ScheduleConfig
+from models.layers import Bias
 
 
 def make_schedule(sched: ScheduleConfig, peak_lr: float, total_steps: int) -> optax.Schedule:
@@ -38,14 +39,14 @@ def make_schedule(sched: ScheduleConfig, peak_lr: float, total_steps: int) -> op
 
 
 def decay_mask(params: Any, opt: OptimizerConfig) -> Any:
-    """True where weight decay applies: matrices; norm scales and embeddings only when asked.
+    """True where weight decay applies: matrices; norm scales, biases and embeddings only when asked.
 
     Decided from each parameter's logical axes, so new layers need no new rule.
     """
 
     def wants_decay(v: nnx.Variable) -> bool:
         names = tuple(v.get_metadata().get("out_sharding") or ())
-        if len(names) - ("layers" in names) == 1:  # a vector: a norm scale
+        if len(names) - ("layers" in names) == 1 or isinstance(v, Bias):  # a norm scale or a bias
             return opt.decay_norms
         if "vocab" in names:
             return opt.decay_embeddings

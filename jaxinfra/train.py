@@ -186,7 +186,8 @@ class Trainer:
             f"run dir {self.run_dir}" + (f", resumed at step {start_step}" if start_step else ""))
 
         evals: list[tuple[int, float]] = []
-        if start_step == 0:
+        has_eval = bool(self.eval_batches)  # data.eval_batches=0: no held-out evaluation at all
+        if start_step == 0 and has_eval:
             evals.append((0, self.evaluate(state)))
             log(0, {"eval_loss": evals[0][1]})
             say(f"step 0: eval_loss {evals[0][1]:.4f}")
@@ -247,7 +248,7 @@ class Trainer:
                         f"steps were skipped and the last good checkpoint is kept")
                     exit_code = EXIT_DIVERGED
                     break
-            if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
+            if has_eval and ((t.eval_every and step % t.eval_every == 0) or step == t.steps):
                 watchdog.progress(step, "eval")
                 eval_loss = self.evaluate(state)
                 evals.append((step, eval_loss))

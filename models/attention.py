@@ -11,7 +11,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from models.config import ModelConfig
-from models.layers import DTYPES, apply_rope, ones_param, param, rms_norm
+from models.layers import DTYPES, apply_rope, ones_param, param, rms_norm, zeros_bias
 from sharding.context import attention as context_attention
 from sharding.rules import constrain
 
@@ -27,12 +27,9 @@ class Attention(nnx.Module):
         self.wo = param(rngs, (h, dh, d), ("heads", "head_dim", "embed"),
                         std / math.sqrt(2 * cfg.num_layers), cfg.param_dtype)
         if cfg.qkv_bias:  # Qwen2's q/k/v biases (zeros at init; an imported model brings its own)
-            self.bq = nnx.Param(jnp.zeros((h, dh), DTYPES[cfg.param_dtype]), out_sharding=("heads", "head_dim"),
-                                eager_sharding=False)
-            self.bk = nnx.Param(jnp.zeros((kv, dh), DTYPES[cfg.param_dtype]), out_sharding=("kv_heads", "head_dim"),
-                                eager_sharding=False)
-            self.bv = nnx.Param(jnp.zeros((kv, dh), DTYPES[cfg.param_dtype]), out_sharding=("kv_heads", "head_dim"),
-                                eager_sharding=False)
+            self.bq = zeros_bias((h, dh), ("heads", "head_dim"), cfg.param_dtype)
+            self.bk = zeros_bias((kv, dh), ("kv_heads", "head_dim"), cfg.param_dtype)
+            self.bv = zeros_bias((kv, dh), ("kv_heads", "head_dim"), cfg.param_dtype)
         if cfg.qk_norm:  # per-head RMSNorm of q and k before RoPE (OLMo-2, Qwen-3)
             self.q_norm = ones_param((dh,), ("head_dim",), cfg.param_dtype)
             self.k_norm = ones_param((dh,), ("head_dim",), cfg.param_dtype)

@@ -22,6 +22,15 @@ def param(rngs: nnx.Rngs, shape: Sequence[int], names: Sequence[str], std: float
     return nnx.Param(value, out_sharding=tuple(names), eager_sharding=False)
 
 
+class Bias(nnx.Param):
+    """An additive bias (Qwen2's q/k/v): like a norm scale, no weight decay unless asked
+    (jaxinfra/optim.py decay_mask), though it has a matrix's rank."""
+
+
+def zeros_bias(shape: Sequence[int], names: Sequence[str], dtype: str) -> Bias:
+    return Bias(jnp.zeros(tuple(shape), DTYPES[dtype]), out_sharding=tuple(names), eager_sharding=False)
+
+
 def ones_param(shape: Sequence[int], names: Sequence[str], dtype: str) -> nnx.Param:
     return nnx.Param(jnp.ones(tuple(shape), DTYPES[dtype]), out_sharding=tuple(names), eager_sharding=False)
 

@@ -283,3 +283,11 @@ def test_real_sigkill_during_async_save(tmp_path):
     out, _ = spawn(run).communicate(timeout=300)
     assert "resumed at step 4" in out
     assert losses(run)[12] == losses(reference)[12]
+
+
+def test_run_without_eval_batches(tmp_path):
+    """data.eval_batches=0: no eval lines, no eval summary, and the run still ends cleanly."""
+    summary = train(cfg("data.eval_batches=0", "train.steps=2"), tmp_path, one_device())
+    assert summary["exit_code"] == 0 and summary["first_eval_loss"] is None and summary["final_eval_loss"] is None
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert not any("eval_loss" in row for row in rows) and len([r for r in rows if "loss" in r]) == 2

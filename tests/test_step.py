@@ -204,6 +204,7 @@ def _flat_mask(model_cfg, opt):
 NORMS = {("final_norm", "scale"), ("layers", "attn_norm", "scale"), ("layers", "mlp_norm", "scale"),
          ("layers", "attn", "q_norm"), ("layers", "attn", "k_norm")}
 EMBEDDINGS = {("embed",), ("unembed",)}
+BIASES = {("layers", "attn", b) for b in ("bq", "bk", "bv")}  # Qwen2's q/k/v biases: decayed like norms
 MATRICES = {("layers", "attn", w) for w in ("wq", "wk", "wv", "wo")} | {
     ("layers", "mlp", w) for w in ("w_gate", "w_up", "w_down")}
 
@@ -211,10 +212,10 @@ MATRICES = {("layers", "attn", w) for w in ("wq", "wk", "wv", "wo")} | {
 @pytest.mark.parametrize("decay_norms, decay_embeddings", [(False, False), (True, False), (False, True),
                                                            (True, True)])
 def test_decay_mask(decay_norms, decay_embeddings):
-    cfg = dataclasses.replace(MODEL, tie_embeddings=False, qk_norm=True)
+    cfg = dataclasses.replace(MODEL, tie_embeddings=False, qk_norm=True, qkv_bias=True)
     mask = _flat_mask(cfg, OptimizerConfig(decay_norms=decay_norms, decay_embeddings=decay_embeddings))
-    assert set(mask) == NORMS | EMBEDDINGS | MATRICES
-    for key in NORMS:
+    assert set(mask) == NORMS | EMBEDDINGS | MATRICES | BIASES
+    for key in NORMS | BIASES:
         assert mask[key] is decay_norms, key
     for key in EMBEDDINGS:
         assert mask[key] is decay_embeddings, key
