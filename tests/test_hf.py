@@ -152,6 +152,20 @@ def test_fused_expert_tensors_are_read_too(imported, tmp_path):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_jaxinfra_eval_on_import_gives_the_transformers_loss(imported, name, tmp_path, capsys):
+    """`jaxinfra eval OUT --tokens FILE.npy` (the CLI, in process) on the imported run directory."""
+    ref = reference(name)
+    np.save(tmp_path / "tokens.npy", ref["tokens"])
+    capsys.readouterr()
+    assert cli.main(["eval", str(imported[name]), "--tokens", str(tmp_path / "tokens.npy")]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1, lines
+    row = json.loads(lines[0])
+    assert row["tokens"] == ref["tokens"].shape[0] * (ref["tokens"].shape[1] - 1)
+    assert row["eval_loss"] == pytest.approx(float(ref["loss"]), rel=1e-5)
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_export_then_reimport_is_bitwise_identical(imported, name, tmp_path):
     export_hf(imported[name], tmp_path / "hf")
     # Hub naming (per-expert tensors), the same tensor set transformers wrote.
