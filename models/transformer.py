@@ -261,6 +261,17 @@ class Transformer(nnx.Module):
                                 remat=True)
         return h
 
+    def _layer_step(self, graphdef: nnx.GraphDef, fn, remat: bool):
+        """(h, (layer params, x)) -> fn(layer module, h, x), under the config's remat policy when
+        `remat` (training)."""
+        def step(h, xs):
+            layer_state, x = xs
+            return fn(nnx.merge(graphdef, layer_state), h, x)
+
+        if remat and self.cfg.remat_policy != "none":
+            step = jax.checkpoint(step, policy=remat_policy(self.cfg.remat_policy), prevent_cse=not self.cfg.scan_layers)
+        return step
+
     def _run_layers(self, h: jax.Array, dense_fn, moe_fn, dense_xs=None, moe_xs=None,
                     remat: bool = False) -> tuple[jax.Array, tuple]:
         """Every layer in order: the dense prefix, then periods of (moe_every - 1) dense blocks
@@ -276,13 +287,7 @@ class Transformer(nnx.Module):
         take = lambda tree, lo, hi: jax.tree.map(lambda x: x[lo:hi], tree)  # noqa: E731
         at = lambda tree, i: jax.tree.map(lambda x: x[i], tree)  # noqa: E731
 
-        def dense_block(h, xs):
-            layer_state, x = xs
-            return dense_fn(nnx.merge(dense_def, layer_state), h, x)
-
-        if remat and cfg.remat_policy != "none":
-            dense_block = jax.checkpoint(dense_block, policy=remat_policy(cfg.remat_policy),
-                                         prevent_cse=not cfg.scan_layers)
+        dense_block = self._layer_step(dense_def, dense_fn, remat)
         if not cfg.is_moe:
             if cfg.scan_layers:
                 h, ys = jax.lax.scan(dense_block, h, (dense, dense_xs))
@@ -296,13 +301,7 @@ class Transformer(nnx.Module):
 
         moe_def, moe = nnx.split(self.moe_layers)
 
-        def moe_block(h, xs):
-            layer_state, x = xs
-            return moe_fn(nnx.merge(moe_def, layer_state), h, x)
-
-        if remat and cfg.remat_policy != "none":
-            moe_block = jax.checkpoint(moe_block, policy=remat_policy(cfg.remat_policy),
-                                       prevent_cse=not cfg.scan_layers)
+        moe_block = self._layer_step(moe_def, moe_fn, remat)
 
         def period(h, xs):
             group, group_xs, layer_state, x = xs
@@ -360,16 +359,9 @@ class Transformer(nnx.Module):
         at = lambda tree, i: jax.tree.map(lambda x: x[i], tree)  # noqa: E731
 
         # Per-row inputs travel as `side` so that the pipeline can split them into microbatches.
-        def dense_block(h, layer_state, side):
-            return nnx.merge(dense_def, layer_state)(h, side[0], side[1], rope_freqs), None
-
-        def moe_block(h, layer_state, side):
-            return nnx.merge(moe_def, layer_state)(h, side[0], side[1], rope_freqs, side[2], side[3])
-
-        if cfg.remat_policy != "none":
-            policy = remat_policy(cfg.remat_policy)
-            dense_block = jax.checkpoint(dense_block, policy=policy, prevent_cse=not cfg.scan_layers)
-            moe_block = jax.checkpoint(moe_block, policy=policy, prevent_cse=not cfg.scan_layers)
+        dense_step = self._layer_step(dense_def, lambda blk, h, side: (blk(h, *side[:2], rope_freqs), None), True)
+        moe_step = self._layer_step(moe_def, lambda blk, h, side: blk(h, *side[:2], rope_freqs, *side[2:]), True)
+        dense_block = lambda h, layer_state, side: dense_step(h, (layer_state, side))  # noqa: E731
 
         side = (positions, segment_ids, mask, order)
         if prefix:
@@ -388,7 +380,7 @@ class Transformer(nnx.Module):
             group, layer_state = xs
             for j in range(per):
                 h, _ = dense_block(h, at(group, j), side)
-            h, stats = moe_block(h, layer_state, side)
+            h, stats = moe_step(h, (layer_state, side))
             return h, {k: stats[k] for k in PARTIAL_STATS}
 
         h, partial = pipeline.apply_layers(stage_layer, h, (groups, moe), side, scan_layers=cfg.scan_layers,
