@@ -14,8 +14,7 @@ import pathlib
 import sys
 
 from jaxinfra.config import ConfigError, load_config, preset_names
-
-EXIT_BAD_INPUT = 2
+from jaxinfra.exits import EXIT_BAD_INPUT, EXIT_INTERRUPTED
 
 
 def _config_stem(source: str) -> str:
@@ -160,19 +159,16 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     else:
         args = _parse_with_overrides(parser, argv)
-    from jaxinfra.data import DataError
-    from jaxinfra.checkpoint import CheckpointError
-    from jaxinfra.distributed import DistributedError
-    from sharding.mesh import MeshError
+    from jaxinfra.exits import bad_input_errors
 
     try:
         return args.func(args)
-    except (ConfigError, DataError, MeshError, DistributedError, CheckpointError) as e:
+    except bad_input_errors() as e:
         print(f"jaxinfra: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("jaxinfra: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 def main_exit() -> None:

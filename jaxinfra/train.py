@@ -40,9 +40,8 @@ from jaxinfra.metrics import (
 )
 from jaxinfra.runtime import build_runtime
 from jaxinfra.state import TrainState, abstract_state, bytes_per_device
-from jaxinfra.watchdog import EXIT_HUNG, Watchdog
-
-EXIT_OK, EXIT_DIVERGED, EXIT_PREEMPTED = 0, 3, 75
+from jaxinfra.exits import EXIT_DIVERGED, EXIT_HUNG, EXIT_OK, EXIT_PREEMPTED
+from jaxinfra.watchdog import Watchdog
 
 
 class Trainer:

@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 
-EXIT_HUNG = 70  # EX_SOFTWARE: distinct from a bad-config exit (2) and preemption (75)
+from jaxinfra.exits import EXIT_HUNG
 
 
 class Watchdog:
