@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxinfra.hf.cli import add_subcommands as add_hf_subcommands  # hf {import,export}
 
     add_hf_subcommands(sub)
-    from jaxinfra.infer_cli import add_subcommands as add_inference  # generate, eval
+    from jaxinfra.infer.cli import add_subcommands as add_inference  # generate, eval
 
     add_inference(sub)
     return parser

@@ -1,4 +1,4 @@
-"""Tests for jaxinfra/infer.py and the models' prefill/decode paths.
+"""Tests for the jaxinfra.infer package and the models' prefill/decode paths.
 
 Every check is against an independent reference: greedy decoding by full recomputation
 (the training forward on the whole sequence at each step, argmax of the last real

@@ -1,15 +1,4 @@
-"""Inference: load a checkpoint, score token files, generate with a KV cache.
-
-    cfg, params = load_model("runs/tiny-...", ["mesh.tensor=2"])   # run dir or RUN/checkpoints/<step>
-    gen = Generator(cfg, params)
-    result = gen.generate([[1, 2, 3], [4, 5]], max_new_tokens=32, temperature=0.0)
-    result.tokens      # per prompt, the generated ids (ending at a stop token if one was drawn)
-    loss, n = score(cfg, params, tokens)                        # mean next-token CE in float32
-
-The model code is the training code (models/): `Transformer.prefill` is the training forward
-that also returns every layer's cache entries, `Transformer.decode` runs one token per row
-against the cache (layer scan over (layer params, layer cache)). See docs/inference.md for
-the cache layout, MLA's absorbed decode and the memory / FLOP trade-offs.
+"""Generation with a KV cache: sampling, and a compiled prefill + decode loop per shape.
 
 Generation = one jitted prefill over right-padded prompts (each row's next write index is its
 own length) and one jitted decode loop (`lax.while_loop` over single-token steps with a fixed
@@ -26,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import pathlib
 import time
 from collections.abc import Sequence
 from typing import Any, Callable
@@ -35,148 +23,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxinfra.checkpoint import CheckpointError, restore_params
-from jaxinfra.config import Config, ConfigError, load_config, validate
-from jaxinfra.loss import cross_entropy_sums
-from jaxinfra.state import init_params, model_graphdef, sharding_rules, tree_shardings
-from models import ModelConfig
+from jaxinfra.config import Config
+from jaxinfra.infer.loading import InferenceError, _place_params, _sharding, inference_mesh, inference_model_config
+from jaxinfra.state import model_graphdef
 from models import cache as kv_cache
-from sharding.mesh import make_mesh, resolve_mesh_sizes
-from sharding.rules import ShardingRules, activation_sharding, constrain, logical_to_mesh
+from sharding.rules import activation_sharding, constrain
 
 MAX_CONTEXT = 32768  # prompt + new tokens per row: the cache is allocated up front
 PROMPT_BUCKET = 16  # prompts are right-padded to a multiple of this: fewer distinct compiles
-
-
-class InferenceError(ConfigError):
-    """Bad inference input (prompt, token file, sampling options): one line, CLI exit status 2."""
-
-
-# ---------------------------------------------------------------- loading
-
-
-def resolve_checkpoint(path: str | pathlib.Path) -> tuple[pathlib.Path, pathlib.Path, int | None]:
-    """(run dir, checkpoints dir, step or None for the newest) for a run dir or RUN/checkpoints/<step>."""
-    path = pathlib.Path(path)
-    if (path / "config.yaml").is_file():
-        return path, path / "checkpoints", None
-    if path.parent.name == "checkpoints" and (path.parent.parent / "config.yaml").is_file():
-        if not path.name.isdigit():
-            raise CheckpointError(f"{path} is not a checkpoint step directory (RUN/checkpoints/<step>)")
-        if not path.is_dir():
-            raise CheckpointError(f"no checkpoint at {path}")
-        return path.parent.parent, path.parent, int(path.name)
-    raise CheckpointError(f"{path} is neither a run directory (with config.yaml) nor RUN/checkpoints/<step>")
-
-
-def inference_model_config(model: ModelConfig) -> ModelConfig:
-    """The model config inference runs: dropless MoE routing (exact per token), no remat."""
-    return dataclasses.replace(model, moe_dispatch="dropless", remat_policy="none")
-
-
-def inference_devices(cfg: Config, devices: Sequence[jax.Device] | None = None) -> list[jax.Device]:
-    """The devices a config's mesh spans: all of them when an axis is -1 (fill), else the first
-    product-of-axes devices (so `mesh.data=1` runs on one device of many)."""
-    devices = list(devices) if devices is not None else jax.devices()
-    sizes = [s for s in (*cfg.mesh.sizes().values(), *cfg.mesh.dcn_sizes().values())]
-    if -1 in sizes:
-        return devices
-    need = math.prod(sizes)
-    if need > len(devices):
-        raise ConfigError(f"mesh needs {need} devices but {len(devices)} are available; "
-                          f"set the mesh.* sizes (e.g. mesh.data=-1) for this machine")
-    return devices[:need]
-
-
-def inference_mesh(cfg: Config, devices: Sequence[jax.Device] | None = None) -> tuple[Mesh, ShardingRules]:
-    """The training mesh and sharding rules for a config (pipeline stages are not supported)."""
-    devices = inference_devices(cfg, devices)
-    sizes = resolve_mesh_sizes(cfg.mesh, len(devices))
-    if sizes["stage"] != 1:
-        raise ConfigError(f"inference does not run pipeline stages: set mesh.stage=1 (got {sizes['stage']})")
-    # The training batch does not matter here: check the rest against a batch the mesh divides.
-    shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
-    validate(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=shards, grad_accum_steps=1)),
-             len(devices))
-    return make_mesh(cfg.mesh, devices), sharding_rules(cfg.parallelism)
-
-
-def load_model(path: str | pathlib.Path, overrides: Sequence[str] = (),
-               devices: Sequence[jax.Device] | None = None) -> tuple[Config, nnx.State]:
-    """(Config, params) from a run directory (newest readable checkpoint) or RUN/checkpoints/<step>.
-
-    The config is the run's config.yaml plus `overrides` (e.g. `mesh.tensor=2`); the params are
-    restored straight into the training shardings of that config's mesh (a partial restore of
-    the Orbax `state` item's `params`, so checkpoints with or without optimizer state load)."""
-    run_dir, ckpt_dir, step = resolve_checkpoint(path)
-    cfg = load_config(str(run_dir / "config.yaml"), list(overrides))
-    mesh, rules = inference_mesh(cfg, devices)
-    abstract = jax.eval_shape(lambda: init_params(cfg.model, jax.random.key(0)))
-    shardings = tree_shardings(abstract, mesh, rules.params)
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    _, params = restore_params(ckpt_dir, target, step=step)
-    return cfg, params
-
-
-def _place_params(params: nnx.State, cfg: Config, mesh: Mesh, rules: ShardingRules) -> nnx.State:
-    """Params in the training shardings of this mesh (a no-op for load_model's output)."""
-    shardings = tree_shardings(params, mesh, rules.params)
-    return jax.device_put(params, shardings)
-
-
-def _sharding(mesh: Mesh, rules: ShardingRules, names: Sequence[str | None], shape: Sequence[int]) -> NamedSharding:
-    return NamedSharding(mesh, logical_to_mesh(names, rules.activations, mesh, shape))
-
-
-# ---------------------------------------------------------------- scoring
-
-
-def score(cfg: Config, params: nnx.State, tokens: np.ndarray, batch_size: int = 8,
-          devices: Sequence[jax.Device] | None = None) -> tuple[float, int]:
-    """(mean next-token cross-entropy, prediction count) of token rows [N, T]: the training
-    forward on each row, float32 log-softmax, every position predicting the next; N*(T-1)
-    predictions. Rows go in batches of `batch_size` (the last one padded and masked)."""
-    tokens = check_token_array(tokens, cfg.model.vocab_size)
-    n, t = tokens.shape
-    mesh, rules = inference_mesh(cfg, devices)
-    params = _place_params(params, cfg, mesh, rules)
-    graphdef = model_graphdef(inference_model_config(cfg.model))
-    batch_size = max(1, min(batch_size, n))
-
-    def ce_sum(params: nnx.State, rows: jax.Array, mask: jax.Array) -> jax.Array:
-        logits, _ = nnx.merge(graphdef, params).forward(rows[:, :-1])
-        keep = jnp.broadcast_to(mask[:, None], (rows.shape[0], t - 1))
-        return cross_entropy_sums(logits, rows[:, 1:], keep)["ce_sum"]
-
-    rows_sharding = _sharding(mesh, rules, ("batch", "length"), (batch_size, t))
-    mask_sharding = _sharding(mesh, rules, ("batch",), (batch_size,))
-    total = 0.0
-    with jax.set_mesh(mesh), activation_sharding(mesh, rules):
-        fn = jax.jit(ce_sum)
-        for lo in range(0, n, batch_size):
-            chunk = tokens[lo:lo + batch_size]
-            mask = np.arange(batch_size) < len(chunk)
-            chunk = np.concatenate([chunk, np.zeros((batch_size - len(chunk), t), np.int32)])
-            total += float(fn(params, jax.device_put(chunk, rows_sharding), jax.device_put(mask, mask_sharding)))
-    count = n * (t - 1)
-    return total / count, count
-
-
-def check_token_array(tokens: Any, vocab_size: int) -> np.ndarray:
-    """A 2-D integer array [batch, seq >= 2] of ids in [0, vocab) as int32; InferenceError otherwise."""
-    arr = np.asarray(tokens)
-    if arr.ndim != 2:
-        raise InferenceError(f"tokens must be a 2-D array [batch, seq], got shape {arr.shape}")
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise InferenceError(f"tokens must be integer token ids, got dtype {arr.dtype}")
-    if arr.shape[0] < 1 or arr.shape[1] < 2:
-        raise InferenceError(f"tokens need at least 1 row and 2 columns (seq >= 2), got shape {arr.shape}")
-    lo, hi = int(arr.min()), int(arr.max())
-    if lo < 0 or hi >= vocab_size:
-        raise InferenceError(f"token ids must be in [0, {vocab_size}) (model.vocab_size), found {lo if lo < 0 else hi}")
-    return arr.astype(np.int32)
 
 
 # ---------------------------------------------------------------- sampling
@@ -276,7 +132,7 @@ class Generator:
         self.cfg = cfg
         self.model_cfg = inference_model_config(cfg.model)
         self.mesh, self.rules = inference_mesh(cfg, devices)
-        self.params = _place_params(params, cfg, self.mesh, self.rules)
+        self.params = _place_params(params, self.mesh, self.rules)
         self.graphdef = model_graphdef(self.model_cfg)
         self.absorb = absorb
         self._compiled: dict[tuple, tuple[Any, Any]] = {}
@@ -418,25 +274,3 @@ class Generator:
 
 def cache_len(cache: kv_cache.Cache) -> int:
     return jax.tree.leaves(cache)[0].shape[3]
-
-
-# ---------------------------------------------------------------- text
-
-
-def text_codec(cfg: Config, run_dir: str | pathlib.Path | None = None) -> tuple[Callable[[str], list[int]],
-                                                                                 Callable[[list[int]], str]]:
-    """(encode, decode) for the run's data config: byte-level UTF-8 (ids 0..255) or its tokenizer.json."""
-    data = cfg.data
-    if data.source != "text":
-        raise InferenceError(f"the run's data.source={data.source!r} has no text tokenizer: use --prompt-ids")
-    if data.tokenizer is None:
-        return (lambda text: list(text.encode("utf-8")),
-                lambda ids: bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace"))
-    from jaxinfra.data.tokenizer import load_tokenizer
-
-    path = pathlib.Path(data.tokenizer)
-    if not path.is_file() and not path.is_absolute() and run_dir is not None and (pathlib.Path(run_dir) / path).is_file():
-        path = pathlib.Path(run_dir) / path
-    tok = load_tokenizer(str(path))
-    return (lambda text: list(tok.encode(text, add_special_tokens=False).ids),
-            lambda ids: tok.decode(list(ids)))

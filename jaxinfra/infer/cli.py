@@ -1,4 +1,4 @@
-"""`jaxinfra generate` and `jaxinfra eval`: thin wrappers over jaxinfra/infer.py.
+"""`jaxinfra generate` and `jaxinfra eval`: thin wrappers over the jaxinfra.infer package.
 
     jaxinfra generate CKPT (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N] [--temperature T]
                       [--top-k K] [--top-p P] [--seed S] [--stop-ids 10,13] [--no-absorb] [KEY=VALUE ...]

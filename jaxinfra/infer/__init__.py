@@ -1,0 +1,29 @@
+"""Inference: load a checkpoint, score token files, generate with a KV cache.
+
+    cfg, params = load_model("runs/tiny-...", ["mesh.tensor=2"])   # run dir or RUN/checkpoints/<step>
+    gen = Generator(cfg, params)
+    result = gen.generate([[1, 2, 3], [4, 5]], max_new_tokens=32, temperature=0.0)
+    result.tokens      # per prompt, the generated ids (ending at a stop token if one was drawn)
+    loss, n = score(cfg, params, tokens)                        # mean next-token CE in float32
+
+The model code is the training code (models/): `Transformer.prefill` is the training forward
+that also returns every layer's cache entries, `Transformer.decode` runs one token per row
+against the cache (layer scan over (layer params, layer cache)). See docs/inference.md for
+the cache layout, MLA's absorbed decode and the memory / FLOP trade-offs.
+
+loading.py      checkpoint path -> (Config, params) on the training mesh; InferenceError
+generation.py   sampling and the Generator (jitted prefill + decode loop)
+scoring.py      score(): mean next-token cross-entropy of token rows (`jaxinfra eval`)
+text.py         the run's text codec (byte-level UTF-8 or tokenizer.json)
+cli.py          `jaxinfra generate` and `jaxinfra eval`
+"""
+
+from jaxinfra.infer.generation import MAX_CONTEXT, PROMPT_BUCKET, GenerationResult, Generator, Sampling, cache_len, sample
+from jaxinfra.infer.loading import (InferenceError, inference_devices, inference_mesh, inference_model_config, load_model,
+                                    resolve_checkpoint)
+from jaxinfra.infer.scoring import check_token_array, score
+from jaxinfra.infer.text import text_codec
+
+__all__ = ["MAX_CONTEXT", "PROMPT_BUCKET", "GenerationResult", "Generator", "InferenceError", "Sampling", "cache_len",
+           "check_token_array", "inference_devices", "inference_mesh", "inference_model_config", "load_model",
+           "resolve_checkpoint", "sample", "score", "text_codec"]
