@@ -25,7 +25,7 @@ from flax import nnx
 
 from jaxinfra.config import load_config
 from jaxinfra.infer import (Generator, InferenceError, Sampling, check_token_array, inference_model_config,
-                            load_model, sample, score)
+                            load_model, sample, score, token_rows)
 from jaxinfra.state import init_params, model_graphdef
 from models import cache as kv_cache
 
@@ -258,6 +258,18 @@ def test_token_array_validation(bad, match):
         check_token_array(bad, 64)
 
 
+def test_token_rows_cut_a_flat_array_into_seq_len_plus_1_rows():
+    rows, dropped = token_rows(np.arange(10, dtype=np.int64), seq_len=2)
+    np.testing.assert_array_equal(rows, np.arange(9).reshape(3, 3))
+    assert dropped == 1
+    two_d = np.ones((2, 5), np.int32)
+    assert token_rows(two_d, seq_len=2)[0] is two_d and token_rows(two_d, seq_len=2)[1] == 0
+    for bad, match in ((np.zeros((2, 2, 2), np.int32), "1-D array of ids or a 2-D"),
+                       (np.zeros((9,), np.float32), "integer"), (np.zeros((2,), np.int32), "at least seq_len \\+ 1 = 3")):
+        with pytest.raises(InferenceError, match=match):
+            token_rows(bad, seq_len=2)
+
+
 # ---------------------------------------------------------------- sharding
 
 
@@ -327,6 +339,41 @@ def test_cli_bad_input_is_one_line_exit_2(trained_run, tmp_path):
         assert out.returncode == 2, (args, out.stderr[-2000:])
         errors = [l for l in out.stderr.splitlines() if l.startswith("jaxinfra: error:")]
         assert len(errors) == 1 and "Traceback" not in out.stderr and out.stdout == ""
+
+
+def _one_error_line(out: subprocess.CompletedProcess) -> str:
+    errors = [l for l in out.stderr.splitlines() if l.startswith("jaxinfra: error:")]
+    assert out.returncode == 2 and len(errors) == 1 and "Traceback" not in out.stderr and out.stdout == "", out.stderr
+    return errors[0]
+
+
+def test_cli_eval_cuts_a_1d_token_file_into_rows(trained_run, tmp_path):
+    flat = np.random.default_rng(2).integers(0, 256, 3 * 33 + 5).astype(np.int32)  # the run's seq_len is 32
+    np.save(tmp_path / "flat.npy", flat)
+    cfg, params = load_model(trained_run)
+    for flags, row in (([], 33), (["--seq-len", "16"], 17)):
+        out = _cli("eval", str(trained_run), "--tokens", str(tmp_path / "flat.npy"), *flags)
+        assert out.returncode == 0, out.stderr[-2000:]
+        n = len(flat) // row
+        result = json.loads(out.stdout)
+        assert result["tokens"] == n * (row - 1)
+        loss, _ = score(cfg, params, flat[:n * row].reshape(n, row))
+        np.testing.assert_allclose(result["eval_loss"], loss, rtol=1e-5)
+        notes = [l for l in out.stderr.splitlines() if l.startswith("jaxinfra eval:")]
+        assert notes == [f"jaxinfra eval: {tmp_path / 'flat.npy'}: {n} rows of {row} ids (seq_len {row - 1} + 1); "
+                         f"dropped the last {len(flat) - n * row} ids"]
+
+
+def test_cli_eval_bad_token_files_are_one_line_exit_2(trained_run, tmp_path):
+    for name, arr in (("float.npy", np.zeros(100, np.float32)), ("short.npy", np.zeros(32, np.int32)),
+                      ("cube.npy", np.zeros((2, 2, 2), np.int32)), ("rows.npy", np.zeros((2, 5), np.int32))):
+        np.save(tmp_path / name, arr)
+    for args, match in ((["--tokens", str(tmp_path / "float.npy")], "integer token ids"),
+                        (["--tokens", str(tmp_path / "short.npy")], "at least seq_len + 1 = 33 ids"),
+                        (["--tokens", str(tmp_path / "cube.npy")], "1-D array of ids or a 2-D array"),
+                        (["--tokens", str(tmp_path / "rows.npy"), "--seq-len", "4"], "--seq-len applies to 1-D"),
+                        (["--tokens", str(tmp_path / "short.npy"), "--seq-len", "0"], "--seq-len=0 is invalid")):
+        assert match in _one_error_line(_cli("eval", str(trained_run), *args)), args
 
 
 def test_expert_and_tensor_parallel_moe_decode_equals_unsharded(moe):

@@ -21,9 +21,9 @@ cli.py          `jaxinfra generate` and `jaxinfra eval`
 from jaxinfra.infer.generation import MAX_CONTEXT, PROMPT_BUCKET, GenerationResult, Generator, Sampling, cache_len, sample
 from jaxinfra.infer.loading import (InferenceError, inference_devices, inference_mesh, inference_model_config, load_model,
                                     resolve_checkpoint)
-from jaxinfra.infer.scoring import check_token_array, score
+from jaxinfra.infer.scoring import check_token_array, score, token_rows
 from jaxinfra.infer.text import text_codec
 
 __all__ = ["MAX_CONTEXT", "PROMPT_BUCKET", "GenerationResult", "Generator", "InferenceError", "Sampling", "cache_len",
            "check_token_array", "inference_devices", "inference_mesh", "inference_model_config", "load_model",
-           "resolve_checkpoint", "sample", "score", "text_codec"]
+           "resolve_checkpoint", "sample", "score", "text_codec", "token_rows"]

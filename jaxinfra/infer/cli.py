@@ -2,7 +2,7 @@
 
     jaxinfra generate CKPT (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N] [--temperature T]
                       [--top-k K] [--top-p P] [--seed S] [--stop-ids 10,13] [--no-absorb] [KEY=VALUE ...]
-    jaxinfra eval CKPT --tokens FILE.npy [--batch-size N] [KEY=VALUE ...]
+    jaxinfra eval CKPT --tokens FILE.npy [--seq-len N] [--batch-size N] [KEY=VALUE ...]
 
 CKPT is a run directory (newest readable checkpoint) or RUN/checkpoints/<step>; KEY=VALUE
 overrides the run's config (e.g. mesh.tensor=2). stdout carries only the result (the text,
@@ -36,7 +36,10 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="mean next-token cross-entropy of a token file under a checkpoint")
     p.add_argument("ckpt", help="run directory or RUN/checkpoints/<step>")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    p.add_argument("--tokens", required=True, help=".npy integer array [batch, seq] of token ids")
+    p.add_argument("--tokens", required=True, help=".npy integer array of token ids: [batch, seq] rows, or a flat "
+                   "1-D array (as data.source=tokens reads) cut into rows of --seq-len + 1, the remainder dropped")
+    p.add_argument("--seq-len", type=int, help="1-D token files: predictions per row (default: the run's "
+                   "train.seq_len)")
     p.add_argument("--batch-size", type=int, default=8, help="rows per forward pass")
     p.set_defaults(func=cmd_eval)
 
@@ -78,15 +81,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from jaxinfra.infer import InferenceError, load_model, score
+    from jaxinfra.infer import InferenceError, load_model, score, token_rows
 
     if args.batch_size < 1:
         raise InferenceError(f"--batch-size={args.batch_size} is invalid: must be >= 1")
+    if args.seq_len is not None and args.seq_len < 1:
+        raise InferenceError(f"--seq-len={args.seq_len} is invalid: must be >= 1")
     try:
         tokens = np.load(args.tokens, allow_pickle=False)
     except (OSError, ValueError) as e:
         raise InferenceError(f"--tokens: cannot read {args.tokens!r} as a .npy array ({str(e).splitlines()[0]})") from None
+    if args.seq_len is not None and np.ndim(tokens) != 1:
+        raise InferenceError(f"--seq-len applies to 1-D token files; {args.tokens!r} has shape {np.shape(tokens)}")
     cfg, params = load_model(args.ckpt, args.overrides)
+    seq_len = cfg.train.seq_len if args.seq_len is None else args.seq_len
+    tokens, dropped = token_rows(tokens, seq_len)
+    if dropped:
+        print(f"jaxinfra eval: {args.tokens}: {tokens.shape[0]} rows of {seq_len + 1} ids (seq_len {seq_len} + 1); "
+              f"dropped the last {dropped} ids", file=sys.stderr)
     loss, count = score(cfg, params, tokens, args.batch_size)
     print(json.dumps({"eval_loss": loss, "tokens": count}))
     return 0

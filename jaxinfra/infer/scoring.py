@@ -48,6 +48,23 @@ def score(cfg: Config, params: nnx.State, tokens: np.ndarray, batch_size: int = 
     return total / count, count
 
 
+def token_rows(tokens: Any, seq_len: int) -> tuple[np.ndarray, int]:
+    """(rows [N, T], ids dropped) of a token file: a 2-D array as it is, a flat 1-D array of ids
+    (the `data.source=tokens` format) cut into rows of seq_len + 1, the remainder dropped."""
+    arr = np.asarray(tokens)
+    if arr.ndim == 2:
+        return arr, 0
+    if arr.ndim != 1:
+        raise InferenceError(f"tokens must be a 1-D array of ids or a 2-D array [batch, seq], got shape {arr.shape}")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise InferenceError(f"tokens must be integer token ids, got dtype {arr.dtype}")
+    row = seq_len + 1  # seq_len predictions per row, as a training window
+    n = len(arr) // row
+    if n < 1:
+        raise InferenceError(f"a 1-D token file needs at least seq_len + 1 = {row} ids for one row, got {len(arr)}")
+    return arr[:n * row].reshape(n, row), len(arr) - n * row
+
+
 def check_token_array(tokens: Any, vocab_size: int) -> np.ndarray:
     """A 2-D integer array [batch, seq >= 2] of ids in [0, vocab) as int32; InferenceError otherwise."""
     arr = np.asarray(tokens)
