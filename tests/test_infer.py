@@ -376,6 +376,16 @@ def test_cli_eval_bad_token_files_are_one_line_exit_2(trained_run, tmp_path):
         assert match in _one_error_line(_cli("eval", str(trained_run), *args)), args
 
 
+def test_cli_eval_and_generate_print_no_read_only_notice(trained_run, tmp_path):
+    """Orbax's "Given directory is read only" (restoring with a read-only manager) is not the user's business."""
+    np.save(tmp_path / "t.npy", np.ones((1, 4), np.int32))
+    for args in (["eval", str(trained_run), "--tokens", str(tmp_path / "t.npy")],
+                 ["generate", str(trained_run), "--prompt-ids", "1,2", "--max-new-tokens", "2"]):
+        out = _cli(*args)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "read only" not in out.stderr, out.stderr
+
+
 def test_expert_and_tensor_parallel_moe_decode_equals_unsharded(moe):
     """MLA + MoE with experts split over `expert` (dropless exchange) and heads over `tensor`."""
     cfg, params, gen = moe
