@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -95,3 +96,39 @@ def test_collectives_benchmark_rows():
         factor = {"all_reduce": 2 * (n - 1) / n, "ppermute": 1.0}.get(r["op"], (n - 1) / n)
         assert r["time_us"] > 0 and r["bytes"] >= 4096 * 0.75
         np.testing.assert_allclose(r["busbw_GBps"], r["algbw_GBps"] * factor)
+
+
+@pytest.mark.parametrize("statuses, want", [
+    ([0, 0], 0), ([2, -15], 2), ([-15, 2], 2),  # a stopped sibling's SIGTERM never wins
+    ([-9, 70], 70),  # process killed (OOM), its survivor reports the lost peer
+    ([70, 2], 2), ([70, 70], 70),  # a lost peer follows the real failure, even when seen first
+    ([3, 2], 3), ([2, 0, 75], 2), ([-9, 0], 128 + 9), ([], 0)])
+def test_launcher_status_is_the_most_meaningful_child_status(statuses, want):
+    from jaxinfra.launch import most_meaningful_status
+
+    assert most_meaningful_status(statuses) == want
+
+
+@pytest.mark.parametrize("flags", [["--local-processes", "0"], ["--local-processes", "-1"],
+                                   ["--local-processes", "2", "--devices-per-process", "0"]])
+def test_launch_with_no_processes_or_devices_is_one_line_exit_2(flags, capsys):
+    from jaxinfra.cli import main
+
+    assert main(["launch", *flags, "--", "train", "tiny"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("jaxinfra: error: launch: --") and "must be >= 1" in err[0]
+
+
+def test_launcher_names_the_first_failure_and_exits_with_its_status():
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "jaxinfra", "launch", "--local-processes", "2", "--", "train", "tiny",
+           "model.num_layerz=1"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    first = [l for l in proc.stderr.splitlines() if l.startswith("jaxinfra launch:")]
+    assert len(first) == 1 and re.fullmatch(r"jaxinfra launch: process [01] failed first \(exit 2\)"
+                                            r"(; stopped the others)?", first[0]), proc.stderr
+    failed = first[0].split()[3]
+    errors = [l for l in proc.stdout.splitlines() if "jaxinfra: error:" in l]
+    assert [l for l in errors if l.startswith(f"[{failed}] ")] and len(errors) <= 2  # at most one line per process
+    assert len({l.split()[0] for l in errors}) == len(errors) and "Traceback" not in proc.stdout
