@@ -7,6 +7,7 @@ jaxinfra/config.py embeds it as the `model` section of the run config.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 RematPolicy = Literal[
@@ -78,6 +79,9 @@ class ModelConfig:
     qk_nope_head_dim: int = 128  # per-head query/key part without RoPE
     qk_rope_head_dim: int = 64  # decoupled RoPE part; the key's is shared by all heads (0: no RoPE)
     v_head_dim: int = 128
+    # Epsilon of MLA's two latent RMSNorms (q_norm, kv_norm); None: norm_eps, like the others.
+    # HF's DeepSeek-V2/V3 fix these at 1e-6 whatever rms_norm_eps is, so imports set it then.
+    mla_norm_eps: float | None = None
 
     # ---- Mixture-of-Experts feed-forward (moe_num_experts > 0)
     moe_num_experts: int = 0  # routed experts per MoE layer; 0: a dense model
@@ -113,6 +117,11 @@ class ModelConfig:
     @property
     def is_mla(self) -> bool:
         return self.attention_type == "mla"
+
+    @property
+    def latent_norm_eps(self) -> float:
+        """Epsilon of MLA's latent norms (q_norm, kv_norm)."""
+        return self.norm_eps if self.mla_norm_eps is None else self.mla_norm_eps
 
     @property
     def rope_dim(self) -> int:
@@ -159,6 +168,8 @@ class ModelConfig:
             out.append(("head_dim", self.resolved_head_dim, "an even number (RoPE rotates pairs)"))
         if self.rope_scaling_factor is not None and self.rope_scaling_factor < 1:
             out.append(("rope_scaling_factor", self.rope_scaling_factor, ">= 1 or null"))
+        if self.mla_norm_eps is not None and not (0 < self.mla_norm_eps < math.inf):
+            out.append(("mla_norm_eps", self.mla_norm_eps, "a finite number > 0 or null (= norm_eps)"))
         if self.logit_softcap is not None and self.logit_softcap <= 0:
             out.append(("logit_softcap", self.logit_softcap, "> 0 or null"))
         if self.moe_num_experts:

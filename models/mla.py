@@ -52,7 +52,7 @@ class MLA(nnx.Module):
         self.wkv_b = param(rngs, (rank, h, nope + dv), ("kv_lora", "heads", "head_dim"), std, dtype)
         self.wo = param(rngs, (h, dv, d), ("heads", "head_dim", "embed"), std / math.sqrt(2 * cfg.num_layers), dtype)
         self.nope, self.rope, self.dv = nope, rope, dv
-        self.eps = cfg.norm_eps
+        self.eps = cfg.latent_norm_eps
         self.dtype = DTYPES[cfg.dtype]
         self.impl = cfg.attention_impl
         # The attention entry scales by d_qk^-1/2; a different scale is folded into q.

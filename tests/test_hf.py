@@ -366,3 +366,55 @@ def test_ignored_tensors_are_accepted(tmp_path):
     """DeepSeek's multi-token-prediction layer (model.layers.{num_hidden_layers}.*) is dropped, as documented."""
     src = _fixture_with(tmp_path, "deepseek_v3", add="model.layers.3.eh_proj.weight")
     assert import_hf(src, tmp_path / "out", devices=one_device())["family"] == "deepseek_v3"
+
+
+# ---------------------------------------------------------------- MLA latent norm epsilon
+
+
+RESIDUAL_WRITERS = ("embed_tokens.", "o_proj.", "down_proj.")  # every tensor that adds to the residual stream
+
+
+def test_deepseek_with_other_rms_norm_eps_matches_transformers(tmp_path):
+    """HF's DeepSeek uses rms_norm_eps for the block/final norms and a fixed 1e-6 for the latent
+    q_a/kv_a norms. RMSNorm(c h, w, c^2 e) = RMSNorm(h, w, e): scaling every write to the residual
+    stream by c = 64 (exact in float32) and setting rms_norm_eps = c^2 * 1e-6 leaves transformers'
+    function unchanged (the latent norms see normalised inputs, so their 1e-6 stays right). The
+    stored transformers logits of the fixture are therefore the reference for this checkpoint."""
+    from safetensors.numpy import save_file
+
+    c = 64.0
+    src = _fixture_with(tmp_path, "deepseek_v3", config={"rms_norm_eps": c * c * 1e-6})
+    files = SafetensorsDir(src)
+    save_file({k: files.read(k) * np.float32(c) if any(w in k for w in RESIDUAL_WRITERS) else files.read(k)
+               for k in files.where}, src / "model.safetensors")
+    import_hf(src, tmp_path / "out", devices=one_device())
+    cfg, params = restored(tmp_path / "out")
+    assert (cfg.norm_eps, cfg.mla_norm_eps, cfg.latent_norm_eps) == (c * c * 1e-6, 1e-6, 1e-6)
+    ref = reference("deepseek_v3")
+    logits = np.asarray(forward(cfg)(params, jnp.asarray(ref["tokens"])))
+    assert rel_err(logits, ref["logits"]) <= 1e-4
+    assert mean_next_token_ce(logits, ref["tokens"]) == pytest.approx(float(ref["loss"]), rel=1e-5)
+    # The test can fail: the latent norms on rms_norm_eps (what one epsilon for all would do) miss.
+    same_eps = dataclasses.replace(cfg, mla_norm_eps=None)
+    assert rel_err(np.asarray(forward(same_eps)(params, jnp.asarray(ref["tokens"]))), ref["logits"]) > 1e-3
+    # Export writes rms_norm_eps back (the latent 1e-6 is HF's fixed default) and re-imports the same.
+    export_hf(tmp_path / "out", tmp_path / "hf")
+    exported = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert exported["rms_norm_eps"] == c * c * 1e-6
+    assert from_hf(exported) == from_hf(json.loads((src / "config.json").read_text()))
+
+
+def test_mla_latent_norm_eps_defaults_to_norm_eps_and_export_checks_it():
+    """Native configs keep one epsilon (null = norm_eps, as before); HF can only hold latent norms at 1e-6."""
+    from jaxinfra.hf.families import to_hf
+
+    cfg = load_config("deepseek-v3").model
+    assert cfg.mla_norm_eps is None and cfg.latent_norm_eps == cfg.norm_eps == 1e-6
+    assert from_hf(to_hf(cfg))[1].mla_norm_eps is None  # rms_norm_eps 1e-6: the config comes back as it was
+    other = dataclasses.replace(cfg, norm_eps=1e-5)
+    with pytest.raises(HFError, match="MLA latent norms with eps 1e-05"):
+        to_hf(other)
+    both = dataclasses.replace(other, mla_norm_eps=1e-6)
+    assert to_hf(both)["rms_norm_eps"] == 1e-5 and from_hf(to_hf(both))[1].mla_norm_eps == 1e-6
+    for bad in (0.0, -1e-6, float("nan"), float("inf")):
+        assert [p[0] for p in dataclasses.replace(cfg, mla_norm_eps=bad).problems()] == ["mla_norm_eps"]

@@ -30,6 +30,7 @@ ARCHITECTURES = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")
+HF_LATENT_NORM_EPS = 1e-6  # DeepseekV2/V3RMSNorm's default, which q_a_layernorm and kv_a_layernorm keep
 _BY_ARCH = {v: k for k, v in ARCHITECTURES.items()}
 SUPPORTED = ", ".join(sorted(ARCHITECTURES.values()))
 
@@ -144,10 +145,10 @@ def _deepseek(hf: dict[str, Any], family: str) -> dict[str, Any]:
     else:  # group_limited_greedy scores a group by its best expert; ours by its two best (V3)
         _refuse(hf, family, "topk_method", "greedy", "only greedy routing is modelled for V2")
         _refuse(hf, family, "scoring_func", "softmax", "only softmax scores")
-    # HF's q_a_layernorm / kv_a_layernorm use a fixed eps of 1e-6 while ours use norm_eps.
-    if float(hf.get("rms_norm_eps", 1e-6)) != 1e-6:
-        raise HFError(f"{family}: rms_norm_eps={hf['rms_norm_eps']} is not supported (MLA's latent norms "
-                      f"use 1e-6 in HF and norm_eps here; only 1e-6 maps exactly)")
+    # HF's q_a_layernorm / kv_a_layernorm keep their default eps whatever rms_norm_eps says; null
+    # (= norm_eps) when the two agree, so those imports' configs stay as they were.
+    same = float(hf.get("rms_norm_eps", HF_LATENT_NORM_EPS)) == HF_LATENT_NORM_EPS
+    latent_eps = None if same else HF_LATENT_NORM_EPS
     num_kv = hf.get("num_key_value_heads")
     if num_kv not in (None, hf["num_attention_heads"]):
         raise HFError(f"{family}: num_key_value_heads={num_kv} != num_attention_heads (MLA has no KV groups)")
@@ -155,7 +156,7 @@ def _deepseek(hf: dict[str, Any], family: str) -> dict[str, Any]:
                    moe_num_groups=int(hf.get("n_group") or 1), moe_top_k_groups=int(hf.get("topk_group") or 1),
                    moe_router_bias=True) if v3 else dict(moe_router_score="softmax", moe_norm_top_k=False)
     return dict(**routing,
-        num_kv_heads=None, attention_type="mla",
+        num_kv_heads=None, attention_type="mla", mla_norm_eps=latent_eps,
         q_lora_rank=int(hf["q_lora_rank"]) if hf.get("q_lora_rank") else None,
         kv_lora_rank=int(hf["kv_lora_rank"]), qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
         qk_rope_head_dim=int(hf["qk_rope_head_dim"]), v_head_dim=int(hf["v_head_dim"]),
@@ -186,8 +187,9 @@ def hf_family(cfg: ModelConfig) -> str:
             refuse("MLA without MoE (DeepSeek-V3 needs MoE layers)")
         if cfg.moe_every != 1 or cfg.qkv_bias:
             refuse("MLA + MoE needs moe_every=1 and no qkv_bias (DeepSeek)")
-        if cfg.norm_eps != 1e-6:
-            refuse(f"model.norm_eps={cfg.norm_eps} with MLA (HF's latent norms use 1e-6)")
+        if cfg.latent_norm_eps != HF_LATENT_NORM_EPS:
+            refuse(f"MLA latent norms with eps {cfg.latent_norm_eps} (model.mla_norm_eps, or norm_eps when null): "
+                   f"HF's DeepSeek fixes them at {HF_LATENT_NORM_EPS}")
         if cfg.rope_scaling_factor is not None and cfg.rope_scaling_type != "yarn":
             refuse("llama3 rope scaling with MLA")
         if cfg.moe_router_score == "sigmoid":
