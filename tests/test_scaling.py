@@ -169,6 +169,19 @@ def test_approach2_skips_profiles_without_three_sizes():
     assert len(fit.profiles) == 4 and "keeps falling towards smaller N" in fit.skipped[0]
 
 
+def test_fit_note_for_a_skipped_approach_2_is_one_line_with_a_count_and_the_first_reasons(tmp_path, capsys):
+    n, d, c, loss = _isoflop_data()
+    two_sizes = np.arange(len(n)) % 9 < 2  # every one of the 5 budgets keeps 2 sizes
+    results = tmp_path / "results.csv"
+    _write_csv(results, {"N": n[two_sizes], "D": d[two_sizes], "C": c[two_sizes], "eval_loss": loss[two_sizes]})
+    assert cli.main(["scaling", "fit", str(results), "--bootstrap", "0"]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if "approach 2" in line]
+    reasons = "; ".join(f"C={x:.3g}: 2 model sizes (a parabola needs 3)" for x in np.logspace(18, 20, 3))
+    assert notes == [f"note: approach 2 skipped: 5 of 5 compute budgets unusable; at least 2 IsoFLOP profiles "
+                     f"with 3+ model sizes each are needed ({reasons}; and 2 more)"]
+    assert len(json.loads((tmp_path / "fit.json").read_text())["notes"]) == 1  # approach 3 and the frontier still fit
+
+
 def test_frontier_power_law():
     c = np.logspace(15, 20, 6)
     loss = 50.0 * c**-0.05

@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import itertools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -344,13 +345,20 @@ def fit_isoflop(n: Any, d: Any, loss: Any, compute: Any, budget: Any | None = No
             coef_n=tuple(float(v) for v in fn[0]), coef_d=tuple(float(v) for v in fd[0]),
             n_opt=math.exp(fn[1]), d_opt=math.exp(fd[1]), loss_opt=fn[2]))
     if len(profiles) < 2:
-        raise ValueError(f"approach 2 needs at least 2 IsoFLOP profiles with 3+ model sizes each; "
-                         f"usable: {len(profiles)}" + (f" (skipped {'; '.join(skipped)})" if skipped else ""))
+        raise ValueError(f"{len(skipped)} of {len(skipped) + len(profiles)} compute budgets unusable; at least "
+                         f"2 IsoFLOP profiles with 3+ model sizes each are needed"
+                         + (f" ({_first_few(skipped)})" if skipped else ""))
     log_c = np.log([p.compute for p in profiles])
     a, log_kn, a_ci = _line_fit(log_c, np.log([p.n_opt for p in profiles]))
     b, log_kd, b_ci = _line_fit(log_c, np.log([p.d_opt for p in profiles]))
     return IsoflopFit(a=a, k_n=math.exp(log_kn), b=b, k_d=math.exp(log_kd), a_ci=a_ci, b_ci=b_ci,
                       profiles=tuple(profiles), skipped=tuple(skipped))
+
+
+def _first_few(reasons: Sequence[str], limit: int = 3) -> str:
+    """`a; b; c; and 4 more`: a note stays one readable line however many budgets a sweep has."""
+    more = f"; and {len(reasons) - limit} more" if len(reasons) > limit else ""
+    return "; ".join(reasons[:limit]) + more
 
 
 def _line_fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float, tuple[float, float] | None]:
