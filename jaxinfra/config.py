@@ -152,9 +152,11 @@ def load_yaml(source: str) -> dict[str, Any]:
             raise ConfigError(f"unknown preset '{source}': choose one of {preset_names()} or give a YAML path")
         text = resource.read_text()
     try:
-        data = yaml.safe_load(text) or {}
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"{source}: invalid YAML ({str(e).splitlines()[0]})") from None
+    if data is None:  # an empty file would silently mean "all defaults": most likely a mistake
+        raise ConfigError(f"{source}: the config file is empty (write `{{}}` to mean all defaults)")
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: top level must be a mapping of sections")
     return data

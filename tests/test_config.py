@@ -206,3 +206,15 @@ def test_yaml_round_trip(tmp_path, source, overrides):
     assert again == cfg
     for section in dataclasses.fields(Config):
         assert getattr(again, section.name) == getattr(cfg, section.name), section.name
+
+
+@pytest.mark.parametrize("text", ["", "\n  \n", "# only a comment\n"])
+def test_empty_yaml_file_is_one_line_error_naming_it(tmp_path, capsys, text):
+    path = tmp_path / "empty.yaml"
+    path.write_text(text)
+    assert cli.main(["train", str(path), "--run-dir", str(tmp_path / "run")]) == cli.EXIT_BAD_INPUT
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"jaxinfra: error: {path}: the config file is empty (write `{{}}` to mean all defaults)"]
+    assert not (tmp_path / "run").exists()
+    path.write_text("{}\n")  # an explicit empty mapping still means the defaults
+    assert load_config(str(path)) == load_config(None)
