@@ -45,6 +45,11 @@ def child_env(process_id: int, num_processes: int, port: int, devices_per_proces
     return env
 
 
+# A child killed by a signal (OOM killer, a node loss) cannot say why; its peers can (exit 70 once their
+# collectives fail or their watchdog fires), so they get this long to report before they are stopped.
+PEER_REPORT_GRACE_S = 60.0
+
+
 def launch_local(command: list[str], num_processes: int, devices_per_process: int = 1,
                  timeout_s: float | None = None) -> int:
     """Run `python -m jaxinfra *command` as num_processes processes; returns the exit status."""
@@ -93,7 +98,8 @@ def describe_status(status: int) -> str:
 def _supervise(procs: list[subprocess.Popen], timeout_s: float | None
                ) -> tuple[list[tuple[int, int]], set[int], bool]:
     """Relay the children's output, prefixed, until every stream closes; at the first failure stop
-    the others, so nobody waits forever on a dead peer. Returns ((process, status) of those that
+    the others (after PEER_REPORT_GRACE_S when the first was killed by a signal), so nobody waits
+    forever on a dead peer. Returns ((process, status) of those that
     ended on their own, in the order seen; the processes stopped; whether the deadline passed)."""
     selector = selectors.DefaultSelector()
     for i, p in enumerate(procs):
@@ -101,7 +107,7 @@ def _supervise(procs: list[subprocess.Popen], timeout_s: float | None
     ended: list[tuple[int, int]] = []
     stopped: set[int] = set()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    open_streams, timed_out = len(procs), False
+    open_streams, timed_out, grace_end = len(procs), False, 0.0
     while open_streams:
         if deadline is not None and time.monotonic() > deadline:
             timed_out = True
@@ -115,8 +121,12 @@ def _supervise(procs: list[subprocess.Popen], timeout_s: float | None
                 continue
             sys.stdout.write(f"[{key.data}] {line}")
         _record_ended(procs, ended, stopped)
-        if not stopped and any(s != EXIT_OK for _, s in ended):
-            stopped = _stop_running(procs)
+        if not stopped and any(s > 0 for _, s in ended):
+            stopped = _stop_running(procs)  # a child that said why it failed: nobody else need wait
+        elif not stopped and any(s < 0 for _, s in ended):
+            grace_end = grace_end or time.monotonic() + PEER_REPORT_GRACE_S
+            if time.monotonic() > grace_end:
+                stopped = _stop_running(procs)
     for p in procs:
         try:
             p.wait(timeout=30)
