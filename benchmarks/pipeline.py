@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 import time
+import typing
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     _n = 8
@@ -40,7 +41,7 @@ from jaxinfra.data import DataConfig  # noqa: E402
 from jaxinfra.runtime import build_runtime  # noqa: E402
 from models import ModelConfig  # noqa: E402
 from sharding.mesh import MeshConfig  # noqa: E402
-from sharding.pipeline import bubble_fraction  # noqa: E402
+from sharding.pipeline import Schedule, bubble_fraction  # noqa: E402
 
 
 def make_cfg(args: argparse.Namespace, schedule: str | None) -> Config:
@@ -104,7 +105,7 @@ def main() -> None:
           f"batch {args.batch} x seq {args.seq}")
     print("| schedule | mesh | analytic bubble | median step | compile | temp memory / device |")
     print("|---|---|---|---|---|---|")
-    for schedule in (None, "gpipe", "circular", "1f1b"):
+    for schedule in (None, *typing.get_args(Schedule)):
         cfg = make_cfg(args, schedule)
         compile_s, step_s, temp = measure(cfg, args.steps)
         if schedule is None:

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import math
-from typing import Any
+from typing import Any, get_args
 
 import jax
 import numpy as np
 from flax import nnx
 
-from jaxinfra.config import Config, pipeline_sizes, validate
+from jaxinfra.config import Config, pipeline_settings, validate
 from jaxinfra.metrics import flops_per_token, param_counts
 from jaxinfra.optim import make_optimizer, make_schedule
 from jaxinfra.state import abstract_state, sharding_rules, shardings_for
 from sharding.mesh import make_mesh
-from sharding.pipeline import bubble_fraction
+from sharding.pipeline import Schedule, bubble_fraction
 
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "numpy")
 
@@ -52,10 +53,14 @@ def memory_table(cfg: Config, mesh: jax.sharding.Mesh) -> dict[str, tuple[int, i
 
 def pipeline_line(cfg: Config, stages: int) -> str:
     """The pipeline schedule and its analytic bubble (S-1)/(R M + S-1) (sharding/pipeline.py)."""
-    micro, repeats = pipeline_sizes(cfg, stages)
     p = cfg.parallelism
-    others = ", ".join(f"{name} {bubble_fraction(stages, micro, repeats if name == 'circular' else 1):.3f}"
-                       for name in ("gpipe", "circular", "1f1b") if name != p.pipeline_schedule)
+    settings = pipeline_settings(p)
+    micro, repeats = settings.resolved(stages)
+
+    def bubble(schedule: str) -> float:
+        return bubble_fraction(stages, *dataclasses.replace(settings, schedule=schedule).resolved(stages))
+
+    others = ", ".join(f"{name} {bubble(name):.3f}" for name in get_args(Schedule) if name != p.pipeline_schedule)
     return (f"pipeline: {p.pipeline_schedule}, {stages} stages x {micro} microbatches"
             f"{f' x {repeats} repeats' if repeats > 1 else ''}: bubble {bubble_fraction(stages, micro, repeats):.3f}"
             f" (same microbatches: {others})")

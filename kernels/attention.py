@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
-from typing import Sequence
+from typing import Literal, Sequence, get_args
 
 import jax
 import jax.numpy as jnp
@@ -43,10 +43,11 @@ from kernels.flash import FlashParams, flash_attention
 from kernels.masks import Band, dense_mask, make_band, may_have_empty_rows
 from kernels.reference import dense_attention, reference_attention
 
-__all__ = ["IMPLEMENTATIONS", "attention", "attention_with_lse", "reference_attention", "resolve_impl",
+__all__ = ["IMPLEMENTATIONS", "AttentionImpl", "attention", "attention_with_lse", "reference_attention", "resolve_impl",
            "validate_attention_args"]
 
-IMPLEMENTATIONS = ("auto", "xla", "pallas_triton", "pallas_mosaic_tpu", "cudnn")
+AttentionImpl = Literal["xla", "auto", "pallas_triton", "pallas_mosaic_tpu", "cudnn"]
+IMPLEMENTATIONS: tuple[str, ...] = get_args(AttentionImpl)
 MAX_PALLAS_HEAD_DIM = 256  # larger tiles do not fit GPU shared memory / TPU VMEM at useful blocks
 
 logger = logging.getLogger(__name__)
