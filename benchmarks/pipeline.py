@@ -38,6 +38,7 @@ import numpy as np  # noqa: E402
 from jaxinfra.config import (Config, OptimizerConfig, ParallelismConfig, ScheduleConfig,  # noqa: E402
                              TrainConfig)
 from jaxinfra.data import DataConfig  # noqa: E402
+from jaxinfra.metrics.table import format_table  # noqa: E402
 from jaxinfra.runtime import build_runtime  # noqa: E402
 from models import ModelConfig  # noqa: E402
 from sharding.mesh import MeshConfig  # noqa: E402
@@ -103,8 +104,8 @@ def main() -> None:
           f"{f' x expert={ep}' if ep > 1 else ''}, {m} microbatches, {args.layers} layers"
           f"{f' (MoE, {args.moe_experts} experts top-2)' if args.moe_experts else ''}, d_model {args.d_model}, "
           f"batch {args.batch} x seq {args.seq}")
-    print("| schedule | mesh | analytic bubble | median step | compile | temp memory / device |")
-    print("|---|---|---|---|---|---|")
+    columns = ("schedule", "mesh", "analytic bubble", "median step", "compile", "temp memory / device")
+    print(format_table([], columns, style="markdown"))
     for schedule in (None, *typing.get_args(Schedule)):
         cfg = make_cfg(args, schedule)
         compile_s, step_s, temp = measure(cfg, args.steps)
@@ -116,8 +117,8 @@ def main() -> None:
             name = f"{schedule}" + (f" (R={r})" if schedule == "circular" else "")
             mesh = f"stage={s}, data={args.devices // (s * ep)}" + (f", expert={ep}" if ep > 1 else "")
             bubble = f"{bubble_fraction(s, m, reps):.3f}"
-        print(f"| {name} | {mesh} | {bubble} | {step_s * 1e3:.1f} ms | {compile_s:.1f} s | "
-              f"{temp / 2**20:.2f} MiB |", flush=True)
+        row = (name, mesh, bubble, f"{step_s * 1e3:.1f} ms", f"{compile_s:.1f} s", f"{temp / 2**20:.2f} MiB")
+        print(format_table([row], columns, style="markdown", header=False), flush=True)
 
 
 if __name__ == "__main__":
