@@ -2,8 +2,8 @@
 
 The source is a run directory (its newest readable checkpoint) or one checkpoint step
 directory (`RUN/checkpoints/N`); the config comes from the run's config.yaml (or the
-checkpoint's own meta). Params are restored onto one device, then fetched to the host one
-HF tensor at a time (one layer / expert slice of a stacked parameter) and appended to the
+checkpoint's own meta). Params are restored FSDP-sharded over this host's devices, then fetched
+to the host one HF tensor at a time (one layer / expert slice of a stacked parameter) and appended to the
 safetensors file, whose header is computed up front from the shapes. Above `max_shard_bytes`
 the tensors are split over several files with a `model.safetensors.index.json`, as
 transformers does.
