@@ -64,7 +64,7 @@ def initialize(group: ProcessGroup, timeout_s: int = 300) -> None:
         try:
             jax.distributed.initialize(coordinator_address=group.coordinator, num_processes=group.num_processes,
                                        process_id=group.process_id, initialization_timeout=timeout_s)
-        except Exception as e:  # jax raises XlaRuntimeError / RuntimeError with long texts
+        except Exception as e:  # noqa: BLE001 - jax raises XlaRuntimeError / RuntimeError with long texts
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise DistributedError(
                 f"process {group.process_id} of {group.num_processes} could not join coordinator "

@@ -32,7 +32,8 @@ from __future__ import annotations
 import logging
 import math
 import numbers
-from typing import Literal, Sequence, get_args
+from collections.abc import Sequence
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp

@@ -217,7 +217,7 @@ def _dropless_plan(x, weights, weight_names, mesh: Mesh, rules):
     for w, names in zip(weights, weight_names):
         axes = _spec(names, rules.params, mesh, w.shape)
         gather = []
-        for dim, (name, on) in enumerate(zip(names, axes)):
+        for name, on in zip(names, axes):
             keep = (name == "experts" and on == (EXPERT,)) or (name == "mlp" and on == (TENSOR,))
             tp |= name == "mlp" and on == (TENSOR,)
             gather.append(() if keep else on)
