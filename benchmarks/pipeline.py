@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 from jaxinfra.config import (Config, OptimizerConfig, ParallelismConfig, ScheduleConfig,  # noqa: E402
                              TrainConfig)
 from jaxinfra.data import DataConfig  # noqa: E402
-from jaxinfra.metrics.table import format_table  # noqa: E402
+from jaxinfra.metrics.table import format_table
 from jaxinfra.runtime import build_runtime  # noqa: E402
 from models import ModelConfig  # noqa: E402
 from sharding.mesh import MeshConfig  # noqa: E402

@@ -33,7 +33,7 @@ from jaxinfra.config import load_config  # noqa: E402
 from jaxinfra.metrics import flops_per_token, measure_matmul_flops  # noqa: E402
 from jaxinfra.metrics.flops import param_counts  # noqa: E402
 from jaxinfra.metrics.peak import peak_flops_per_device  # noqa: E402
-from jaxinfra.metrics.table import Column, format_table  # noqa: E402
+from jaxinfra.metrics.table import Column, format_table
 
 COLUMNS = (Column("attention", width=14), Column("remat", width=20), Column("compile s", ".1f", ">", 9),
            Column("step s", ".3f", ">", 8), Column("tokens/s", ".0f", ">", 9), Column("TFLOP/s", ".1f", ">", 8),
