@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 import kernels
+from jaxinfra.metrics import table
 from kernels import BlockSizes
 from kernels.block_sizes import head_dim_bucket
 from kernels.masks import make_band
@@ -176,18 +177,15 @@ def measure(shape: Shape, causal: bool, impl: str, dtype: str, reps: int,
     return row
 
 
-def format_table(rows: list[Row]) -> str:
-    def num(x, fmt, width=9):
-        return format("-" if x is None else format(x, fmt), f">{width}")
+COLUMNS = (table.Column("shape", width=14), table.Column("causal", width=6), table.Column("impl", width=17),
+           table.Column("fwd ms", ".3f", ">", 9), table.Column("fwd TF/s", ".3g", ">", 9),
+           table.Column("f+b ms", ".3f", ">", 9), table.Column("f+b TF/s", ".3g", ">", 9),
+           table.Column("bwd TF/s", ".3g", ">", 9), table.Column("note"))
 
-    head = (f"{'shape':<14} {'causal':<6} {'impl':<17} {'fwd ms':>9} {'fwd TF/s':>9} {'f+b ms':>9} "
-            f"{'f+b TF/s':>9} {'bwd TF/s':>9}  note")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r.shape:<14} {'yes' if r.causal else 'no':<6} {r.impl:<17} {num(r.fwd_ms, '.3f')} "
-                     f"{num(r.fwd_tflops, '.3g')} {num(r.bwd_ms, '.3f')} {num(r.bwd_tflops, '.3g')} "
-                     f"{num(r.bwd_only_tflops, '.3g')}  {r.note}".rstrip())
-    return "\n".join(lines)
+
+def format_table(rows: list[Row]) -> str:
+    return table.format_table([(r.shape, "yes" if r.causal else "no", r.impl, r.fwd_ms, r.fwd_tflops, r.bwd_ms,
+                                r.bwd_tflops, r.bwd_only_tflops, r.note) for r in rows], COLUMNS, sep=" ", rule=True)
 
 
 def sweep(shapes: dict[str, Shape], impl: str, dtype: str, reps: int, dry_run: bool, causal_modes,

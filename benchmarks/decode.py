@@ -24,6 +24,7 @@ import numpy as np
 from jaxinfra.config import load_config
 from jaxinfra.infer import Generator, Sampling
 from jaxinfra.metrics import measure_matmul_flops, param_counts
+from jaxinfra.metrics.table import Column, format_table
 from jaxinfra.state import init_params
 from models import cache as kv_cache
 
@@ -64,8 +65,10 @@ def main() -> None:
           f"({nbytes / stream_s / 1e9:.1f} GB/s); matmul {matmul / 1e12:.3f} TFLOP/s")
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     print(f"sampling: {sampling}")
-    print("| batch | prompt | new | prefill tok/s | decode tok/s | step ms | stream/step | decode TFLOP/s | /matmul | compile s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    columns = ("batch", "prompt", "new", Column("prefill tok/s", ".0f"), Column("decode tok/s", ".1f"),
+               Column("step ms", ".2f"), Column("stream/step", ".2f"), Column("decode TFLOP/s", ".3f"),
+               Column("/matmul", ".2f"), Column("compile s", ".1f"))
+    print(format_table([], columns, style="markdown"))
     rng = np.random.default_rng(0)
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = rng.integers(0, cfg.model.vocab_size, (batch, args.prompt_len)).tolist()
@@ -75,8 +78,9 @@ def main() -> None:
         decode = float(np.median([r.decode_tokens_per_s for r in runs]))
         step_s = float(np.median([r.decode_s / r.decode_steps for r in runs]))
         flops = 2 * counts["matmul"] * batch / step_s  # weight matmuls only (2 N per token)
-        print(f"| {batch} | {args.prompt_len} | {args.new_tokens} | {prefill:.0f} | {decode:.1f} | {step_s * 1e3:.2f} | "
-              f"{stream_s / step_s:.2f} | {flops / 1e12:.3f} | {flops / matmul:.2f} | {first.compile_s:.1f} |")
+        row = (batch, args.prompt_len, args.new_tokens, prefill, decode, step_s * 1e3, stream_s / step_s,
+               flops / 1e12, flops / matmul, first.compile_s)
+        print(format_table([row], columns, style="markdown", header=False))
 
 
 if __name__ == "__main__":

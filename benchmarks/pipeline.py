@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 import time
+import typing
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     _n = 8
@@ -37,10 +38,11 @@ import numpy as np  # noqa: E402
 from jaxinfra.config import (Config, OptimizerConfig, ParallelismConfig, ScheduleConfig,  # noqa: E402
                              TrainConfig)
 from jaxinfra.data import DataConfig  # noqa: E402
+from jaxinfra.metrics.table import format_table
 from jaxinfra.runtime import build_runtime  # noqa: E402
 from models import ModelConfig  # noqa: E402
 from sharding.mesh import MeshConfig  # noqa: E402
-from sharding.pipeline import bubble_fraction  # noqa: E402
+from sharding.pipeline import Schedule, bubble_fraction  # noqa: E402
 
 
 def make_cfg(args: argparse.Namespace, schedule: str | None) -> Config:
@@ -102,9 +104,9 @@ def main() -> None:
           f"{f' x expert={ep}' if ep > 1 else ''}, {m} microbatches, {args.layers} layers"
           f"{f' (MoE, {args.moe_experts} experts top-2)' if args.moe_experts else ''}, d_model {args.d_model}, "
           f"batch {args.batch} x seq {args.seq}")
-    print("| schedule | mesh | analytic bubble | median step | compile | temp memory / device |")
-    print("|---|---|---|---|---|---|")
-    for schedule in (None, "gpipe", "circular", "1f1b"):
+    columns = ("schedule", "mesh", "analytic bubble", "median step", "compile", "temp memory / device")
+    print(format_table([], columns, style="markdown"))
+    for schedule in (None, *typing.get_args(Schedule)):
         cfg = make_cfg(args, schedule)
         compile_s, step_s, temp = measure(cfg, args.steps)
         if schedule is None:
@@ -115,8 +117,8 @@ def main() -> None:
             name = f"{schedule}" + (f" (R={r})" if schedule == "circular" else "")
             mesh = f"stage={s}, data={args.devices // (s * ep)}" + (f", expert={ep}" if ep > 1 else "")
             bubble = f"{bubble_fraction(s, m, reps):.3f}"
-        print(f"| {name} | {mesh} | {bubble} | {step_s * 1e3:.1f} ms | {compile_s:.1f} s | "
-              f"{temp / 2**20:.2f} MiB |", flush=True)
+        row = (name, mesh, bubble, f"{step_s * 1e3:.1f} ms", f"{compile_s:.1f} s", f"{temp / 2**20:.2f} MiB")
+        print(format_table([row], columns, style="markdown", header=False), flush=True)
 
 
 if __name__ == "__main__":

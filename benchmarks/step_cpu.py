@@ -20,6 +20,7 @@ import numpy as np
 
 from jaxinfra.config import Config, load_config
 from jaxinfra.metrics import flops_per_token, measure_matmul_flops
+from jaxinfra.metrics.table import Column, format_table
 from jaxinfra.runtime import build_runtime
 
 
@@ -84,13 +85,16 @@ def main() -> None:
     tokens = base.train.batch_size * base.train.seq_len
     print(f"device: {jax.devices()[0].device_kind}; jnp.dot 4096^2 float32: {matmul / 1e12:.3f} TFLOP/s")
     print(f"config {args.config}: {fpt / 1e6:.1f} MFLOP/token (train, PaLM form), {tokens} tokens/step")
-    print(f"{'remat':<20} {'first step s':>12} {'step s':>8} {'tokens/s':>9} {'TFLOP/s':>8} {'/matmul':>8}")
+    columns = (Column("remat", width=20), Column("first step s", ".2f", ">", 12), Column("step s", ".3f", ">", 8),
+               Column("tokens/s", ".0f", ">", 9), Column("TFLOP/s", ".3f", ">", 8), Column("/matmul", ".2f", ">", 8))
+    print(format_table([], columns, sep=" "))
     for policy in args.policies.split(","):
         cfg = dataclasses.replace(base, model=dataclasses.replace(base.model, remat_policy=policy))
         first, step_s = time_steps(cfg, args.steps)
         tps = tokens / step_s
         achieved = tps * fpt
-        print(f"{policy:<20} {first:>12.2f} {step_s:>8.3f} {tps:>9.0f} {achieved / 1e12:>8.3f} {achieved / matmul:>8.2f}")
+        print(format_table([(policy, first, step_s, tps, achieved / 1e12, achieved / matmul)], columns, sep=" ",
+                           header=False))
     if args.skip_compile:
         return
     times: dict[tuple[int, bool], float] = {}

@@ -33,6 +33,18 @@ from jaxinfra.config import load_config  # noqa: E402
 from jaxinfra.metrics import flops_per_token, measure_matmul_flops  # noqa: E402
 from jaxinfra.metrics.flops import param_counts  # noqa: E402
 from jaxinfra.metrics.peak import peak_flops_per_device  # noqa: E402
+from jaxinfra.metrics.table import Column, format_table
+
+COLUMNS = (Column("attention", width=14), Column("remat", width=20), Column("compile s", ".1f", ">", 9),
+           Column("step s", ".3f", ">", 8), Column("tokens/s", ".0f", ">", 9), Column("TFLOP/s", ".1f", ">", 8),
+           Column("MFU", ".3f", ">", 6), Column("MFU causal", ".3f", ">", 10), Column("/matmul", ".2f", ">", 8),
+           Column("temp GiB", ".1f", ">", 9))
+
+
+def _row(impl: str, policy: str, *values: float, note: str = "") -> str:
+    """One result line under the COLUMNS header; a note (a skip or an error) follows the first two cells."""
+    columns = COLUMNS[:2 + len(values)] + ((Column("note"),) if note else ())
+    return format_table([(impl, policy, *values, *((note,) if note else ()))], columns, sep=" ", header=False)
 
 GPU_OVERRIDES = ["model.d_model=2048", "model.num_layers=16", "model.num_heads=16", "model.num_kv_heads=8",
                  "model.head_dim=128", "model.mlp_dim=8192", "model.vocab_size=32768", "model.tie_embeddings=false",
@@ -63,12 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}{'; DRY RUN' if dry else ''}")
     print(f"model: {n_params / 1e9:.2f}B params, {fpt / 1e9:.2f} GFLOP/token (PaLM), {tokens} tokens/step; "
           f"peak {peak / 1e12:.0f} TFLOP/s ({source}); jnp.dot bf16 8192^3: {matmul / 1e12:.0f} TFLOP/s")
-    print(f"{'attention':<14} {'remat':<20} {'compile s':>9} {'step s':>8} {'tokens/s':>9} {'TFLOP/s':>8} "
-          f"{'MFU':>6} {'MFU causal':>10} {'/matmul':>8} {'temp GiB':>9}")
+    print(format_table([], COLUMNS, sep=" "))
     for impl in impls:
         for policy in args.policies.split(","):
             if time.monotonic() - start > args.budget_s:
-                print(f"{impl:<14} {policy:<20} skipped: budget spent")
+                print(_row(impl, policy, note="skipped: budget spent"))
                 continue
             cfg = dataclasses.replace(base, model=dataclasses.replace(
                 base.model, attention_impl=impl, remat_policy=policy))
@@ -91,14 +102,13 @@ def main(argv: list[str] | None = None) -> int:
                 loss = float(jax.device_get(metrics["loss"]))
                 del state, batch, rt
             except Exception as e:  # noqa: BLE001 - one row per failure, keep going
-                print(f"{impl:<14} {policy:<20} error: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+                print(_row(impl, policy, note=f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}"))
                 continue
             step_s = float(np.median(times))
             tps = tokens / step_s
             achieved = tps * fpt  # one device
-            print(f"{impl:<14} {policy:<20} {compile_s:>9.1f} {step_s:>8.3f} {tps:>9.0f} {achieved / 1e12:>8.1f} "
-                  f"{achieved / peak:>6.3f} {tps * fpt_causal / peak:>10.3f} {achieved / matmul:>8.2f} {temp:>9.1f}"
-                  f"  (loss {loss:.3f})")
+            print(_row(impl, policy, compile_s, step_s, tps, achieved / 1e12, achieved / peak,
+                       tps * fpt_causal / peak, achieved / matmul, temp) + f"  (loss {loss:.3f})")
     print(f"total {time.monotonic() - start:.0f} s")
     return 0
 

@@ -25,6 +25,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxinfra.metrics import table
+
 OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute")
 
 
@@ -77,13 +79,15 @@ def collectives_table(mesh: Mesh, sizes: Sequence[int], ops: Sequence[str] = OPS
     return [time_collective(mesh, op, axis, size) for axis in axes for op in ops for size in sizes]
 
 
+COLUMNS = (table.Column("axis", width=8), table.Column("n", align=">", width=3), table.Column("op", width=15),
+           table.Column("bytes", ",", ">", 12), table.Column("time us", ".1f", ">", 11),
+           table.Column("algbw GB/s", ".3f", ">", 11), table.Column("busbw GB/s", ".3f", ">", 11))
+
+
 def format_table(rows: list[dict[str, float]]) -> str:
-    head = f"{'axis':<8} {'n':>3} {'op':<15} {'bytes':>12} {'time us':>11} {'algbw GB/s':>11} {'busbw GB/s':>11}"
-    lines = [head]
-    for r in rows:
-        lines.append(f"{r['axis']:<8} {r['n']:>3} {r['op']:<15} {r['bytes']:>12,} {r['time_us']:>11.1f} "
-                     f"{r['algbw_GBps']:>11.3f} {r['busbw_GBps']:>11.3f}")
-    return "\n".join(lines)
+    """collectives_table's rows, as `jaxinfra bench collectives` prints them."""
+    keys = ("axis", "n", "op", "bytes", "time_us", "algbw_GBps", "busbw_GBps")
+    return table.format_table([[r[k] for k in keys] for r in rows], COLUMNS, sep=" ")
 
 
 def message_sizes(min_bytes: int, max_bytes: int, factor: int = 4) -> list[int]:

@@ -193,16 +193,15 @@ def export_params(run_dir: str | pathlib.Path, out: str | pathlib.Path, dtype: s
     import jax.numpy as jnp
 
     from jaxinfra.config import load_config
-    from jaxinfra.state import init_params
+    from jaxinfra.state import abstract_params
+    from sharding.mesh import MeshConfig, make_mesh
 
     run_dir = pathlib.Path(run_dir)
     cfg_path = run_dir / "config.yaml"
     if not cfg_path.is_file():
         raise CheckpointError(f"{run_dir} has no config.yaml: is it a jaxinfra run directory?")
     cfg = load_config(str(cfg_path))
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
-                          jax.eval_shape(lambda: init_params(cfg.model, jax.random.key(0))))
+    target = abstract_params(cfg.model, make_mesh(MeshConfig(), jax.local_devices()[:1]))
     _, params = restore_params(run_dir, target)
     if dtype is not None:
         params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), params)

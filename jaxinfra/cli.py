@@ -1,9 +1,26 @@
 """`jaxinfra` command line: thin wrappers over Python functions that tests call directly.
 
-    jaxinfra train [CONFIG] [--run-dir DIR] [KEY=VALUE ...]
-    jaxinfra info  [CONFIG] [KEY=VALUE ...]
+CONFIG is a preset name (jaxinfra/presets/) or a YAML path; KEY=VALUE overrides it (model.num_layers=8).
+train, info and bench also take --coordinator HOST:PORT --num-processes N --process-id I (multi-host).
 
-Bad input (config, mesh, data) exits with status 2 and one line on stderr, no traceback.
+    jaxinfra train [CONFIG] [KEY=VALUE ...] [--run-dir DIR] [--restore PATH]   train; a run dir resumes
+    jaxinfra info [CONFIG] [KEY=VALUE ...]          devices, versions, mesh, per-parameter sharding and bytes
+    jaxinfra export-params RUN OUT [--dtype D]      a run's newest params alone (optionally cast)
+    jaxinfra bench collectives [KEY=VALUE ...] [--min-bytes N] [--max-bytes N] [--ops a,b]   collective timings
+    jaxinfra launch --local-processes N [--devices-per-process M] -- COMMAND ...   N local processes
+    jaxinfra sweep SPEC [KEY=VALUE ...] [--dry-run] [--launcher local|slurm|k8s] [--out DIR] [--no-fit]
+                                                    scaling-law sweep: plan, run or write job files
+    jaxinfra scaling collect OUT_DIR                results.csv/.jsonl from a sweep's run directories
+    jaxinfra scaling fit RESULTS [--plot DIR] [--out FIT.json] [--bootstrap N] [--n-column COL]   fits
+    jaxinfra scaling predict --fit FIT.json --compute C   compute-optimal N, D and loss at C FLOPs
+    jaxinfra hf import HF_DIR OUT [KEY=VALUE ...]   Hugging Face safetensors -> a run directory
+    jaxinfra hf export RUN_OR_CKPT OUT_DIR [--dtype D] [--max-shard-gb G]   a run -> HF safetensors
+    jaxinfra generate CKPT (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N] [--temperature T]
+                      [--top-k K] [--top-p P] [--stop-ids ...]   sampling with a KV cache
+    jaxinfra eval CKPT --tokens FILE.npy [--batch-size B]   mean next-token loss, one JSON line
+
+Bad input (config, mesh, data, checkpoint) exits with status 2 and one line on stderr, no
+traceback; the statuses are in jaxinfra/exits.py.
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ import yaml
 from jaxinfra.data.config import DataConfig
 from models.config import REMAT_POLICIES, ModelConfig
 from sharding.mesh import MESH_AXES, MeshConfig, MeshError, resolve_mesh_sizes
+from sharding.pipeline import PipelineSettings, Schedule
+from sharding.rules import ContextImpl, Strategy
 
 class ConfigError(ValueError):
     """A bad configuration; the message is one line naming the key."""
@@ -33,16 +35,16 @@ class ParallelismConfig:
     # dp: replicated params and optimizer state; zero1: optimizer state sharded over
     # data+fsdp (ZeRO-1); fsdp: params, grads and optimizer state sharded over fsdp (ZeRO-3).
     # Tensor parallelism (heads, MLP, vocab on `tensor`) applies in every strategy.
-    strategy: Literal["dp", "zero1", "fsdp"] = "fsdp"
+    strategy: Strategy = "fsdp"
     sequence_parallel: bool = False  # residual stream split over `tensor` along the sequence
-    context_impl: Literal["allgather", "ring"] = "allgather"  # when mesh.context > 1
+    context_impl: ContextImpl = "allgather"  # when mesh.context > 1
     load_balance: bool = True  # ring: reorder sequence chunks so causal work is even
     # Logical axis -> mesh axes overrides, applied to the param, optimizer and activation tables.
     rules: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     # Pipeline parallelism over mesh.stage (sharding/pipeline.py): schedule, microbatches per
     # step (per gradient-accumulation step; 0 = one per stage), and for `circular` the layer
     # groups per stage (stage s holds chunks s, s+S, ...). Bubble: (S-1)/(repeats*M + S-1).
-    pipeline_schedule: Literal["gpipe", "circular", "1f1b"] = "gpipe"
+    pipeline_schedule: Schedule = "gpipe"
     microbatches: int = 0
     pipeline_repeats: int = 1
 
@@ -220,12 +222,11 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        errors = []
         for arg in (a for a in args if a is not type(None)):
             try:
                 return _coerce(arg, value, key)
-            except ConfigError as e:
-                errors.append(e)
+            except ConfigError:
+                continue
         allowed = " or ".join(_describe(a) for a in args)
         raise ConfigError(f"{key}: expected {allowed}, got {_show(value)}")
     if origin is Literal:
@@ -352,7 +353,7 @@ def validate_mesh(cfg: Config, device_count: int | None) -> None:
     batch_shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     micro = cfg.train.batch_size // cfg.train.grad_accum_steps
     if sizes["stage"] > 1:  # rows of one pipeline microbatch
-        micro //= cfg.parallelism.microbatches or sizes["stage"]
+        micro //= pipeline_sizes(cfg, sizes["stage"])[0]
     if micro % batch_shards:
         axes = "mesh.data x mesh.fsdp" + (" x mesh.expert" if sizes["expert"] > 1 else "")
         raise ConfigError(
@@ -373,10 +374,14 @@ def validate_mesh(cfg: Config, device_count: int | None) -> None:
                               f"({'2 x ' if need != cp else ''}mesh.context={cp})")
 
 
+def pipeline_settings(p: ParallelismConfig) -> PipelineSettings:
+    """The parallelism section's pipeline keys, as sharding/pipeline.py takes them."""
+    return PipelineSettings(p.pipeline_schedule, p.microbatches, p.pipeline_repeats)
+
+
 def pipeline_sizes(cfg: Config, stages: int) -> tuple[int, int]:
-    """(microbatches, repeats) of the pipeline over `stages` stages (see sharding/pipeline.py)."""
-    p = cfg.parallelism
-    return p.microbatches or stages, p.pipeline_repeats if p.pipeline_schedule == "circular" else 1
+    """(microbatches, repeats) of the pipeline over `stages` stages."""
+    return pipeline_settings(cfg.parallelism).resolved(stages)
 
 
 def _validate_pipeline(cfg: Config, stages: int | None, context: int = 1) -> None:

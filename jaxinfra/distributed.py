@@ -2,9 +2,11 @@
 
 Order of precedence: explicit `--coordinator/--num-processes/--process-id` flags, then
 `JAX_COORDINATOR_ADDRESS` / `JAX_NUM_PROCESSES` / `JAX_PROCESS_ID`, then jax's own
-auto-detection when a cluster is recognisable (SLURM with more than one task, a
-Kubernetes indexed job with a coordinator, a multi-host TPU). A plain single
-machine initialises nothing.
+auto-detection, tried only where `_cluster_detected` recognises a cluster: a SLURM job
+with more than one task (`SLURM_JOB_ID` set, `SLURM_NTASKS` > 1) or a multi-host TPU slice
+(`TPU_WORKER_HOSTNAMES` naming two or more hosts). Anything else, Kubernetes included, sets
+the JAX_* variables (scripts/k8s/train-indexed-job.yaml does). A plain single machine
+initialises nothing.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def initialize(group: ProcessGroup, timeout_s: int = 300) -> None:
         try:
             jax.distributed.initialize(coordinator_address=group.coordinator, num_processes=group.num_processes,
                                        process_id=group.process_id, initialization_timeout=timeout_s)
-        except Exception as e:  # jax raises XlaRuntimeError / RuntimeError with long texts
+        except Exception as e:  # noqa: BLE001 - jax raises XlaRuntimeError / RuntimeError with long texts
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise DistributedError(
                 f"process {group.process_id} of {group.num_processes} could not join coordinator "

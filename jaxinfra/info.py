@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import math
-from typing import Any
+from typing import Any, get_args
 
 import jax
 import numpy as np
 from flax import nnx
 
-from jaxinfra.config import Config, pipeline_sizes, validate
+from jaxinfra.config import Config, pipeline_settings, validate
 from jaxinfra.metrics import flops_per_token, param_counts
+from jaxinfra.metrics.table import format_table
 from jaxinfra.optim import make_optimizer, make_schedule
 from jaxinfra.state import abstract_state, sharding_rules, shardings_for
 from sharding.mesh import make_mesh
-from sharding.pipeline import bubble_fraction
+from sharding.pipeline import Schedule, bubble_fraction
 
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "numpy")
 
@@ -52,10 +54,14 @@ def memory_table(cfg: Config, mesh: jax.sharding.Mesh) -> dict[str, tuple[int, i
 
 def pipeline_line(cfg: Config, stages: int) -> str:
     """The pipeline schedule and its analytic bubble (S-1)/(R M + S-1) (sharding/pipeline.py)."""
-    micro, repeats = pipeline_sizes(cfg, stages)
     p = cfg.parallelism
-    others = ", ".join(f"{name} {bubble_fraction(stages, micro, repeats if name == 'circular' else 1):.3f}"
-                       for name in ("gpipe", "circular", "1f1b") if name != p.pipeline_schedule)
+    settings = pipeline_settings(p)
+    micro, repeats = settings.resolved(stages)
+
+    def bubble(schedule: str) -> float:
+        return bubble_fraction(stages, *dataclasses.replace(settings, schedule=schedule).resolved(stages))
+
+    others = ", ".join(f"{name} {bubble(name):.3f}" for name in get_args(Schedule) if name != p.pipeline_schedule)
     return (f"pipeline: {p.pipeline_schedule}, {stages} stages x {micro} microbatches"
             f"{f' x {repeats} repeats' if repeats > 1 else ''}: bubble {bubble_fraction(stages, micro, repeats):.3f}"
             f" (same microbatches: {others})")
@@ -84,14 +90,13 @@ def describe(cfg: Config | None = None) -> str:
     tx = make_optimizer(cfg.optimizer, make_schedule(cfg.schedule, cfg.optimizer.lr, cfg.train.steps))
     state = abstract_state(cfg.model, tx)
     shardings = shardings_for(state, mesh, rules)
-    rows = [("parameter", "shape", "logical axes", "mesh sharding", "bytes/device")]
+    rows = []
     flat_shardings = dict(nnx.to_flat_state(shardings.params))
     for path, var in nnx.to_flat_state(state.params):
         sharding = flat_shardings[path].get_raw_value()
         rows.append(("/".join(map(str, path)), str(tuple(var.shape)), str(tuple(var.get_metadata()["out_sharding"])),
                      str(tuple(sharding.spec)), f"{_bytes_per_device(var.shape, var.dtype, sharding):,}"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.append(format_table(rows, ["parameter", "shape", "logical axes", "mesh sharding", "bytes/device"]))
     for name, (total, per_device) in memory_table(cfg, mesh).items():
         lines.append(f"{name:>16}: {per_device / 2**20:10.2f} MiB per device of {total / 2**20:10.2f} MiB "
                      f"({per_device / total:.3f})")

@@ -17,14 +17,13 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxinfra.config import Config, validate
+from jaxinfra.config import Config, pipeline_settings, validate
 from jaxinfra.optim import make_optimizer, make_schedule
 from jaxinfra.state import (TrainState, abstract_state, create_train_state, model_graphdef, sharding_rules,
                             shardings_for)
 from jaxinfra.step import make_eval_step, make_train_step
 from sharding.context import balanced_order
 from sharding.mesh import make_mesh
-from sharding.pipeline import PipelineSettings
 from sharding.rules import ShardingRules, activation_sharding, logical_to_mesh
 
 
@@ -86,8 +85,7 @@ def build_runtime(cfg: Config, devices: Sequence[jax.Device] | None = None) -> R
     mesh = make_mesh(cfg.mesh, devices)
     rules = sharding_rules(cfg.parallelism)
     if mesh.shape["stage"] > 1:  # the model reads the schedule while tracing (sharding/pipeline.py)
-        rules = dataclasses.replace(rules, pipeline=PipelineSettings(
-            cfg.parallelism.pipeline_schedule, cfg.parallelism.microbatches, cfg.parallelism.pipeline_repeats))
+        rules = dataclasses.replace(rules, pipeline=pipeline_settings(cfg.parallelism))
     schedule = make_schedule(cfg.schedule, cfg.optimizer.lr, t.steps)
     tx = make_optimizer(cfg.optimizer, schedule)
     graphdef = model_graphdef(cfg.model)

@@ -48,6 +48,24 @@ def init_params(cfg: ModelConfig, rng: jax.Array) -> nnx.State:
     return params
 
 
+def abstract_params(model_cfg: ModelConfig, mesh: Mesh | None = None,
+                    rules: ShardingRules | None = None) -> nnx.State:
+    """The params' shapes, dtypes and logical metadata, without allocating them.
+
+    With a mesh every leaf is a ShapeDtypeStruct carrying its sharding on that mesh (by
+    `rules.params`, replicated without rules): the target that Orbax restores into and that
+    `jax.make_array_from_callback` builds. A 1-device mesh gives a single-device target.
+    """
+    abstract = jax.eval_shape(lambda: init_params(model_cfg, jax.random.key(0)))
+    if mesh is None:
+        return abstract
+    if rules is None:
+        shardings = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), abstract)
+    else:
+        shardings = tree_shardings(abstract, mesh, rules.params)
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
 def sharding_rules(parallelism: ParallelismConfig) -> ShardingRules:
     """The config's parallelism section -> sharding tables."""
     return rules_for(parallelism.strategy, sequence_parallel=parallelism.sequence_parallel,

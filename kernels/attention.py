@@ -32,7 +32,8 @@ from __future__ import annotations
 import logging
 import math
 import numbers
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -40,17 +41,19 @@ import jax.numpy as jnp
 from kernels import block_sizes as block_table
 from kernels.block_sizes import BlockSizes
 from kernels.flash import FlashParams, flash_attention
+from kernels.logs import log_once
 from kernels.masks import Band, dense_mask, make_band, may_have_empty_rows
 from kernels.reference import dense_attention, reference_attention
 
-__all__ = ["IMPLEMENTATIONS", "attention", "attention_with_lse", "reference_attention", "resolve_impl",
+__all__ = ["IMPLEMENTATIONS", "AttentionImpl", "attention", "attention_with_lse", "reference_attention", "resolve_impl",
            "validate_attention_args"]
 
-IMPLEMENTATIONS = ("auto", "xla", "pallas_triton", "pallas_mosaic_tpu", "cudnn")
+AttentionImpl = Literal["xla", "auto", "pallas_triton", "pallas_mosaic_tpu", "cudnn"]
+IMPLEMENTATIONS: tuple[str, ...] = get_args(AttentionImpl)
 MAX_PALLAS_HEAD_DIM = 256  # larger tiles do not fit GPU shared memory / TPU VMEM at useful blocks
 
 logger = logging.getLogger(__name__)
-_logged: set[str] = set()
+_logged: set[str] = set()  # messages already logged (kernels.logs.log_once)
 
 SegmentIds = jax.Array | tuple[jax.Array, jax.Array] | None
 Window = tuple[int | None, int | None] | None
@@ -132,12 +135,6 @@ def _platform() -> str:
     return "gpu" if backend in ("gpu", "cuda", "rocm") else backend
 
 
-def _log_once(message: str) -> None:
-    if message not in _logged:
-        _logged.add(message)
-        logger.warning(message)
-
-
 def _pallas_unsupported(q: jax.Array, v: jax.Array) -> str | None:
     if max(q.shape[-1], v.shape[-1]) > MAX_PALLAS_HEAD_DIM:
         return f"head dim {max(q.shape[-1], v.shape[-1])} > {MAX_PALLAS_HEAD_DIM}"
@@ -175,7 +172,8 @@ def resolve_impl(impl: str, q: jax.Array, v: jax.Array) -> str:
     if chosen != "xla":
         reason = _pallas_unsupported(q, v)
         if reason is not None:
-            _log_once(f"attention(impl='auto'): {chosen} does not support this call ({reason}); using xla")
+            log_once(logger, _logged,
+                     f"attention(impl='auto'): {chosen} does not support this call ({reason}); using xla")
             return "xla"
     return chosen
 

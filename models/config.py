@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+from typing import Literal, get_args
+
+from kernels.attention import AttentionImpl
 
 RematPolicy = Literal[
     "none",  # keep every activation (fastest, most memory)
@@ -19,9 +21,9 @@ RematPolicy = Literal[
     "save_qkv_attn_out",  # keep q/k/v projections and the attention output
     "save_qkv_attn_mlp",  # keep q/k/v, attention output and the MLP hidden activations
 ]
-REMAT_POLICIES: tuple[str, ...] = RematPolicy.__args__  # type: ignore[attr-defined]
+REMAT_POLICIES: tuple[str, ...] = get_args(RematPolicy)
 
-AttentionImpl = Literal["xla", "auto", "pallas_triton", "pallas_mosaic_tpu", "cudnn"]
+DType = Literal["float32", "bfloat16"]
 AttentionType = Literal[
     "mha",  # multi-head attention with grouped K/V heads: MHA, GQA, MQA (num_kv_heads)
     "mla",  # DeepSeek-V2/V3 multi-head latent attention (models/mla.py)
@@ -68,8 +70,8 @@ class ModelConfig:
     init_std: float = 0.02
     scan_layers: bool = True
     remat_policy: RematPolicy = "none"
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
-    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype
+    param_dtype: DType = "float32"
+    dtype: DType = "float32"  # compute dtype
     attention_impl: AttentionImpl = "xla"
 
     # ---- multi-head latent attention (attention_type="mla"; DeepSeek-V2 sec. 2.1)

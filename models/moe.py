@@ -92,8 +92,11 @@ class MoE(nnx.Module):
         return y.astype(x.dtype), stats
 
 
-# Statistics that add up over microbatches (everything `merge_stats` needs).
-MOE_STATS = ("counts", "dropped", "aux_loss", "z_loss")  # what forward() reports per MoE layer
+# The per-layer statistics Transformer.forward() returns (it keeps only these of a MoE call's
+# output); aux_loss and z_loss are not sums, so they cannot be added over parts of a batch.
+MOE_STATS = ("counts", "dropped", "aux_loss", "z_loss")
+# The statistics that do add up: the pipelined forward sums these over microbatches and
+# `merge_stats` rebuilds MOE_STATS of the whole batch from them.
 PARTIAL_STATS = ("counts", "dropped", "prob_sum", "z_sum", "tokens")
 
 

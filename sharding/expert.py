@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
+from kernels.logs import log_once
 from sharding.rules import active, logical_to_mesh
 
 EXPERT = "expert"
@@ -47,13 +48,7 @@ STAGE = "stage"
 TENSOR = "tensor"
 
 logger = logging.getLogger(__name__)
-_logged: set[str] = set()
-
-
-def _log_once(message: str) -> None:
-    if message not in _logged:
-        _logged.add(message)
-        logger.warning(message)
+_logged: set[str] = set()  # messages already logged (kernels.logs.log_once)
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -120,8 +115,8 @@ def emulated_ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offs
 
 def _ragged_exchange(platform: str) -> Callable[..., jax.Array]:
     if platform == "cpu":
-        _log_once("expert parallelism (dropless): XLA:CPU does not implement ragged-all-to-all; "
-                  "using an exact padded all_to_all emulation")
+        log_once(logger, _logged, "expert parallelism (dropless): XLA:CPU does not implement ragged-all-to-all; "
+                 "using an exact padded all_to_all emulation")
         return emulated_ragged_all_to_all
     return jax.lax.ragged_all_to_all
 
@@ -143,8 +138,8 @@ def capacity_experts(x_e: jax.Array, weights: Sequence[jax.Array],
     ep = mesh.shape[EXPERT]
     batch_axes = _spec(("batch",), rules.activations, mesh, x_e.shape[:1])[0]
     if EXPERT not in batch_axes:
-        _log_once(f"expert parallelism (capacity): the batch is not sharded over '{EXPERT}' "
-                  f"(batch -> {batch_axes}); leaving the expert dispatch to GSPMD")
+        log_once(logger, _logged, f"expert parallelism (capacity): the batch is not sharded over '{EXPERT}' "
+                 f"(batch -> {batch_axes}); leaving the expert dispatch to GSPMD")
         return ffn(x_e, *weights)
     g = x_e.shape[0]
     pos = batch_axes.index(EXPERT)
@@ -188,7 +183,7 @@ def dropless_experts(x: jax.Array, experts: jax.Array, gates: jax.Array, weights
     mesh, rules = current
     plan = _dropless_plan(x, weights, weight_names, mesh, rules)
     if isinstance(plan, str):
-        _log_once(f"expert parallelism (dropless): {plan}; leaving the expert dispatch to GSPMD")
+        log_once(logger, _logged, f"expert parallelism (dropless): {plan}; leaving the expert dispatch to GSPMD")
         return _dropless_local(x, experts, gates, weights, grouped_ffn, num_experts)
     token_spec, weight_specs, gathers, tp = plan
     ep = mesh.shape[EXPERT] if any(EXPERT in s[0] for s in weight_specs) else 1
@@ -222,7 +217,7 @@ def _dropless_plan(x, weights, weight_names, mesh: Mesh, rules):
     for w, names in zip(weights, weight_names):
         axes = _spec(names, rules.params, mesh, w.shape)
         gather = []
-        for dim, (name, on) in enumerate(zip(names, axes)):
+        for name, on in zip(names, axes):
             keep = (name == "experts" and on == (EXPERT,)) or (name == "mlp" and on == (TENSOR,))
             tp |= name == "mlp" and on == (TENSOR,)
             gather.append(() if keep else on)

@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -73,7 +73,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from sharding.rules import active, logical_to_mesh
 
 STAGE = "stage"
-SCHEDULES: tuple[str, ...] = ("gpipe", "circular", "1f1b")
+Schedule = Literal["gpipe", "circular", "1f1b"]
 
 # layer(h [micro, length, embed], one layer's params, side inputs of this microbatch) -> h
 # (or -> (h, stats) with apply_layers(..., with_stats=True))
@@ -84,12 +84,12 @@ Layer = Callable[[jax.Array, Any, Any], Any]
 class PipelineSettings:
     """The schedule, microbatches per step (0: one per stage) and circular repeats."""
 
-    schedule: str = "gpipe"
+    schedule: Schedule = "gpipe"
     microbatches: int = 0
     repeats: int = 1
 
     def resolved(self, stages: int) -> tuple[int, int]:
-        """(microbatches, repeats) for `stages` stages."""
+        """(microbatches, repeats) for `stages` stages: the one place that resolves the defaults."""
         micro = self.microbatches or stages
         repeats = self.repeats if self.schedule == "circular" else 1
         return micro, repeats

@@ -38,14 +38,17 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, get_args
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 Table = Mapping[str, tuple[str, ...]]
 
-STRATEGIES: tuple[str, ...] = ("dp", "zero1", "fsdp")
+Strategy = Literal["dp", "zero1", "fsdp"]
+ContextImpl = Literal["allgather", "ring"]
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
+CONTEXT_IMPLS: tuple[str, ...] = get_args(ContextImpl)
 
 _TENSOR: dict[str, tuple[str, ...]] = {
     "heads": ("tensor",),
@@ -112,8 +115,8 @@ def rules_for(strategy: str = "fsdp", *, sequence_parallel: bool = False, contex
     for name, axes in (overrides or {}).items():
         for table in tables:
             table[name] = tuple(axes)
-    if context_impl not in ("allgather", "ring"):
-        raise ValueError(f"parallelism.context_impl={context_impl!r}: choose 'allgather' or 'ring'")
+    if context_impl not in CONTEXT_IMPLS:
+        raise ValueError(f"parallelism.context_impl={context_impl!r}: choose one of {list(CONTEXT_IMPLS)}")
     return ShardingRules(*tables, strategy=strategy, sequence_parallel=sequence_parallel,
                          context_impl=context_impl, load_balance=load_balance)
 

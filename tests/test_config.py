@@ -13,7 +13,11 @@ import pytest
 
 from jaxinfra import cli
 from jaxinfra.config import Config, ConfigError, load_config, preset_names, validate
+from jaxinfra.data.config import SOURCES, TOKEN_DTYPES
 from jaxinfra.metrics import param_counts
+from kernels.attention import IMPLEMENTATIONS
+from models.config import REMAT_POLICIES
+from sharding.rules import CONTEXT_IMPLS, STRATEGIES
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -75,6 +79,20 @@ def test_wrong_type_names_key():
 ])
 def test_other_wrong_values_name_key(override, key):
     assert key in _error([override])
+
+
+@pytest.mark.parametrize("key, allowed", [
+    ("parallelism.strategy", STRATEGIES),
+    ("parallelism.context_impl", CONTEXT_IMPLS),
+    ("parallelism.pipeline_schedule", ("gpipe", "circular", "1f1b")),
+    ("model.remat_policy", REMAT_POLICIES),
+    ("model.attention_impl", IMPLEMENTATIONS),
+    ("data.source", SOURCES),
+    ("data.token_dtype", TOKEN_DTYPES),
+])
+def test_allowed_values_come_from_the_config_types(key, allowed):
+    """The exported lists are the config's Literal types: the error lists exactly them, in order."""
+    assert f"choose one of {list(allowed)}" in _error([f"{key}=bogus"])
 
 
 def test_heads_not_dividing_d_model_names_num_heads():

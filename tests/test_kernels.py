@@ -166,3 +166,17 @@ def test_unknown_impl_raises():
     q, k, v = _qkv(2)
     with pytest.raises(ValueError, match=r"impl"):
         kernels.attention(q, k, v, impl="flash9000")
+
+
+def test_log_once_warns_once_per_message_on_the_callers_logger(caplog):
+    import logging
+
+    from kernels.logs import log_once
+
+    logger, seen = logging.getLogger("kernels.test_log_once"), set()
+    with caplog.at_level(logging.WARNING, logger=logger.name):
+        for message in ("fallback a", "fallback b", "fallback a", "fallback b"):
+            log_once(logger, seen, message)
+    assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logger.name, logging.WARNING, "fallback a"), (logger.name, logging.WARNING, "fallback b")]
+    assert seen == {"fallback a", "fallback b"}

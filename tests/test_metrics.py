@@ -313,3 +313,51 @@ def test_mfu_hand_example():
     assert mfu(1000.0, 6e9, 12e12) == pytest.approx(0.5)
     with pytest.raises(ValueError):
         mfu(1.0, 1.0, 0.0)
+
+
+# ---------------------------------------------------------------- tables
+
+
+def test_plain_table_widths_alignment_and_formats():
+    from jaxinfra.metrics.table import Column, format_table
+
+    columns = [Column("name"), Column("bytes", ",", ">"), Column("ms", ".2f", ">", width=6), "note"]
+    text = format_table([("wq", 4096, 1.5, "ok"), ("embed/table", 12, None, "")], columns)
+    assert text.splitlines() == [
+        "name         bytes      ms  note",
+        "wq           4,096    1.50  ok",
+        "embed/table     12       -",  # None prints as '-', trailing blanks are stripped
+    ]
+
+
+def test_plain_rows_printed_one_at_a_time_line_up_under_the_header():
+    from jaxinfra.metrics.table import Column, format_table
+
+    columns = [Column("op", width=10), Column("us", ".1f", ">", 8)]
+    head = format_table([], columns, sep=" ", rule=True).splitlines()
+    rows = [format_table([r], columns, sep=" ", header=False) for r in (("all_reduce", 3.25), ("ppermute", 120.0))]
+    assert head == ["op               us", "-------------------"]
+    assert rows == ["all_reduce      3.2", "ppermute      120.0"]
+    assert {len(line) for line in [head[0], *rows]} == {19}
+
+
+def test_markdown_table_and_cell_count_check():
+    from jaxinfra.metrics.table import Column, format_table
+
+    columns = ["schedule", Column("bubble", ".3f")]
+    assert format_table([("gpipe", 1 / 3), ("1f1b", 0.2)], columns, style="markdown") == (
+        "| schedule | bubble |\n|---|---|\n| gpipe | 0.333 |\n| 1f1b | 0.200 |")
+    assert format_table([("gpipe", 0.5)], columns, style="markdown", header=False) == "| gpipe | 0.500 |"
+    with pytest.raises(ValueError):
+        format_table([("gpipe",)], columns)
+
+
+def test_bench_collectives_table_keeps_its_columns():
+    from jaxinfra.bench import format_table
+
+    row = {"op": "all_reduce", "axis": "fsdp", "n": 4, "bytes": 67108864, "time_us": 1234.56, "algbw_GBps": 54.4,
+           "busbw_GBps": 81.6}
+    assert format_table([row]).splitlines() == [
+        "axis       n op                     bytes     time us  algbw GB/s  busbw GB/s",
+        "fsdp       4 all_reduce        67,108,864      1234.6      54.400      81.600",
+    ]

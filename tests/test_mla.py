@@ -96,6 +96,7 @@ def np_mla(cfg: ModelConfig, p, x, pos, seg):
     latent = np_rms(kv_a[..., :cfg.kv_lora_rank], g("kv_norm"))
     kv = np.einsum("btr,rhk->bthk", latent, g("wkv_b"))
     k, v = kv[..., :nope], kv[..., nope:]
+    assert v.shape[-1] == dv  # wkv_b holds [k_nope | v] per head
     if rope:
         freqs = np_yarn_frequencies(rope, cfg.rope_theta, cfg.rope_scaling_factor, cfg.rope_original_max_len,
                                     cfg.rope_yarn_beta_fast, cfg.rope_yarn_beta_slow)

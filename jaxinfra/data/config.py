@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, get_args
 
-SOURCES: tuple[str, ...] = ("text", "tokens", "synthetic")
-TOKEN_DTYPES: tuple[str, ...] = ("uint16", "uint32")
+Source = Literal["text", "tokens", "synthetic"]
+TokenDtype = Literal["uint16", "uint32"]
+SOURCES: tuple[str, ...] = get_args(Source)
+TOKEN_DTYPES: tuple[str, ...] = get_args(TokenDtype)
 
 
 class DataError(ValueError):
@@ -17,14 +19,14 @@ class DataError(ValueError):
 class DataConfig:
     """Where training tokens come from and how they are split and shuffled."""
 
-    source: Literal["text", "tokens", "synthetic"] = "text"
+    source: Source = "text"
     # Files or globs. text: empty = the Python standard library's own .py files.
     # tokens: required (.bin raw token ids, or .npy).
     paths: tuple[str, ...] = ()
     # text only: path to a HF tokenizer.json; None = byte-level (ids 0..255).
     tokenizer: str | None = None
     # Dtype of raw nanoGPT-style .bin files; .npy files carry their own dtype.
-    token_dtype: Literal["uint16", "uint32"] = "uint16"
+    token_dtype: TokenDtype = "uint16"
     # Share of documents (text) / of each file's tokens (tokens) / of sequences
     # (synthetic) held out for evaluation.
     eval_fraction: float = 0.05

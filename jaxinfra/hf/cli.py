@@ -10,6 +10,9 @@ into one line on stderr and exit status 2.
 from __future__ import annotations
 
 import argparse
+from typing import get_args
+
+from models.config import DType
 
 
 def cmd_import(args: argparse.Namespace) -> int:
@@ -48,6 +51,6 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p = hf_sub.add_parser("export", help="run dir or checkpoint -> HF config.json + model.safetensors")
     p.add_argument("source", metavar="RUN_OR_CKPT", help="run directory (newest checkpoint) or RUN/checkpoints/N")
     p.add_argument("out_dir")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=get_args(DType))
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="split into several files above this size")
     p.set_defaults(func=cmd_export)

@@ -2,8 +2,8 @@
 
 The source is a run directory (its newest readable checkpoint) or one checkpoint step
 directory (`RUN/checkpoints/N`); the config comes from the run's config.yaml (or the
-checkpoint's own meta). Params are restored onto one device, then fetched to the host one
-HF tensor at a time (one layer / expert slice of a stacked parameter) and appended to the
+checkpoint's own meta). Params are restored FSDP-sharded over this host's devices, then fetched
+to the host one HF tensor at a time (one layer / expert slice of a stacked parameter) and appended to the
 safetensors file, whose header is computed up front from the shapes. Above `max_shard_bytes`
 the tensors are split over several files with a `model.safetensors.index.json`, as
 transformers does.
@@ -76,15 +76,13 @@ def export_hf(source: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: st
     if dtype not in DTYPES:
         raise HFError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     from jaxinfra.config import ParallelismConfig
-    from jaxinfra.state import init_params, sharding_rules, tree_shardings
+    from jaxinfra.state import abstract_params, sharding_rules
     from sharding.mesh import MeshConfig, make_mesh
 
     # Restored FSDP-sharded over this host's devices (whatever mesh the run trained on), so that no
     # device needs the whole model; slices are then gathered to the host one at a time.
     mesh = make_mesh(MeshConfig(data=1, fsdp=-1), jax.local_devices())
-    abstract = jax.eval_shape(lambda: init_params(cfg.model, jax.random.key(0)))
-    shardings = tree_shardings(abstract, mesh, sharding_rules(ParallelismConfig(strategy="fsdp")).params)
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    target = abstract_params(cfg.model, mesh, sharding_rules(ParallelismConfig(strategy="fsdp")))
     step, params = restore_params(source, target)
     flat = _flat(params)
     np_dtype = DTYPES[dtype]

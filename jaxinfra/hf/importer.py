@@ -100,21 +100,20 @@ def _callback(rule: Rule, files: SafetensorsDir, shape: tuple[int, ...], dtype: 
 def load_params(cfg: Config, family: str, interleaved: bool, files: SafetensorsDir,
                 devices: Sequence[jax.Device] | None = None) -> Any:
     """Our params (an nnx.State of jax.Arrays on the config's mesh) built from the HF tensors."""
-    from jaxinfra.state import init_params, sharding_rules, tree_shardings
+    from jaxinfra.state import abstract_params, sharding_rules
     from sharding.mesh import make_mesh
 
     mesh = make_mesh(cfg.mesh, list(devices) if devices is not None else jax.devices())
-    abstract = jax.eval_shape(lambda: init_params(cfg.model, jax.random.key(0)))
-    shardings = _flat(tree_shardings(abstract, mesh, sharding_rules(cfg.parallelism).params))
+    abstract = abstract_params(cfg.model, mesh, sharding_rules(cfg.parallelism))
     by_path = {r.path: r for r in rules(cfg.model, family, interleaved)}
     flat = _flat(abstract)
     if set(flat) != set(by_path):  # a model feature without a mapping is a bug here, not bad input
         raise AssertionError(f"unmapped params: {sorted(set(flat) ^ set(by_path))}")
     values = {}
     for path, var in flat.items():
-        sharding = shardings[path].get_raw_value()
-        values[path] = jax.make_array_from_callback(var.shape, sharding,
-                                                    _callback(by_path[path], files, var.shape, var.dtype))
+        target = var.get_raw_value()
+        values[path] = jax.make_array_from_callback(target.shape, target.sharding,
+                                                    _callback(by_path[path], files, target.shape, target.dtype))
 
     def fill(path, var):
         return var.replace(values["/".join(str(k.key) for k in path)])

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 
 from jaxinfra.config import ConfigError
+from jaxinfra.scaling.runner import LAUNCHERS
 
 
 def _no_overrides(args: argparse.Namespace) -> None:
@@ -81,7 +82,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("spec", help="sweep spec YAML (see examples/sweeps/)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides of the spec's base config")
     p.add_argument("--dry-run", action="store_true", help="print the table of runs and stop")
-    p.add_argument("--launcher", choices=("local", "slurm", "k8s"), default="local",
+    p.add_argument("--launcher", choices=LAUNCHERS, default="local",
                    help="local: run here one after another; slurm / k8s: write a job array / Indexed Job")
     p.add_argument("--out", help="sweep directory (default: the spec's `out`, else sweeps/<name>)")
     p.add_argument("--no-fit", action="store_true", help="local: collect results but do not fit or plot")

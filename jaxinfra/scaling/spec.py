@@ -44,6 +44,7 @@ import yaml
 
 from jaxinfra.config import Config, ConfigError, apply_overrides, from_dict, load_yaml, validate
 from jaxinfra.metrics.flops import flops_per_token, param_counts
+from jaxinfra.metrics.table import Column, format_table
 from jaxinfra.scaling.sizes import (
     ModelSize,
     SizeRule,
@@ -433,14 +434,12 @@ def si(x: float) -> str:
 
 def format_plan(plan: Plan) -> str:
     """The table `jaxinfra sweep --dry-run` prints: one line per run."""
-    head = ["run", "N", "N_nonemb", "D", "C", "steps", "batch", "seq", "lr", "L", "d_model"]
+    columns = [Column("run")] + [Column(name, align=">") for name in
+                                 ("N", "N_nonemb", "D", "C", "steps", "batch", "seq", "lr", "L", "d_model")]
     rows = [[r.name, si(r.N), si(r.N_nonemb), si(r.D), f"{r.C:.3g}", str(r.steps), str(r.batch_size),
              str(r.seq_len), f"{r.lr:.3g}", str(r.config.model.num_layers), str(r.config.model.d_model)]
             for r in plan.runs]
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
-    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths)))]
-    for row in rows:
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    lines = [format_table(rows, columns)]
     total_c = sum(r.C for r in plan.runs)
     lines.append(f"{len(plan.runs)} runs ({plan.spec.mode}), total {total_c:.3g} FLOPs, "
                  f"{sum(r.steps for r in plan.runs)} steps, out {plan.out}")
