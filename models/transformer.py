@@ -16,7 +16,7 @@ With MoE, the dense blocks stay in `layers` and the MoE blocks form a second sta
 prefix, then one scan over the periods, each step running its dense blocks and its MoE
 block. Per-layer router statistics come out of that scan as stacked outputs.
 
-Inference (jaxinfra/infer.py, docs/inference.md) runs the same blocks through the same layer
+Inference (jaxinfra/infer/, docs/inference.md) runs the same blocks through the same layer
 runner: `prefill` is the forward that also returns each layer's KV-cache entries, `decode`
 runs one token per row with the layer scan over (layer params, layer cache).
 """
@@ -182,7 +182,7 @@ class Transformer(nnx.Module):
             h = self._dense_stack(h, positions, segment_ids, rope_freqs)
         return self._head(h), stats
 
-    # ------------------------------------------------------------ inference (jaxinfra/infer.py)
+    # ------------------------------------------------------------ inference (jaxinfra/infer/)
 
     def prefill(self, tokens: jax.Array, positions: jax.Array | None = None) -> tuple[jax.Array, dict[str, Cache]]:
         """The training forward on causal (unpacked) rows, plus every layer's cache entries.

@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxinfra.checkpoint import CheckpointError, restore_params
 from jaxinfra.config import Config, ConfigError, load_config, validate
-from jaxinfra.state import init_params, sharding_rules, tree_shardings
+from jaxinfra.state import abstract_params, sharding_rules, tree_shardings
 from models import ModelConfig
 from sharding.mesh import make_mesh, resolve_mesh_sizes
 from sharding.rules import ShardingRules, logical_to_mesh
@@ -81,9 +81,7 @@ def load_model(path: str | pathlib.Path, overrides: Sequence[str] = (),
     run_dir, ckpt_dir, step = resolve_checkpoint(path)
     cfg = load_config(str(run_dir / "config.yaml"), list(overrides))
     mesh, rules = inference_mesh(cfg, devices)
-    abstract = jax.eval_shape(lambda: init_params(cfg.model, jax.random.key(0)))
-    shardings = tree_shardings(abstract, mesh, rules.params)
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    target = abstract_params(cfg.model, mesh, rules)
     with _without_read_only_notice():
         _, params = restore_params(ckpt_dir, target, step=step)
     return cfg, params
