@@ -137,7 +137,8 @@ def check_fits(step_dir: pathlib.Path, target: Any, current_config: dict[str, An
     bad = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
     if not bad:
         return
-    changes = config_changes(_saved_config(step_dir), current_config or {}, ("model",))
+    saved_config = _saved_config(step_dir) if current_config else {}
+    changes = config_changes(saved_config, current_config, ("model",)) if saved_config else []
     first = bad[0]
     detail = (f"config keys {'; '.join(changes[:6])}" if changes else
               f"{len(bad)} arrays differ, e.g. {first}: saved {saved.get(first, 'absent')}, wanted "
