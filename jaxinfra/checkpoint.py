@@ -9,17 +9,25 @@ One checkpoint (a step directory under `run_dir/checkpoints/`) holds
 
 Saves are asynchronous: `save()` returns after the device-to-host copy and Orbax
 commits in the background; only committed checkpoints are listed, so a save killed
-mid-flight never becomes "latest". A checkpoint that fails to restore (truncated or
-corrupted files) is reported in one line and the previous one is used.
+mid-flight never becomes "latest".
+
+Before any restore, the checkpoint's array shapes (Orbax metadata) are compared with the
+target's: a checkpoint written for another model is refused with one line naming the
+config keys that differ (`CheckpointFitError`, exit 2) and nothing on disk changes. Only a
+checkpoint that fails to *read* (truncated or corrupted files, unreadable metadata) counts
+as damaged: it is reported in one line, moved aside (`<step>.unreadable-<time>`), and the
+previous one is used.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import pathlib
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -30,14 +38,31 @@ from jax.experimental import multihost_utils
 from jaxinfra.config import CheckpointConfig
 from jaxinfra.state import TrainState
 
-log = logging.getLogger("jaxinfra.checkpoint")
-
 
 class CheckpointError(RuntimeError):
     """No usable checkpoint where one was required; one line naming the path."""
 
 
-def _exchange_json(local: dict[str, Any]) -> dict[str, Any]:
+class CheckpointFitError(CheckpointError):
+    """The checkpoint is intact but was written for other shapes (another config): refused, never moved."""
+
+
+@contextlib.contextmanager
+def _quiet_orbax() -> Iterator[None]:
+    """Orbax warns (absl) about metadata files it does not need here, and logs each failed read's
+    traceback; the caller reports every failure in one line of its own."""
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        absl_logger.setLevel(level)
+
+
+def exchange_json(local: dict[str, Any]) -> dict[str, Any]:
     """Merge small per-process dicts so every process holds the union (JSON through uint8 arrays)."""
     if jax.process_count() == 1:
         return dict(local)
@@ -64,6 +89,65 @@ def abstract_with_shardings(abstract: TrainState, shardings: TrainState) -> Trai
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
 
+def _saved_shapes(step_dir: pathlib.Path, item: str = "state") -> dict[str, tuple[int, ...]]:
+    """Flat 'a/b/c' -> shape of every array in a saved item, from Orbax's metadata (no array is read)."""
+    from etils import epath
+
+    with _quiet_orbax():
+        tree = ocp.StandardCheckpointHandler().metadata(epath.Path(step_dir / item))
+    return {k: tuple(v.shape) for k, v in ocp.tree.to_flat_dict(getattr(tree, "tree", tree), sep="/").items()}
+
+
+def _saved_config(step_dir: pathlib.Path) -> dict[str, Any]:
+    """The resolved config stored in a checkpoint's meta ({} if it holds none, e.g. an old or imported one)."""
+    import yaml
+
+    path = step_dir / "meta" / "metadata"
+    if not path.is_file():
+        return {}
+    text = json.loads(path.read_text()).get("config")
+    return yaml.safe_load(text) or {} if text else {}
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        out.update(_flat(value, name + ".") if isinstance(value, dict) else {name: value})
+    return out
+
+
+def config_changes(saved: dict[str, Any], current: dict[str, Any], sections: tuple[str, ...]) -> list[str]:
+    """'key: saved -> current' for each differing key of `sections` (nested config dicts)."""
+    old, new = _flat({k: saved.get(k, {}) for k in sections}), _flat({k: current.get(k, {}) for k in sections})
+    return [f"{k}: {old.get(k)} -> {new.get(k)}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+
+
+def check_fits(step_dir: pathlib.Path, target: Any, current_config: dict[str, Any] | None,
+               item_prefix: str = "") -> None:
+    """CheckpointFitError if the arrays saved in `step_dir` do not have the target's names and shapes.
+
+    `target` is a tree of ShapeDtypeStructs (the whole TrainState, or the params alone with
+    item_prefix="params/"). I/O and format errors propagate: the caller counts them as damage.
+    """
+    saved = _saved_shapes(step_dir)
+    wanted = {item_prefix + k: tuple(v.shape) for k, v in ocp.tree.to_flat_dict(target, sep="/").items()}
+    if item_prefix:
+        saved = {k: v for k, v in saved.items() if k.startswith(item_prefix)}
+    bad = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
+    if not bad:
+        return
+    saved_config = _saved_config(step_dir) if current_config else {}
+    changes = config_changes(saved_config, current_config, ("model",)) if saved_config else []
+    first = bad[0]
+    detail = (f"config keys {'; '.join(changes[:6])}" if changes else
+              f"{len(bad)} arrays differ, e.g. {first}: saved {saved.get(first, 'absent')}, wanted "
+              f"{wanted.get(first, 'absent')}")
+    raise CheckpointFitError(
+        f"checkpoint {step_dir} was written for another model ({detail}); nothing was changed: rerun with the "
+        f"config it was written with, or choose a new --run-dir")
+
+
 class Checkpointer:
     """Async save every `cfg.every` steps (and on demand), keep the newest `cfg.keep`."""
 
@@ -85,42 +169,50 @@ class Checkpointer:
     def save(self, step: int, state: TrainState, data_states: dict[str, Any], meta: dict[str, Any],
              metrics: dict[str, float] | None = None) -> None:
         """Start an async save of `state` at loop step `step`; returns once device arrays are copied."""
-        data = _exchange_json({str(k): v for k, v in data_states.items()})
+        data = exchange_json({str(k): v for k, v in data_states.items()})
         self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data), meta=ocp.args.JsonSave(meta)),
             metrics=metrics, force=True)
 
     def restore(self, step: int, target: TrainState) -> tuple[TrainState, dict[str, Any], dict[str, Any]]:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # Orbax warns about sharding metadata it does not need here
+        with _quiet_orbax():
             out = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
         return out["state"], dict(out["data"]), dict(out["meta"])
 
-    def restore_latest(self, target: TrainState) -> tuple[int, TrainState, dict[str, Any], dict[str, Any]] | None:
-        """Newest checkpoint that restores; unreadable ones are reported and skipped. None if there is none."""
+    def restore_latest(self, target: TrainState, config: dict[str, Any] | None = None,
+                       ) -> tuple[int, TrainState, dict[str, Any], dict[str, Any]] | None:
+        """Newest checkpoint that restores, or None if there is none.
+
+        One that does not fit the target (another model) raises CheckpointFitError before anything
+        moves; an unreadable one is reported, moved aside, and the previous one is tried.
+        """
         for step in reversed(self.steps()):
+            step_dir = self.directory / str(step)
             try:
+                check_fits(step_dir, target, config)
                 state, data, meta = self.restore(step, target)
-            except Exception as e:  # tensorstore / json / shape errors all mean "this one is unusable"
-                aside = self.directory / f"{step}.unreadable"
-                print(f"jaxinfra: warning: checkpoint {self.directory / str(step)} is unreadable ({_reason(e)}); "
-                      f"moved to {aside.name}, trying the previous one", flush=True)
-                self._move_aside(step, aside)
+            except CheckpointFitError:
+                raise
+            except Exception as e:  # tensorstore / json / metadata errors: the files are damaged
+                aside = self._move_aside(step)
+                print(f"jaxinfra: warning: checkpoint {step_dir} is unreadable ({_reason(e)}); moved to "
+                      f"{aside}, trying the previous one", flush=True)
                 continue
             return step, state, data, meta
         return None
 
-    def _move_aside(self, step: int, aside: pathlib.Path) -> None:
-        """Keep the evidence, but out of the way: it must not be 'latest' or block a new save of that step."""
+    def _move_aside(self, step: int) -> pathlib.Path:
+        """Keep the evidence, but out of the way: it must not be 'latest' or block a new save of that step.
+        Every process computes the same name from process 0's clock; returns the new path."""
+        stamp = int(exchange_json({"t": int(time.time())} if jax.process_index() == 0 else {})["t"])
+        aside = self.directory / f"{step}.unreadable-{stamp}"
         if jax.process_index() == 0:
-            (self.directory / str(step)).rename(aside.with_name(f"{aside.name}-{int(time.time())}"))
+            (self.directory / str(step)).rename(aside)
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices(f"jaxinfra-checkpoint-aside-{step}")
         self.manager.reload()
-
-    def wait(self) -> None:
-        self.manager.wait_until_finished()
+        return aside
 
     def close(self) -> None:
         self.manager.wait_until_finished()
@@ -153,15 +245,21 @@ def is_params_only(directory: str | pathlib.Path) -> bool:
     return False
 
 
-def restore_params(directory: str | pathlib.Path, target_params: Any, step: int | None = None) -> tuple[int, Any]:
+def restore_params(directory: str | pathlib.Path, target_params: Any, step: int | None = None,
+                   config: dict[str, Any] | None = None) -> tuple[int, Any]:
     """Params only from the newest readable checkpoint under `directory` (a run dir, its
-    checkpoints/, or one step directory RUN/checkpoints/N), or from checkpoint `step` alone."""
+    checkpoints/, or one step directory RUN/checkpoints/N), or from checkpoint `step` alone.
+
+    Like `Checkpointer.restore_latest`: params of other shapes raise CheckpointFitError (naming the
+    differing keys of `config`, the current resolved config as a dict); an unreadable checkpoint is
+    reported and the previous one tried (left in place: this path only reads)."""
     directory, only_step = _checkpoints_dir(directory)
     step = only_step if step is None else step
     if not directory.is_dir():
         raise CheckpointError(f"no checkpoint directory at {directory}")
-    manager = ocp.CheckpointManager(directory.absolute(), options=ocp.CheckpointManagerOptions(read_only=True, create=False),
-                                    item_names=("state", "data", "meta"))
+    with _quiet_orbax():  # read_only=True makes Orbax log "Given directory is read only" even when it is not
+        manager = ocp.CheckpointManager(directory.absolute(), item_names=("state", "data", "meta"),
+                                        options=ocp.CheckpointManagerOptions(read_only=True, create=False))
     steps = sorted(manager.all_steps(), reverse=True)
     if step is not None:
         if step not in steps:
@@ -169,8 +267,8 @@ def restore_params(directory: str | pathlib.Path, target_params: Any, step: int 
         steps = [step]
     for step in steps:
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
+            check_fits(directory / str(step), target_params, config, item_prefix="params/")
+            with _quiet_orbax():
                 restored = manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.PyTreeRestore(
                         item={"params": target_params},
@@ -178,6 +276,8 @@ def restore_params(directory: str | pathlib.Path, target_params: Any, step: int 
                                                   {"params": target_params}),
                         partial_restore=True)))
             return step, restored["state"]["params"]
+        except CheckpointFitError:
+            raise
         except Exception as e:
             print(f"jaxinfra: warning: checkpoint {directory / str(step)} is unreadable ({_reason(e)}); "
                   f"trying the previous one", flush=True)

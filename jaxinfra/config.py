@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.resources
+import math
 import pathlib
 import types
 import typing
@@ -296,8 +297,23 @@ def _to_plain(obj: Any) -> Any:
 # ---------------------------------------------------------------- consistency
 
 
+def _non_finite(tree: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted keys whose value (or any list element) is a NaN or infinite number."""
+    bad = []
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            bad += _non_finite(value, name + ".")
+        elif any(isinstance(v, float) and not math.isfinite(v) for v in (value if isinstance(value, list) else [value])):
+            bad.append(f"{name}={value}")
+    return bad
+
+
 def validate(cfg: Config, device_count: int | None = None) -> None:
     """Cross-field checks; with device_count also the mesh checks."""
+    bad = _non_finite(cfg.to_dict())  # every section, new ones included: NaN or inf is never a setting
+    if bad:
+        raise ConfigError(f"{bad[0]} is invalid: numbers in the config must be finite")
     for section, problems in (("model", cfg.model.problems()), ("data", cfg.data.problems())):
         for key, value, allowed in problems:
             raise ConfigError(f"{section}.{key}={value!r} is invalid: must be {allowed}")

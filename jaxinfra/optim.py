@@ -67,3 +67,16 @@ def make_optimizer(opt: OptimizerConfig, schedule: optax.Schedule) -> optax.Grad
 
 def global_norm(tree: Any) -> jax.Array:
     return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
+def tree_all_finite(tree: Any) -> jax.Array:
+    """A boolean scalar: every element of every array in `tree` is finite."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+_all_finite_jit = jax.jit(tree_all_finite)
+
+
+def all_finite(tree: Any) -> bool:
+    """`tree_all_finite` on the host's side: one jitted reduction, one sync."""
+    return bool(_all_finite_jit(tree))

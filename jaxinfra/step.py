@@ -11,7 +11,7 @@ import optax
 from flax import nnx
 
 from jaxinfra.loss import add_moe_sums, cross_entropy_sums, moe_metrics
-from jaxinfra.optim import global_norm
+from jaxinfra.optim import global_norm, tree_all_finite
 from jaxinfra.state import TrainState
 from models import ModelConfig
 from models.router import apply_bias_updates
@@ -32,8 +32,8 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig, tx: optax.Gradient
     """One optimizer step over `grad_accum_steps` microbatches.
 
     Gradients of token *sums* are accumulated and divided once by the total token
-    count, so accumulation gives exactly the large-batch gradient. A step whose loss
-    or gradient norm is not finite leaves params and optimizer state unchanged
+    count, so accumulation gives exactly the large-batch gradient. A step whose loss,
+    gradient norm or new params are not finite leaves params and optimizer state unchanged
     (`state.step` still counts it) and reports `nonfinite=1`. `nan_steps` injects
     NaN gradients at those (1-based) steps, for fault-tolerance tests.
     """
@@ -65,13 +65,15 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig, tx: optax.Gradient
             scale = jnp.where(jnp.isin(state.step + 1, jnp.asarray(nan_steps)), jnp.nan, scale)
         grads = jax.tree.map(lambda g: g * scale, grads)
         grad_norm = global_norm(grads)
-        finite = jnp.isfinite(sums["loss_sum"]) & jnp.isfinite(grad_norm)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         # DeepSeek-V3 aux-loss-free balancing: outside the gradient. With a fixed (imported) bias,
         # rate 0 restores it exactly, so neither the optimizer nor weight decay ever moves it.
         if cfg.moe_bias_update_rate or cfg.moe_router_bias:
             params = apply_bias_updates(params, state.params, sums["moe_counts"], cfg.moe_bias_update_rate)
+        # The new params too: a NaN/inf learning rate or optimizer state poisons them while the loss
+        # and gradients of the step still look finite.
+        finite = jnp.isfinite(sums["loss_sum"]) & jnp.isfinite(grad_norm) & tree_all_finite(params)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
         metrics = {
             "loss": sums["ce_sum"] / tokens,

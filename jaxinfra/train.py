@@ -12,6 +12,7 @@ resume); 3 diverged (`train.max_bad_steps` consecutive non-finite steps); 70 hun
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import signal
@@ -19,13 +20,13 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxinfra.checkpoint import (Checkpointer, CheckpointError, abstract_with_shardings, is_params_only,
+from jaxinfra.checkpoint import (Checkpointer, CheckpointError, abstract_with_shardings, exchange_json, is_params_only,
                                  restore_params)
 from jaxinfra.config import Config
 from jaxinfra.data import make_eval_batches, make_train_iterator, row_states, set_row_states
@@ -38,10 +39,34 @@ from jaxinfra.metrics import (
     peak_flops_per_device,
     write_summary,
 )
+from jaxinfra.rundir import RunDirError, RunDirLock, check_run_dir
 from jaxinfra.runtime import build_runtime
+from jaxinfra.optim import all_finite
 from jaxinfra.state import TrainState, abstract_state, bytes_per_device
-from jaxinfra.exits import EXIT_DIVERGED, EXIT_HUNG, EXIT_OK, EXIT_PREEMPTED
+from jaxinfra.exits import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_HUNG, EXIT_OK, EXIT_PREEMPTED, bad_input_errors
 from jaxinfra.watchdog import Watchdog
+
+
+@dataclasses.dataclass
+class _Loop:
+    """What the training loop carries from step to step on the host."""
+
+    start_step: int
+    step: int
+    state: TrainState
+    first_eval: float | None = None
+    evals: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    pending_flags: list[jax.Array] = dataclasses.field(default_factory=list)  # non-finite flags since the last sync
+    bad_in_a_row: int = 0
+    skipped: int = 0
+    started: float = 0.0
+    compile_s: float | None = None
+    window_start: float = 0.0
+    window_steps: int = 0
+    last: dict[str, float] = dataclasses.field(default_factory=dict)  # the newest metrics line
+    step_rates: list[float] = dataclasses.field(default_factory=list)
+    exit_code: int = EXIT_OK
+    saved_at: int | None = None
 
 
 class Trainer:
@@ -49,13 +74,37 @@ class Trainer:
 
     def __init__(self, cfg: Config, run_dir: str | os.PathLike, devices: Sequence[jax.Device] | None = None,
                  restore_from: str | os.PathLike | None = None):
+        self.cfg = cfg
+        self.run_dir = check_run_dir(run_dir)  # ordinary path mistakes fail here, before anything compiles
+        self.is_main = jax.process_index() == 0
+        self.lock = RunDirLock(self.run_dir)
+        self._take_lock()  # before the Checkpointer, which cleans up temporary directories of a live run
+        try:
+            self._build(devices, restore_from)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _take_lock(self) -> None:
+        """Process 0 takes the run dir's lock; in a multi-process run every process learns the outcome,
+        so a refusal is the same one-line error (exit 2) everywhere instead of a peer left waiting."""
+        refusal = ""
+        if self.is_main:
+            try:
+                self.lock.acquire()
+            except RunDirError as e:
+                refusal = str(e)
+        if jax.process_count() > 1:
+            refusal = exchange_json({"refusal": refusal} if self.is_main else {})["refusal"]
+        if refusal:
+            raise RunDirError(refusal)
+
+    def _build(self, devices: Sequence[jax.Device] | None, restore_from: str | os.PathLike | None) -> None:
+        cfg, t = self.cfg, self.cfg.train
         self.devices = list(devices) if devices is not None else jax.devices()
         self.rt = build_runtime(cfg, self.devices)
-        self.cfg = cfg
-        self.run_dir = pathlib.Path(run_dir)
         self.mesh = self.rt.mesh
         self.restore_from = restore_from
-        t = cfg.train
         self.local_rows = t.batch_size // jax.process_count()
         self.first_row = jax.process_index() * self.local_rows
         data_args = dict(seq_len=t.seq_len, global_batch_size=t.batch_size, vocab_size=cfg.model.vocab_size,
@@ -87,7 +136,7 @@ class Trainer:
         if self.ckpt is not None and self.ckpt.steps():
             if is_params_only(self.run_dir):  # the run dir is an import itself (hf import OUT; train --run-dir OUT)
                 return self._from_params(self.run_dir, "the run directory")
-            found = self.ckpt.restore_latest(self._target())
+            found = self.ckpt.restore_latest(self._target(), self.cfg.to_dict())
             if found is None:
                 raise CheckpointError(f"every checkpoint under {self.ckpt.directory} is unreadable; move them "
                                       f"aside to start afresh")
@@ -100,8 +149,10 @@ class Trainer:
             source = pathlib.Path(self.restore_from)
             other = Checkpointer(source / "checkpoints" if (source / "checkpoints").is_dir() else source,
                                  self.cfg.checkpoint)
-            found = other.restore_latest(self._target())
-            other.close()
+            try:
+                found = other.restore_latest(self._target(), self.cfg.to_dict())
+            finally:
+                other.close()
             if found is None:
                 raise CheckpointError(f"--restore {self.restore_from}: no readable checkpoint there")
             return self._resume(*found)
@@ -113,7 +164,7 @@ class Trainer:
         if params_only is not None and jax.process_index() == 0:
             print(f"jaxinfra: {params_only} holds params only (e.g. an HF import); starting from them with a "
                   f"fresh optimizer at step 0 (as checkpoint.restore=params)", flush=True)
-        _, params = restore_params(source, self._target().params)
+        _, params = restore_params(source, self._target().params, config=self.cfg.to_dict())
         state = self.rt.init_state()
         return 0, TrainState(step=state.step, params=params, opt_state=state.opt_state), {}
 
@@ -125,13 +176,22 @@ class Trainer:
             set_row_states(self.train_iter, data, self.first_row, self.local_rows)
         return step, state, meta
 
-    def save(self, step: int, state: TrainState, meta: dict[str, Any], metrics: dict | None = None) -> float:
-        """Start an async checkpoint; returns the seconds the loop was blocked."""
+    def save(self, step: int, state: TrainState, meta: dict[str, Any], metrics: dict | None = None) -> float | None:
+        """Start an async checkpoint; returns the seconds the loop was blocked, or None if the params are
+        not finite (the step guard should make that impossible; a poisoned state is never saved)."""
         start = time.perf_counter()
+        if not all_finite(state.params):
+            self._say_warning(f"jaxinfra: warning: step {step}: the params hold NaN or inf; no checkpoint written, "
+                              f"the last good one is kept")
+            return None
         meta = {**meta, "step": step, "global_batch": self.cfg.train.batch_size, "seq_len": self.cfg.train.seq_len,
                 "process_count": jax.process_count(), "config": self.cfg.to_yaml()}
         self.ckpt.save(step, state, row_states(self.train_iter, self.first_row), meta, metrics)
         return time.perf_counter() - start
+
+    def _say_warning(self, text: str) -> None:
+        if self.is_main:
+            print(text, flush=True)
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -163,161 +223,211 @@ class Trainer:
     # ------------------------------------------------------------ loop
 
     def run(self) -> dict[str, Any]:
-        cfg, t = self.cfg, self.cfg.train
-        is_main = jax.process_index() == 0
-        if is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
-        n_dev = len(self.devices)
-        fpt = flops_per_token(cfg.model, t.seq_len)
-        override = cfg.log.peak_tflops * 1e12 if cfg.log.peak_tflops else None
-        peak, peak_source = peak_flops_per_device(self.devices[0], cfg.model.dtype, override)
-        tokens_per_step = t.batch_size * t.seq_len
-        counts = param_counts(cfg.model)
+        """Train from the initial state to `train.steps` (or a stop); returns the run summary."""
+        try:
+            return self._run()
+        finally:
+            self.lock.release()
 
-        logger = MetricsLogger(self.run_dir, tensorboard=cfg.log.tensorboard) if is_main else None
-        start_step, state, meta = self.initial_state()
-        bar = ProgressBar(t.steps, initial=start_step, enabled=cfg.log.progress and is_main)
-        say = bar.write if is_main else (lambda _: None)
-        log = logger.log if logger is not None else (lambda *_: None)
-        say(f"jaxinfra: {counts['total'] / 1e6:.2f}M params, mesh {dict(self.mesh.shape)}, "
-            f"{n_dev} x {self.devices[0].device_kind}, peak {peak / 1e12:.3g} TFLOP/s/device ({peak_source}), "
-            f"run dir {self.run_dir}" + (f", resumed at step {start_step}" if start_step else ""))
-
-        evals: list[tuple[int, float]] = []
-        has_eval = bool(self.eval_batches)  # data.eval_batches=0: no held-out evaluation at all
-        if start_step == 0 and has_eval:
-            evals.append((0, self.evaluate(state)))
-            log(0, {"eval_loss": evals[0][1]})
-            say(f"step 0: eval_loss {evals[0][1]:.4f}")
-        first_eval = meta.get("first_eval_loss", evals[0][1] if evals else None)
-
+    def _run(self) -> dict[str, Any]:
+        start_step, state, meta = self.initial_state()  # before anything is written: a refusal changes nothing
+        self._open_outputs(start_step)
+        loop = _Loop(start_step=start_step, step=start_step, state=state)
+        self._header(start_step)
+        self._first_eval(loop, meta)
         self._install_signal_handlers()
-        watchdog = self.watchdog = Watchdog(t.step_timeout_s, process_index=jax.process_index())
+        self.watchdog = Watchdog(self.cfg.train.step_timeout_s, process_index=jax.process_index())
         batches = self.batches()
-        start = time.perf_counter()
-        compile_s = None
-        window_start, window_steps = time.perf_counter(), 0
-        last: dict[str, float] = {}
-        step_rates: list[float] = []
-        pending_flags: list[jax.Array] = []
-        bad_in_a_row = skipped = 0
-        exit_code, step = EXIT_OK, start_step
-        saved_at = None
-        for step in range(start_step + 1, t.steps + 1):
-            watchdog.progress(step, "data")
-            batch = next(batches)
-            watchdog.progress(step, "step")
-            state, metrics = self.rt.train_step(state, batch)
-            pending_flags.append(metrics["nonfinite"])
-            window_steps += 1
-            if compile_s is None:  # the first step compiles; time the rest from its end
-                jax.block_until_ready(metrics)
-                compile_s = time.perf_counter() - start
-                window_start, window_steps = time.perf_counter(), 0
-                watchdog.arm()
-            log_now = step % cfg.log.every == 0 or step == t.steps
-            if log_now:
-                watchdog.progress(step, "sync (device step / collectives)")
-                host, flags = jax.device_get((metrics, pending_flags))
-                pending_flags = []
-                for flag in flags:
-                    bad_in_a_row = bad_in_a_row + 1 if flag else 0
-                    skipped += int(flag)
-                now = time.perf_counter()
-                step_time = (now - window_start) / window_steps if window_steps else compile_s
-                window_start, window_steps = now, 0
-                tps = tokens_per_step / step_time
-                line = {
-                    "loss": float(host["loss"]), "lr": float(host["lr"]), "grad_norm": float(host["grad_norm"]),
-                    "tokens_per_s": tps, "tflops_per_device": tps / n_dev * fpt / 1e12,
-                    "mfu": mfu(tps / n_dev, fpt, peak), "step_time_s": step_time, "skipped_steps": skipped,
-                }
-                if cfg.model.z_loss_weight:
-                    line["z_loss"] = float(host["z_loss"])
-                line.update({k: float(v) for k, v in host.items() if k.startswith("moe_")})  # MoE router stats
-                if step_time != compile_s:
-                    step_rates.append(tps)
-                log(step, line)
-                bar.update(step, line)
-                last = line
-                if bad_in_a_row >= t.max_bad_steps:
-                    say(f"jaxinfra: error: {bad_in_a_row} consecutive steps had non-finite loss or gradients "
-                        f"(train.max_bad_steps={t.max_bad_steps}); stopping at step {step}; updates from those "
-                        f"steps were skipped and the last good checkpoint is kept")
-                    exit_code = EXIT_DIVERGED
-                    break
-            if has_eval and ((t.eval_every and step % t.eval_every == 0) or step == t.steps):
-                watchdog.progress(step, "eval")
-                eval_loss = self.evaluate(state)
-                evals.append((step, eval_loss))
-                log(step, {"eval_loss": eval_loss})
-                say(f"step {step}: eval_loss {eval_loss:.4f}")
-            stop = self._stop_requested(sync=log_now)
-            periodic = self.ckpt is not None and cfg.checkpoint.every and step % cfg.checkpoint.every == 0
-            if self.ckpt is not None and (periodic or stop or step == t.steps):
-                watchdog.progress(step, "checkpoint")
-                metrics_for_best = {"eval_loss": evals[-1][1]} if evals and evals[-1][0] == step else None
-                blocked = self.save(step, state, {"first_eval_loss": first_eval}, metrics_for_best)
-                saved_at = step
-                log(step, {"checkpoint_block_s": blocked})
-            if stop:
-                exit_code = EXIT_PREEMPTED
-                say(f"jaxinfra: stopping at step {step} on signal {self._signal}; checkpoint "
-                    f"{'committing' if saved_at == step else 'disabled'}; rerun the same command to resume")
+        loop.started = time.perf_counter()
+        for step in range(start_step + 1, self.cfg.train.steps + 1):
+            loop.step = step
+            if not self._train_one_step(loop, step, batches):
                 break
-        watchdog.progress(step, "checkpoint (waiting for commit)")
+        return self._finish(loop)
+
+    def _open_outputs(self, start_step: int) -> None:
+        """config.yaml, metrics.jsonl (cut back to the resumed step) and TensorBoard, process 0 only."""
+        self.logger = None
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(self.cfg.to_yaml())
+            self.logger = MetricsLogger(self.run_dir, tensorboard=self.cfg.log.tensorboard, resume_step=start_step)
+        self.bar = ProgressBar(self.cfg.train.steps, initial=start_step, enabled=self.cfg.log.progress and self.is_main)
+
+    def _say(self, text: str) -> None:
+        if self.is_main:
+            self.bar.write(text)
+
+    def _log(self, step: int, line: dict[str, Any]) -> None:
+        if self.logger is not None:
+            self.logger.log(step, line)
+
+    def _header(self, start_step: int) -> None:
+        cfg = self.cfg
+        self.fpt = flops_per_token(cfg.model, cfg.train.seq_len)
+        override = cfg.log.peak_tflops * 1e12 if cfg.log.peak_tflops else None
+        self.peak, self.peak_source = peak_flops_per_device(self.devices[0], cfg.model.dtype, override)
+        self.counts = param_counts(cfg.model)
+        self._say(f"jaxinfra: {self.counts['total'] / 1e6:.2f}M params, mesh {dict(self.mesh.shape)}, "
+                  f"{len(self.devices)} x {self.devices[0].device_kind}, peak {self.peak / 1e12:.3g} TFLOP/s/device "
+                  f"({self.peak_source}), run dir {self.run_dir}"
+                  + (f", resumed at step {start_step}" if start_step else ""))
+
+    def _first_eval(self, loop: _Loop, meta: dict[str, Any]) -> None:
+        self.has_eval = bool(self.eval_batches)  # data.eval_batches=0: no held-out evaluation at all
+        if loop.start_step == 0 and self.has_eval:
+            self._record_eval(loop, 0)
+        loop.first_eval = meta.get("first_eval_loss", loop.evals[0][1] if loop.evals else None)
+
+    def _record_eval(self, loop: _Loop, step: int) -> None:
+        eval_loss = self.evaluate(loop.state)
+        loop.evals.append((step, eval_loss))
+        self._log(step, {"eval_loss": eval_loss})
+        self._say(f"step {step}: eval_loss {eval_loss:.4f}")
+
+    def _train_one_step(self, loop: _Loop, step: int, batches: Iterator[dict[str, jax.Array]]) -> bool:
+        """Dispatch one step, then its log point, evaluation and checkpoint; False ends the loop."""
+        t, watchdog = self.cfg.train, self.watchdog
+        watchdog.progress(step, "data")
+        batch = next(batches)
+        watchdog.progress(step, "step")
+        loop.state, metrics = self.rt.train_step(loop.state, batch)
+        loop.pending_flags.append(metrics["nonfinite"])
+        loop.window_steps += 1
+        if loop.compile_s is None:  # the first step compiles; time the rest from its end
+            jax.block_until_ready(metrics)
+            loop.compile_s = time.perf_counter() - loop.started
+            loop.window_start, loop.window_steps = time.perf_counter(), 0
+            watchdog.arm()
+        log_now = step % self.cfg.log.every == 0 or step == t.steps
+        if log_now:
+            self._log_point(loop, step, metrics)
+            if loop.bad_in_a_row >= t.max_bad_steps:
+                self._say(f"jaxinfra: error: {loop.bad_in_a_row} consecutive steps had non-finite loss, gradients "
+                          f"or updates (train.max_bad_steps={t.max_bad_steps}); stopping at step {step}; updates "
+                          f"from those steps were skipped and the last good checkpoint is kept")
+                loop.exit_code = EXIT_DIVERGED
+                return False
+        if self.has_eval and ((t.eval_every and step % t.eval_every == 0) or step == t.steps):
+            watchdog.progress(step, "eval")
+            self._record_eval(loop, step)
+        return self._checkpoint_or_stop(loop, step, sync=log_now)
+
+    def _log_point(self, loop: _Loop, step: int, metrics: dict[str, jax.Array]) -> None:
+        """The loop's host sync: count skipped steps and write one metrics line."""
+        self.watchdog.progress(step, "sync (device step / collectives)")
+        host, flags = jax.device_get((metrics, loop.pending_flags))
+        loop.pending_flags = []
+        for flag in flags:
+            loop.bad_in_a_row = loop.bad_in_a_row + 1 if flag else 0
+            loop.skipped += int(flag)
+        now = time.perf_counter()
+        step_time = (now - loop.window_start) / loop.window_steps if loop.window_steps else loop.compile_s
+        loop.window_start, loop.window_steps = now, 0
+        line = self._metrics_line(host, step_time, loop.skipped)
+        if step_time != loop.compile_s:
+            loop.step_rates.append(line["tokens_per_s"])
+        self._log(step, line)
+        self.bar.update(step, line)
+        loop.last = line
+
+    def _metrics_line(self, host: dict[str, Any], step_time: float, skipped: int) -> dict[str, float]:
+        n_dev = len(self.devices)
+        tps = self.cfg.train.batch_size * self.cfg.train.seq_len / step_time
+        line = {
+            "loss": float(host["loss"]), "lr": float(host["lr"]), "grad_norm": float(host["grad_norm"]),
+            "tokens_per_s": tps, "tflops_per_device": tps / n_dev * self.fpt / 1e12,
+            "mfu": mfu(tps / n_dev, self.fpt, self.peak), "step_time_s": step_time, "skipped_steps": skipped,
+        }
+        if self.cfg.model.z_loss_weight:
+            line["z_loss"] = float(host["z_loss"])
+        line.update({k: float(v) for k, v in host.items() if k.startswith("moe_")})  # MoE router stats
+        return line
+
+    def _checkpoint_or_stop(self, loop: _Loop, step: int, sync: bool) -> bool:
+        """Save when due (periodic, last step, or a stop request); False when a signal asks to stop."""
+        ckpt_cfg = self.cfg.checkpoint
+        stop = self._stop_requested(sync=sync)
+        periodic = self.ckpt is not None and ckpt_cfg.every and step % ckpt_cfg.every == 0
+        if self.ckpt is not None and (periodic or stop or step == self.cfg.train.steps):
+            self.watchdog.progress(step, "checkpoint")
+            metrics_for_best = {"eval_loss": loop.evals[-1][1]} if loop.evals and loop.evals[-1][0] == step else None
+            blocked = self.save(step, loop.state, {"first_eval_loss": loop.first_eval}, metrics_for_best)
+            if blocked is not None:
+                loop.saved_at = step
+                self._log(step, {"checkpoint_block_s": blocked})
+        if stop:
+            loop.exit_code = EXIT_PREEMPTED
+            self._say(f"jaxinfra: stopping at step {step} on signal {self._signal}; checkpoint "
+                      f"{'committing' if loop.saved_at == step else 'disabled' if self.ckpt is None else 'not written'}"
+                      f"; rerun the same command to resume")
+        return not stop
+
+    def _finish(self, loop: _Loop) -> dict[str, Any]:
+        """Wait for the last checkpoint, close the outputs, write and return the summary."""
+        self.watchdog.progress(loop.step, "checkpoint (waiting for commit)")
         if self.ckpt is not None:
             self.ckpt.close()
-        watchdog.close()
-        bar.close()
-        self.state = state
-        wall = time.perf_counter() - start
-        final_eval = evals[-1][1] if evals else None
-        summary = {
-            "steps": step,
-            "exit_code": exit_code,
-            "resumed_from_step": start_step,
-            "final_loss": last.get("loss"),
+        self.watchdog.close()
+        self.bar.close()
+        self.state = loop.state
+        summary = self._summary(loop, time.perf_counter() - loop.started)
+        if self.is_main:
+            write_summary(self.run_dir, summary)
+            self.logger.close()
+        first, final = summary["first_eval_loss"], summary["final_eval_loss"]
+        if loop.exit_code == EXIT_OK and first is not None and final is not None:
+            self._say(f"done: {loop.step} steps in {summary['wall_s']:.1f}s, eval_loss {first:.4f} -> {final:.4f} "
+                      f"({summary['eval_loss_drop']:.0%} lower), {summary['tokens_per_s'] or 0:.0f} tokens/s")
+        return summary
+
+    def _summary(self, loop: _Loop, wall: float) -> dict[str, Any]:
+        first_eval, final_eval = loop.first_eval, loop.evals[-1][1] if loop.evals else None
+        return {
+            "steps": loop.step,
+            "exit_code": loop.exit_code,
+            "resumed_from_step": loop.start_step,
+            "final_loss": loop.last.get("loss"),
             "first_eval_loss": first_eval,
             "final_eval_loss": final_eval,
             "eval_loss_drop": (1 - final_eval / first_eval) if first_eval and final_eval else None,
-            "skipped_steps": skipped,
-            "tokens_per_s": float(np.median(step_rates)) if step_rates else last.get("tokens_per_s"),
-            "mfu": last.get("mfu"),
-            "flops_per_token": fpt,
-            "peak_flops_per_device": peak,
-            "peak_source": peak_source,
-            "compile_s": compile_s,
+            "skipped_steps": loop.skipped,
+            "tokens_per_s": float(np.median(loop.step_rates)) if loop.step_rates else loop.last.get("tokens_per_s"),
+            "mfu": loop.last.get("mfu"),
+            "flops_per_token": self.fpt,
+            "peak_flops_per_device": self.peak,
+            "peak_source": self.peak_source,
+            "compile_s": loop.compile_s,
             "wall_s": wall,
-            "params": counts,
-            "param_bytes_per_device": bytes_per_device(state.params),
-            "opt_state_bytes_per_device": bytes_per_device(state.opt_state),
+            "params": self.counts,
+            "param_bytes_per_device": bytes_per_device(loop.state.params),
+            "opt_state_bytes_per_device": bytes_per_device(loop.state.opt_state),
             "mesh": dict(self.mesh.shape),
-            "devices": n_dev,
+            "devices": len(self.devices),
         }
-        if is_main:
-            write_summary(self.run_dir, summary)
-            logger.close()
-        if exit_code == EXIT_OK and first_eval is not None and final_eval is not None:
-            say(f"done: {step} steps in {wall:.1f}s, eval_loss {first_eval:.4f} -> {final_eval:.4f} "
-                f"({summary['eval_loss_drop']:.0%} lower), {summary['tokens_per_s'] or 0:.0f} tokens/s")
-        return summary
 
 
 def train(cfg: Config, run_dir: str | os.PathLike, devices: Sequence[jax.Device] | None = None,
           restore_from: str | os.PathLike | None = None) -> dict[str, Any]:
     """Train (or resume) from a validated config; returns the run summary (also written to summary.json)."""
-    trainer = Trainer(cfg, run_dir, devices, restore_from)
     if jax.process_count() == 1:
-        return trainer.run()
+        return Trainer(cfg, run_dir, devices, restore_from).run()
+    trainer = None
     try:
+        trainer = Trainer(cfg, run_dir, devices, restore_from)
         return trainer.run()
+    except bad_input_errors() as e:
+        # Every process reads the same config and checkpoint, so each one says the same line.
+        _leave(EXIT_BAD_INPUT, f"jaxinfra: error: {e}")
     except Exception as e:
-        # A failed collective (a peer died) leaves this process unable to shut down cleanly: jax's
-        # exit hook would wait for the dead peer. Report in one line and leave now.
-        print(f"jaxinfra: error: process {jax.process_index()} failed at step {trainer.watchdog_step}, phase "
-              f"'{trainer.watchdog_phase}': {type(e).__name__}: {str(e).strip().splitlines()[0][:300]} "
-              f"(a peer process may have died); the last committed checkpoint is in {trainer.run_dir}/checkpoints",
-              file=sys.stderr, flush=True)
-        os._exit(EXIT_HUNG)
+        step, phase = (trainer.watchdog_step, trainer.watchdog_phase) if trainer else (0, "start")
+        _leave(EXIT_HUNG, f"jaxinfra: error: process {jax.process_index()} failed at step {step}, phase '{phase}': "
+                          f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]} (a peer process may have "
+                          f"died); the last committed checkpoint is in {pathlib.Path(run_dir)}/checkpoints")
+
+
+def _leave(status: int, line: str) -> NoReturn:
+    """Exit a multi-process run now: jax's exit hook would wait for peers that may be gone or stuck."""
+    print(line, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(status)

@@ -39,13 +39,34 @@ def _json_value(value: Any) -> Any:
     return value  # anything else: json.dumps decides (and fails loudly if it must)
 
 
+def _truncate_jsonl(path: pathlib.Path, resume_step: int) -> None:
+    """Keep the lines of steps <= resume_step (none when 0), rewriting the file atomically."""
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = [line for line in lines if resume_step and _line_step(line) <= resume_step]
+    if len(kept) == len(lines):
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _line_step(line: str) -> float:
+    try:
+        return float(json.loads(line).get("step", math.inf))
+    except (ValueError, AttributeError):
+        return math.inf  # a torn last line of a killed run: dropped
+
+
 class MetricsLogger:
     """Appends one JSON line per `log` call to run_dir/metrics.jsonl and mirrors the
     scalars to TensorBoard (tensorboardX event files under run_dir).
 
     Non-finite values (NaN, +-inf) are written to the JSONL file as `null`; TensorBoard
     receives the raw float, which its format represents (a NaN loss shows up there).
-    The file is opened in append mode, so a resumed run continues the same file.
+    The file is opened in append mode, so a resumed run continues the same file. With
+    `resume_step=S` the lines a killed run wrote after its checkpoint at step S (which the
+    resumed run writes again) are dropped first, and TensorBoard is told to purge its events
+    after S, so every step appears once in both (S=0, a fresh start: nothing old is kept).
     """
 
     def __init__(
@@ -54,16 +75,21 @@ class MetricsLogger:
         *,
         tensorboard: bool = True,
         jsonl_name: str = "metrics.jsonl",
+        resume_step: int | None = None,
     ) -> None:
         self.run_dir = pathlib.Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.run_dir / jsonl_name
+        resumed = resume_step is not None and self.jsonl_path.is_file()  # an earlier run wrote here
+        if resumed:
+            _truncate_jsonl(self.jsonl_path, resume_step)
         self._file = open(self.jsonl_path, "a", encoding="utf-8")
         self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter  # imported lazily: optional dependency
 
-            self._tb = SummaryWriter(logdir=str(self.run_dir))
+            purge = resume_step + 1 if resumed and resume_step else 0 if resumed else None
+            self._tb = SummaryWriter(logdir=str(self.run_dir), purge_step=purge)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Write `{"step": step, **metrics}`; nothing is added or renamed."""
