@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
 import math
 import pathlib
 from collections.abc import Sequence
@@ -82,26 +80,8 @@ def load_model(path: str | pathlib.Path, overrides: Sequence[str] = (),
     cfg = load_config(str(run_dir / "config.yaml"), list(overrides))
     mesh, rules = inference_mesh(cfg, devices)
     target = abstract_params(cfg.model, mesh, rules)
-    with _without_read_only_notice():
-        _, params = restore_params(ckpt_dir, target, step=step)
+    _, params = restore_params(ckpt_dir, target, step=step, config=cfg.to_dict())
     return cfg, params
-
-
-class _DropReadOnlyNotice(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Given directory is read only")
-
-
-@contextlib.contextmanager
-def _without_read_only_notice():
-    """Orbax logs "Given directory is read only" (absl warning) for every manager opened with
-    read_only=True, as restore_params opens it to avoid writing: untrue of the user's run dir."""
-    logger, notice = logging.getLogger("absl"), _DropReadOnlyNotice()
-    logger.addFilter(notice)
-    try:
-        yield
-    finally:
-        logger.removeFilter(notice)
 
 
 def _place_params(params: nnx.State, mesh: Mesh, rules: ShardingRules) -> nnx.State:
