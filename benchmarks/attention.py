@@ -22,8 +22,8 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes in interpret mode (CPU)")
     parser.add_argument("--budget-s", type=float, default=math.inf, help="sweep: stop timing after this")
     args = parser.parse_args(argv)
-    dry = args.dry_run or not has_gpu() and jax.default_backend() != "tpu"
+    dry = args.dry_run or (not has_gpu() and jax.default_backend() != "tpu")
     if dry and not args.dry_run:
         print(f"# no accelerator ({jax.default_backend()}): dry run with tiny shapes in interpret mode")
     table = DRY_SHAPES if dry else SHAPES

@@ -9,7 +9,8 @@ to stream every parameter once (a jitted sum over all parameter arrays). Decodin
 batch is memory-bound: each step must read all weights (plus the cache), so
 "stream/step" = param-stream time / decode step time is the fraction of that bound reached
 (1.0 = a step costs no more than reading the weights once). Greedy decoding by default (or
-the given sampling settings), no stop id, so every row runs all steps. Figures are medians over `--repeats` timed calls after a warm-up.
+the given sampling settings), no stop id, so every row runs all steps. Figures are medians over
+`--repeats` timed calls after a warm-up.
 """
 
 from __future__ import annotations

@@ -32,17 +32,16 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
             _n = int(sys.argv[i + 1])
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={_n}"
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-from jaxinfra.config import (Config, OptimizerConfig, ParallelismConfig, ScheduleConfig,  # noqa: E402
-                             TrainConfig)
-from jaxinfra.data import DataConfig  # noqa: E402
+from jaxinfra.config import Config, OptimizerConfig, ParallelismConfig, ScheduleConfig, TrainConfig
+from jaxinfra.data import DataConfig
 from jaxinfra.metrics.table import format_table
-from jaxinfra.runtime import build_runtime  # noqa: E402
-from models import ModelConfig  # noqa: E402
-from sharding.mesh import MeshConfig  # noqa: E402
-from sharding.pipeline import Schedule, bubble_fraction  # noqa: E402
+from jaxinfra.runtime import build_runtime
+from models import ModelConfig
+from sharding.mesh import MeshConfig
+from sharding.pipeline import Schedule, bubble_fraction
 
 
 def make_cfg(args: argparse.Namespace, schedule: str | None) -> Config:

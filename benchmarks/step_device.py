@@ -24,15 +24,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from benchmarks.step_cpu import build_step, random_batch  # noqa: E402
-from jaxinfra.config import load_config  # noqa: E402
-from jaxinfra.metrics import flops_per_token, measure_matmul_flops  # noqa: E402
-from jaxinfra.metrics.flops import param_counts  # noqa: E402
-from jaxinfra.metrics.peak import peak_flops_per_device  # noqa: E402
+from benchmarks.step_cpu import build_step, random_batch
+from jaxinfra.config import load_config
+from jaxinfra.metrics import flops_per_token, measure_matmul_flops
+from jaxinfra.metrics.flops import param_counts
+from jaxinfra.metrics.peak import peak_flops_per_device
 from jaxinfra.metrics.table import Column, format_table
 
 COLUMNS = (Column("attention", width=14), Column("remat", width=20), Column("compile s", ".1f", ">", 9),

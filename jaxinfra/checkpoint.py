@@ -194,7 +194,7 @@ class Checkpointer:
                 state, data, meta = self.restore(step, target)
             except CheckpointFitError:
                 raise
-            except Exception as e:  # tensorstore / json / metadata errors: the files are damaged
+            except Exception as e:  # noqa: BLE001 - tensorstore / json / metadata errors: the files are damaged
                 aside = self._move_aside(step)
                 print(f"jaxinfra: warning: checkpoint {step_dir} is unreadable ({_reason(e)}); moved to "
                       f"{aside}, trying the previous one", flush=True)
@@ -278,7 +278,7 @@ def restore_params(directory: str | pathlib.Path, target_params: Any, step: int 
             return step, restored["state"]["params"]
         except CheckpointFitError:
             raise
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any read error: this checkpoint is damaged, try the previous
             print(f"jaxinfra: warning: checkpoint {directory / str(step)} is unreadable ({_reason(e)}); "
                   f"trying the previous one", flush=True)
     raise CheckpointError(f"no readable checkpoint under {directory}")

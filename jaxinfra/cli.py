@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_process_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--coordinator", metavar="HOST:PORT", help="multi-host: process 0's address (or JAX_COORDINATOR_ADDRESS)")
+    p.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="multi-host: process 0's address (or JAX_COORDINATOR_ADDRESS)")
     p.add_argument("--num-processes", type=int, help="multi-host: process count (or JAX_NUM_PROCESSES)")
     p.add_argument("--process-id", type=int, help="multi-host: this process (or JAX_PROCESS_ID)")
 

@@ -25,6 +25,7 @@ from sharding.mesh import MESH_AXES, MeshConfig, MeshError, resolve_mesh_sizes
 from sharding.pipeline import PipelineSettings, Schedule
 from sharding.rules import ContextImpl, Strategy
 
+
 class ConfigError(ValueError):
     """A bad configuration; the message is one line naming the key."""
 
@@ -302,9 +303,10 @@ def _non_finite(tree: dict[str, Any], prefix: str = "") -> list[str]:
     bad = []
     for key, value in tree.items():
         name = f"{prefix}{key}"
+        values = value if isinstance(value, list) else [value]
         if isinstance(value, dict):
             bad += _non_finite(value, name + ".")
-        elif any(isinstance(v, float) and not math.isfinite(v) for v in (value if isinstance(value, list) else [value])):
+        elif any(isinstance(v, float) and not math.isfinite(v) for v in values):
             bad.append(f"{name}={value}")
     return bad
 
@@ -352,7 +354,8 @@ def validate_mesh(cfg: Config, device_count: int | None) -> None:
     for name, axes in cfg.parallelism.rules.items():
         for axis in axes:
             if axis not in MESH_AXES:
-                raise ConfigError(f"parallelism.rules.{name}: unknown mesh axis {axis!r}; choose from {list(MESH_AXES)}")
+                raise ConfigError(f"parallelism.rules.{name}: unknown mesh axis {axis!r}; "
+                                  f"choose from {list(MESH_AXES)}")
     if device_count is None:
         return
     try:

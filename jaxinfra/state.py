@@ -17,8 +17,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from models import ModelConfig, Transformer
 from jaxinfra.config import ParallelismConfig
+from models import ModelConfig, Transformer
 from sharding.rules import ShardingRules, Table, logical_to_mesh, rules_for
 
 

@@ -26,10 +26,17 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxinfra.checkpoint import (Checkpointer, CheckpointError, abstract_with_shardings, exchange_json, is_params_only,
-                                 restore_params)
+from jaxinfra.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    abstract_with_shardings,
+    exchange_json,
+    is_params_only,
+    restore_params,
+)
 from jaxinfra.config import Config
 from jaxinfra.data import make_eval_batches, make_train_iterator, row_states, set_row_states
+from jaxinfra.exits import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_HUNG, EXIT_OK, EXIT_PREEMPTED, bad_input_errors
 from jaxinfra.metrics import (
     MetricsLogger,
     ProgressBar,
@@ -39,11 +46,10 @@ from jaxinfra.metrics import (
     peak_flops_per_device,
     write_summary,
 )
+from jaxinfra.optim import all_finite
 from jaxinfra.rundir import RunDirError, RunDirLock, check_run_dir
 from jaxinfra.runtime import build_runtime
-from jaxinfra.optim import all_finite
 from jaxinfra.state import TrainState, abstract_state, bytes_per_device
-from jaxinfra.exits import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_HUNG, EXIT_OK, EXIT_PREEMPTED, bad_input_errors
 from jaxinfra.watchdog import Watchdog
 
 
@@ -419,7 +425,7 @@ def train(cfg: Config, run_dir: str | os.PathLike, devices: Sequence[jax.Device]
     except bad_input_errors() as e:
         # Every process reads the same config and checkpoint, so each one says the same line.
         _leave(EXIT_BAD_INPUT, f"jaxinfra: error: {e}")
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - anything else here is most likely a lost peer
         step, phase = (trainer.watchdog_step, trainer.watchdog_phase) if trainer else (0, "start")
         _leave(EXIT_HUNG, f"jaxinfra: error: process {jax.process_index()} failed at step {step}, phase '{phase}': "
                           f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]} (a peer process may have "

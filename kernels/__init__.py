@@ -5,8 +5,14 @@ skipping shared by every implementation), `reference` (dense jnp reference / XLA
 `flash` (the custom_vjp), `flash_triton` (GPU), `flash_tpu` (TPU), `block_sizes`.
 """
 
-from kernels.attention import (IMPLEMENTATIONS, attention, attention_with_lse, reference_attention, resolve_impl,
-                               validate_attention_args)
+from kernels.attention import (
+                               IMPLEMENTATIONS,
+                               attention,
+                               attention_with_lse,
+                               reference_attention,
+                               resolve_impl,
+                               validate_attention_args,
+)
 from kernels.block_sizes import BlockSizes
 
 __all__ = ["IMPLEMENTATIONS", "BlockSizes", "attention", "attention_with_lse", "reference_attention",

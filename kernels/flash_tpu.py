@@ -34,8 +34,17 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernels.block_sizes import BlockSizes, _next_pow2
 from kernels.flash import FlashParams, pad_axis, round_up
-from kernels.masks import (FULL, SKIP, Band, band_mask, kv_block_range, pad_segments, q_block_range,
-                           segment_block_bounds, segment_block_kind)
+from kernels.masks import (
+    FULL,
+    SKIP,
+    Band,
+    band_mask,
+    kv_block_range,
+    pad_segments,
+    q_block_range,
+    segment_block_bounds,
+    segment_block_kind,
+)
 
 LANES = 128
 SUBLANES = 8

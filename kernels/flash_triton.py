@@ -33,8 +33,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels.flash import FlashParams, pad_axis, round_up
-from kernels.masks import (FULL, MASKED, SKIP, band_mask, kv_block_range, pad_segments, q_block_range,
-                           segment_block_bounds, segment_block_kind)
+from kernels.masks import (
+    FULL,
+    MASKED,
+    SKIP,
+    band_mask,
+    kv_block_range,
+    pad_segments,
+    q_block_range,
+    segment_block_bounds,
+    segment_block_kind,
+)
 
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _NN = (((1,), (0,)), ((), ()))  # a @ b

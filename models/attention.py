@@ -87,7 +87,8 @@ class Attention(nnx.Module):
     def _output(self, out: jax.Array) -> jax.Array:
         b, t, heads, dh = out.shape
         d = self.wo.shape[-1]
-        return (out.reshape(b * t, heads * dh) @ self.wo[...].astype(self.dtype).reshape(heads * dh, d)).reshape(b, t, d)
+        wo = self.wo[...].astype(self.dtype).reshape(heads * dh, d)
+        return (out.reshape(b * t, heads * dh) @ wo).reshape(b, t, d)
 
     def _attend(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                 rope_freqs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -127,7 +128,8 @@ def decode_attention(qs: Sequence[jax.Array], ks: Sequence[jax.Array], k_news: S
         hk = k.shape[1]
         qg = q.reshape(b, hk, hq // hk, q.shape[-1])
         s_old = s_old + jnp.einsum("bkgd,bksd->bkgs", qg, k, preferred_element_type=jnp.float32).reshape(b, hq, s_len)
-        s_new = s_new + jnp.einsum("bkgd,bkd->bkg", qg, k_new[:, :, 0], preferred_element_type=jnp.float32).reshape(b, hq)
+        s_new = s_new + jnp.einsum("bkgd,bkd->bkg", qg, k_new[:, :, 0],
+                                   preferred_element_type=jnp.float32).reshape(b, hq)
     s_old, s_new = s_old * scale, s_new * scale
     visible = jnp.arange(s_len)[None, :] < positions[:, None]  # [B, S]
     s_old = jnp.where(visible[:, None, :], s_old, -jnp.inf)

@@ -30,8 +30,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from models.config import ModelConfig
 from models.attention import Cache, decode_attention
+from models.config import ModelConfig
 from models.layers import DTYPES, apply_rope, ones_param, param, rms_norm, yarn_softmax_scale
 from sharding.context import attention as context_attention
 from sharding.rules import constrain

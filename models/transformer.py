@@ -269,7 +269,8 @@ class Transformer(nnx.Module):
             return fn(nnx.merge(graphdef, layer_state), h, x)
 
         if remat and self.cfg.remat_policy != "none":
-            step = jax.checkpoint(step, policy=remat_policy(self.cfg.remat_policy), prevent_cse=not self.cfg.scan_layers)
+            step = jax.checkpoint(step, policy=remat_policy(self.cfg.remat_policy),
+                                  prevent_cse=not self.cfg.scan_layers)
         return step
 
     def _run_layers(self, h: jax.Array, dense_fn, moe_fn, dense_xs=None, moe_xs=None,

@@ -27,13 +27,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import kernels  # noqa: E402
-from benchmarks import attention as bench  # noqa: E402
-from kernels import attention_with_lse, reference_attention  # noqa: E402
+import kernels
+from benchmarks import attention as bench
+from kernels import attention_with_lse, reference_attention
 
 TARGET_FWD, TARGET_BWD = 400.0, 330.0  # TFLOP/s, bf16 D128 causal, H100/H200
 

@@ -56,7 +56,8 @@ def configs() -> dict[str, transformers.PretrainedConfig]:
         "deepseek_v3": transformers.DeepseekV3Config(
             **{**common, "num_hidden_layers": 3, "max_position_embeddings": 32}, intermediate_size=96,
             moe_intermediate_size=32,
-            num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+            num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+            v_head_dim=16,
             n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2,
             first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
             tie_word_embeddings=False, rms_norm_eps=1e-6,

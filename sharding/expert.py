@@ -38,7 +38,8 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from kernels.logs import log_once
 from sharding.rules import active, logical_to_mesh

@@ -12,8 +12,17 @@ import numpy as np
 from jaxinfra.data import synthetic
 from jaxinfra.data.config import DataConfig, DataError
 from jaxinfra.data.sources import (
-    ArrayReader, ByteReader, TokenFileReader, WindowSource, common_root, expand_paths, open_token_file,
-    split_documents, split_streams, stdlib_files)
+    ArrayReader,
+    ByteReader,
+    TokenFileReader,
+    WindowSource,
+    common_root,
+    expand_paths,
+    open_token_file,
+    split_documents,
+    split_streams,
+    stdlib_files,
+)
 from jaxinfra.data.tokenizer import tokenize_files, vocab_size_of  # noqa: F401 - re-exported
 
 _EVAL_SEED = 0x5EED  # eval batches do not depend on the run's seed, so runs compare on the same batches

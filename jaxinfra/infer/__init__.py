@@ -18,9 +18,23 @@ text.py         the run's text codec (byte-level UTF-8 or tokenizer.json)
 cli.py          `jaxinfra generate` and `jaxinfra eval`
 """
 
-from jaxinfra.infer.generation import MAX_CONTEXT, PROMPT_BUCKET, GenerationResult, Generator, Sampling, cache_len, sample
-from jaxinfra.infer.loading import (InferenceError, inference_devices, inference_mesh, inference_model_config, load_model,
-                                    resolve_checkpoint)
+from jaxinfra.infer.generation import (
+                                    MAX_CONTEXT,
+                                    PROMPT_BUCKET,
+                                    GenerationResult,
+                                    Generator,
+                                    Sampling,
+                                    cache_len,
+                                    sample,
+)
+from jaxinfra.infer.loading import (
+                                    InferenceError,
+                                    inference_devices,
+                                    inference_mesh,
+                                    inference_model_config,
+                                    load_model,
+                                    resolve_checkpoint,
+)
 from jaxinfra.infer.scoring import check_token_array, score, token_rows
 from jaxinfra.infer.text import text_codec
 

@@ -90,7 +90,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     try:
         tokens = np.load(args.tokens, allow_pickle=False)
     except (OSError, ValueError) as e:
-        raise InferenceError(f"--tokens: cannot read {args.tokens!r} as a .npy array ({str(e).splitlines()[0]})") from None
+        raise InferenceError(f"--tokens: cannot read {args.tokens!r} as a .npy array "
+                             f"({str(e).splitlines()[0]})") from None
     if args.seq_len is not None and np.ndim(tokens) != 1:
         raise InferenceError(f"--seq-len applies to 1-D token files; {args.tokens!r} has shape {np.shape(tokens)}")
     cfg, params = load_model(args.ckpt, args.overrides)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -103,7 +103,8 @@ class GenerationResult:
         return self.batch * self.decode_steps / max(self.decode_s, 1e-9)
 
     def summary(self) -> str:
-        return (f"prefill: {self.prefill_tokens} tokens in {self.prefill_s:.3f}s ({self.prefill_tokens_per_s:.1f} tok/s); "
+        return (f"prefill: {self.prefill_tokens} tokens in {self.prefill_s:.3f}s "
+                f"({self.prefill_tokens_per_s:.1f} tok/s); "
                 f"decode: {self.decode_steps} steps x batch {self.batch} in {self.decode_s:.3f}s "
                 f"({self.decode_tokens_per_s:.1f} tok/s); compile {self.compile_s:.1f}s")
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pathlib
-from typing import Callable
+from collections.abc import Callable
 
 from jaxinfra.config import Config
 from jaxinfra.infer.loading import InferenceError
@@ -21,7 +21,8 @@ def text_codec(cfg: Config, run_dir: str | pathlib.Path | None = None) -> tuple[
     from jaxinfra.data.tokenizer import load_tokenizer
 
     path = pathlib.Path(data.tokenizer)
-    if not path.is_file() and not path.is_absolute() and run_dir is not None and (pathlib.Path(run_dir) / path).is_file():
+    beside_run = run_dir is not None and (pathlib.Path(run_dir) / path).is_file()
+    if not path.is_file() and not path.is_absolute() and beside_run:
         path = pathlib.Path(run_dir) / path
     tok = load_tokenizer(str(path))
     return (lambda text: list(tok.encode(text, add_special_tokens=False).ids),

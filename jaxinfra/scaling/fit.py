@@ -347,7 +347,7 @@ def fit_isoflop(n: Any, d: Any, loss: Any, compute: Any, budget: Any | None = No
     if len(profiles) < 2:
         raise ValueError(f"{len(skipped)} of {len(skipped) + len(profiles)} compute budgets unusable; at least "
                          f"2 IsoFLOP profiles with 3+ model sizes each are needed"
-                         + (f" ({_first_few(skipped)})" if skipped else ""))
+                         + (f" ({first_few(skipped)})" if skipped else ""))
     log_c = np.log([p.compute for p in profiles])
     a, log_kn, a_ci = _line_fit(log_c, np.log([p.n_opt for p in profiles]))
     b, log_kd, b_ci = _line_fit(log_c, np.log([p.d_opt for p in profiles]))
@@ -355,7 +355,7 @@ def fit_isoflop(n: Any, d: Any, loss: Any, compute: Any, budget: Any | None = No
                       profiles=tuple(profiles), skipped=tuple(skipped))
 
 
-def _first_few(reasons: Sequence[str], limit: int = 3) -> str:
+def first_few(reasons: Sequence[str], limit: int = 3) -> str:
     """`a; b; c; and 4 more`: a note stays one readable line however many budgets a sweep has."""
     more = f"; and {len(reasons) - limit} more" if len(reasons) > limit else ""
     return "; ".join(reasons[:limit]) + more

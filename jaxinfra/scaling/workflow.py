@@ -106,13 +106,17 @@ def format_fit(fit: dict[str, Any]) -> str:
         lines.append(f"  N_opt ∝ C^{p['a']:.4f}, D_opt ∝ C^{p['b']:.4f} (C = 6 N D)")
     p = fit.get("approach2")
     if p:
-        ci = (lambda c: f" [{c[0]:.4f}, {c[1]:.4f}]" if c else "")
+        def ci(c: list[float] | None) -> str:
+            return f" [{c[0]:.4f}, {c[1]:.4f}]" if c else ""
+
         lines.append(f"approach 2 (IsoFLOP profiles, {len(p['profiles'])} budgets): N_opt = {p['k_N']:.4g} "
                      f"C^{p['a']:.4f}{ci(p['a_ci'])}, D_opt = {p['k_D']:.4g} C^{p['b']:.4f}{ci(p['b_ci'])}")
         for prof in p["profiles"]:
             lines.append(f"  C={prof['compute']:.4g}: N_opt={prof['n_opt']:.4g}, D_opt={prof['d_opt']:.4g}, "
                          f"loss={prof['loss_opt']:.4f}")
-        lines += [f"  skipped {line}" for line in p["skipped"]]
+        if p["skipped"]:  # one line however many budgets the sweep has
+            lines.append(f"  skipped {len(p['skipped'])} of {len(p['skipped']) + len(p['profiles'])} budgets: "
+                         f"{fitting.first_few(p['skipped'])}")
     p = fit.get("frontier")
     if p:
         ci = f" [{p['gamma_ci'][0]:.4f}, {p['gamma_ci'][1]:.4f}]" if p["gamma_ci"] else ""
