@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -109,6 +110,25 @@ def test_sharded_matches_single_device(single, layout):
         assert shard.size < wq.size
     else:  # pure data parallelism: parameters replicated
         assert shard.shape == wq.shape
+
+
+@pytest.mark.skipif(not os.environ.get("JAX_COMPILATION_CACHE_DIR"), reason="compile cache turned off")
+def test_same_runtime_built_again_is_not_recompiled(single):
+    """tests/conftest.py's persistent compile cache: a second build_runtime of the `single` config
+    (fresh jitted functions) loads every program from the cache instead of compiling it."""
+    events = []
+
+    def listen(event, **_):
+        events.append(event)
+
+    jax.monitoring.register_event_listener(listen)
+    try:
+        again = run_layout({}, devices=jax.devices()[:1])
+    finally:
+        jax.monitoring.unregister_event_listener(listen)
+    assert "/jax/compilation_cache/cache_misses" not in events
+    assert events.count("/jax/compilation_cache/cache_hits") >= 2  # init and train_step at least
+    np.testing.assert_array_equal(again["losses"], single["losses"])
 
 
 # ---------------------------------------------------------------- schedules
