@@ -7,7 +7,6 @@ reproduce its losses bit for bit (float32, CPU, same compiled program).
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import signal
 import subprocess
@@ -23,6 +22,7 @@ from jaxinfra.config import load_config
 from jaxinfra.runtime import build_runtime
 from jaxinfra.state import abstract_state
 from jaxinfra.train import EXIT_DIVERGED, EXIT_PREEMPTED, Trainer, train
+from subprocs import cli_env
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 20
@@ -86,7 +86,7 @@ SUB_STEPS = 200
 
 
 def _spawn(run_dir: pathlib.Path, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = cli_env(1)
     return subprocess.Popen([sys.executable, "-m", "jaxinfra", "train", "tiny", "--run-dir", str(run_dir), *BASE,
                              f"train.steps={SUB_STEPS}", "checkpoint.every=10", *extra],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -260,7 +260,7 @@ def test_real_sigkill_during_async_save(tmp_path):
     big = [*BASE, "model.vocab_size=8192", "model.d_model=512", "model.num_heads=8", "model.mlp_dim=2048",
            "model.num_layers=6", "model.tie_embeddings=false", "train.batch_size=4", "train.steps=12",
            "checkpoint.every=4"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = cli_env(1)
 
     def spawn(run_dir):
         return subprocess.Popen([sys.executable, "-m", "jaxinfra", "train", "tiny", "--run-dir", str(run_dir), *big],

@@ -17,11 +17,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxinfra.config import Config, ConfigError, OptimizerConfig, ParallelismConfig, ScheduleConfig, TrainConfig
-from jaxinfra.data import DataConfig
+from jaxinfra.config import Config, ConfigError, OptimizerConfig, TrainConfig
 from jaxinfra.runtime import build_runtime
 from models import ModelConfig
-from sharding.mesh import MeshConfig
+from parity import assert_matches, packed_batches, parity_config, run_steps
 
 MODEL = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, mlp_dim=64, tie_embeddings=False,
                     attention_type="mla", q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
@@ -30,41 +29,18 @@ MODEL = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, mlp_di
                     moe_z_loss_weight=1e-3, moe_bias_update_rate=1e-3)
 OPT = OptimizerConfig(lr=1e-2, eps=1e-5)
 BATCH, SEQ, STEPS = 8, 32, 5
-PARAM_ATOL = 2e-5
 
 
 def make_cfg(dispatch: str, mesh: dict, **parallelism) -> Config:
-    return Config(model=dataclasses.replace(MODEL, moe_dispatch=dispatch), optimizer=OPT,
-                  schedule=ScheduleConfig(warmup_steps=0), mesh=MeshConfig(**{"data": 1, **mesh}),
-                  parallelism=ParallelismConfig(**parallelism), data=DataConfig(source="synthetic", synthetic_vocab=64),
-                  train=TrainConfig(steps=20, batch_size=BATCH, seq_len=SEQ))
+    return parity_config(dataclasses.replace(MODEL, moe_dispatch=dispatch), OPT, mesh, batch=BATCH, seq=SEQ,
+                         **parallelism)
 
 
-def batches() -> list[dict[str, np.ndarray]]:
-    """One packed batch (2 documents and padding per row), repeated: the loss visibly falls."""
-    rng = np.random.default_rng(1)
-    seg = np.ones((BATCH, SEQ), np.int32)
-    pos = np.tile(np.arange(SEQ, dtype=np.int32), (BATCH, 1))
-    for r in range(BATCH):
-        cut, end = sorted(rng.integers(4, SEQ - 2, size=2))
-        seg[r, cut:], pos[r, cut:] = 2, np.arange(SEQ - cut)
-        seg[r, end + 2:], pos[r, end + 2:] = 0, 0
-    tokens = rng.integers(0, MODEL.vocab_size, size=(BATCH, SEQ + 1)).astype(np.int32)
-    batch = {"inputs": tokens[:, :-1] * (seg > 0), "targets": tokens[:, 1:] * (seg > 0), "segment_ids": seg,
-             "positions": pos}
-    return [batch] * STEPS
+BATCHES = packed_batches(BATCH, SEQ, MODEL.vocab_size, STEPS)
 
 
 def run(cfg: Config, devices) -> dict:
-    rt = build_runtime(cfg, devices)
-    state = rt.init_state()
-    initial = jax.device_get(state.params)
-    metrics = []
-    for batch in batches():
-        state, m = rt.train_step(state, rt.to_global(batch))
-        metrics.append(jax.device_get(m))
-    return {"losses": np.array([float(m["loss"]) for m in metrics]), "metrics": metrics,
-            "params": jax.device_get(state.params), "initial": initial}
+    return run_steps(cfg, devices, BATCHES)
 
 
 @pytest.fixture(scope="module", params=["capacity", "dropless"])
@@ -84,15 +60,8 @@ SLOW_LAYOUTS = {
 
 
 def _check(result: dict, base: dict, name: str) -> None:
-    np.testing.assert_allclose(result["losses"], base["losses"], rtol=1e-5, err_msg=name)
-    for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(result["params"])[0],
-                                 jax.tree.leaves(base["params"])):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=PARAM_ATOL,
-                                   err_msg=f"{name} {jax.tree_util.keystr(path)}")
-    for key in ("moe_dropped_frac", "moe_load_cv", "moe_aux_loss"):
-        np.testing.assert_allclose([m[key] for m in result["metrics"]], [m[key] for m in base["metrics"]],
-                                   rtol=1e-5, atol=1e-7, err_msg=f"{name} {key}")
-    assert result["losses"][-1] < result["losses"][0]
+    assert_matches(result, base, name, metric_keys=("moe_dropped_frac", "moe_load_cv", "moe_aux_loss"),
+                   metric_atol=1e-7)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -28,8 +27,8 @@ from jaxinfra.infer import (Generator, InferenceError, Sampling, check_token_arr
                             load_model, sample, score, token_rows)
 from jaxinfra.state import init_params, model_graphdef
 from models import cache as kv_cache
+from subprocs import cli_env
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 NEW = 32
 SMALL = ["data.source=synthetic", "model.vocab_size=64", "model.d_model=32", "model.num_layers=2", "model.num_heads=4", "model.mlp_dim=64",
          "model.tie_embeddings=false", "model.init_std=0.3", "mesh.data=1"]
@@ -288,8 +287,7 @@ def test_sharded_decode_equals_unsharded(gqa):
 
 
 def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    return subprocess.run([sys.executable, "-m", "jaxinfra", *args], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "jaxinfra", *args], env=cli_env(1), capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -13,11 +13,11 @@ import jax
 import numpy as np
 import pytest
 
-from jaxinfra.config import Config, ConfigError, OptimizerConfig, ParallelismConfig, ScheduleConfig, TrainConfig
-from jaxinfra.data import DataConfig
+from jaxinfra.config import Config, ConfigError, OptimizerConfig, TrainConfig
 from jaxinfra.runtime import build_runtime
 from jaxinfra.state import bytes_per_device
 from models import ModelConfig
+from parity import assert_matches, packed_batches, parity_config, run_steps
 from sharding.mesh import MeshConfig
 
 # 8 heads so tensor=8 splits them; 4 KV heads, replicated under tensor=8 (GQA practice).
@@ -26,44 +26,17 @@ MODEL = ModelConfig(vocab_size=64, d_model=64, num_layers=2, num_heads=8, num_kv
 # eps=1e-5: see tests/test_step.py (Adam amplifies summation-order noise of tiny gradients by lr/eps).
 OPT = OptimizerConfig(lr=1e-2, eps=1e-5)
 BATCH, SEQ, STEPS = 8, 32, 5
-PARAM_ATOL = 2e-5
 
 
 def make_cfg(mesh: dict, **parallelism) -> Config:
-    return Config(model=MODEL, optimizer=OPT, schedule=ScheduleConfig(warmup_steps=0),
-                  mesh=MeshConfig(**{"data": 1, **mesh}), parallelism=ParallelismConfig(**parallelism),
-                  data=DataConfig(source="synthetic", synthetic_vocab=64),
-                  train=TrainConfig(steps=20, batch_size=BATCH, seq_len=SEQ))
+    return parity_config(MODEL, OPT, mesh, batch=BATCH, seq=SEQ, **parallelism)
 
 
-def batches() -> list[dict[str, np.ndarray]]:
-    """Packed rows (2 documents and some padding per row) so segment masks matter.
-
-    The same batch each step: the model memorises it, so the loss visibly falls.
-    """
-    rng = np.random.default_rng(1)
-    out = []
-    for _ in range(1):
-        seg = np.ones((BATCH, SEQ), np.int32)
-        pos = np.tile(np.arange(SEQ, dtype=np.int32), (BATCH, 1))
-        for r in range(BATCH):
-            cut, end = sorted(rng.integers(4, SEQ - 2, size=2))
-            seg[r, cut:], pos[r, cut:] = 2, np.arange(SEQ - cut)
-            seg[r, end + 2:], pos[r, end + 2:] = 0, 0
-        tokens = rng.integers(0, MODEL.vocab_size, size=(BATCH, SEQ + 1)).astype(np.int32)
-        out.append({"inputs": tokens[:, :-1] * (seg > 0), "targets": tokens[:, 1:] * (seg > 0),
-                    "segment_ids": seg, "positions": pos})
-    return out * STEPS
+BATCHES = packed_batches(BATCH, SEQ, MODEL.vocab_size, STEPS)
 
 
 def run(cfg: Config, devices) -> dict:
-    rt = build_runtime(cfg, devices)
-    state = rt.init_state()
-    losses = []
-    for batch in batches():
-        state, metrics = rt.train_step(state, rt.to_global(batch))
-        losses.append(float(metrics["loss"]))
-    return {"losses": np.array(losses), "params": jax.device_get(state.params), "state": state, "rt": rt}
+    return run_steps(cfg, devices, BATCHES)
 
 
 @pytest.fixture(scope="module")
@@ -87,18 +60,12 @@ LAYOUTS = {
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_device(baseline, name):
     mesh, parallelism = LAYOUTS[name]
-    result = run(make_cfg(mesh, **parallelism), jax.devices())
-    np.testing.assert_allclose(result["losses"], baseline["losses"], rtol=1e-5, err_msg=name)
-    for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(result["params"])[0],
-                                 jax.tree.leaves(baseline["params"])):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=PARAM_ATOL,
-                                   err_msg=f"{name} {jax.tree_util.keystr(path)}")
-    assert result["losses"][-1] < result["losses"][0]  # it trains, not just agrees
+    assert_matches(run(make_cfg(mesh, **parallelism), jax.devices()), baseline, name)
 
 
 def _memory(result: dict) -> dict[str, float]:
     state, rt = result["state"], result["rt"]
-    compiled = rt.lower_train_step(state, rt.to_global(batches()[0])).compile()
+    compiled = rt.lower_train_step(state, rt.to_global(BATCHES[0])).compile()
     return {"params": bytes_per_device(state.params), "opt": bytes_per_device(state.opt_state),
             "arguments": compiled.memory_analysis().argument_size_in_bytes}
 
@@ -152,5 +119,5 @@ def test_pallas_kernel_runs_per_shard_and_matches(baseline):
                               model=dataclasses.replace(MODEL, attention_impl="pallas_triton"))
     result = run(cfg, jax.devices())
     np.testing.assert_allclose(result["losses"], baseline["losses"], rtol=1e-5)
-    text = result["rt"].lower_train_step(result["state"], result["rt"].to_global(batches()[0])).as_text()
+    text = result["rt"].lower_train_step(result["state"], result["rt"].to_global(BATCHES[0])).as_text()
     assert "manual_computation" in text  # the kernel ran inside shard_map, not on gathered inputs

@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfra.config import Config, ConfigError, OptimizerConfig, ParallelismConfig, ScheduleConfig, TrainConfig
-from jaxinfra.data import DataConfig
+from jaxinfra.config import Config, ConfigError, OptimizerConfig, ParallelismConfig
 from jaxinfra.runtime import build_runtime
 from models import ModelConfig
+from parity import assert_matches, packed_batches, parity_config, run_steps
 from sharding import pipeline
 from sharding.mesh import MeshConfig, make_mesh
 from sharding.rules import activation_sharding, rules_for
@@ -31,40 +31,18 @@ MODEL = ModelConfig(vocab_size=64, d_model=32, num_layers=8, num_heads=4, num_kv
                     mlp_dim=64, tie_embeddings=False)
 OPT = OptimizerConfig(lr=1e-2, eps=1e-5)  # eps: see tests/test_step.py
 BATCH, SEQ, STEPS = 8, 16, 5
-PARAM_ATOL = 2e-5
 
 
 def make_cfg(mesh: dict, model: ModelConfig = MODEL, batch: int = BATCH, accum: int = 1, **parallelism) -> Config:
-    return Config(model=model, optimizer=OPT, schedule=ScheduleConfig(warmup_steps=0),
-                  mesh=MeshConfig(**{"data": 1, **mesh}), parallelism=ParallelismConfig(**parallelism),
-                  data=DataConfig(source="synthetic", synthetic_vocab=64),
-                  train=TrainConfig(steps=20, batch_size=batch, seq_len=SEQ, grad_accum_steps=accum))
+    return parity_config(model, OPT, mesh, batch=batch, seq=SEQ, accum=accum, **parallelism)
 
 
 def batches(batch: int = BATCH) -> list[dict[str, np.ndarray]]:
-    """Packed rows (2 documents and padding per row) so segment masks matter; the same batch each step."""
-    rng = np.random.default_rng(1)
-    seg = np.ones((batch, SEQ), np.int32)
-    pos = np.tile(np.arange(SEQ, dtype=np.int32), (batch, 1))
-    for r in range(batch):
-        cut, end = sorted(rng.integers(4, SEQ - 2, size=2))
-        seg[r, cut:], pos[r, cut:] = 2, np.arange(SEQ - cut)
-        seg[r, end + 2:], pos[r, end + 2:] = 0, 0
-    tokens = rng.integers(0, MODEL.vocab_size, size=(batch, SEQ + 1)).astype(np.int32)
-    one = {"inputs": tokens[:, :-1] * (seg > 0), "targets": tokens[:, 1:] * (seg > 0),
-           "segment_ids": seg, "positions": pos}
-    return [one] * STEPS
+    return packed_batches(batch, SEQ, MODEL.vocab_size, STEPS)
 
 
 def run(cfg: Config, devices) -> dict:
-    rt = build_runtime(cfg, devices)
-    state = rt.init_state()
-    metrics = []
-    for batch in batches(cfg.train.batch_size):
-        state, m = rt.train_step(state, rt.to_global(batch))
-        metrics.append(jax.device_get(m))
-    return {"losses": np.array([float(m["loss"]) for m in metrics]), "metrics": metrics,
-            "params": jax.device_get(state.params), "state": state, "rt": rt}
+    return run_steps(cfg, devices, batches(cfg.train.batch_size))
 
 
 @pytest.fixture(scope="module")
@@ -90,14 +68,6 @@ SLOW_LAYOUTS = {
 }
 
 
-def _check(baseline: dict, result: dict, name: str) -> None:
-    np.testing.assert_allclose(result["losses"], baseline["losses"], rtol=1e-5, err_msg=name)
-    for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(result["params"])[0],
-                                 jax.tree.leaves(baseline["params"])):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=PARAM_ATOL,
-                                   err_msg=f"{name} {jax.tree_util.keystr(path)}")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SLOW_LAYOUTS))
 def test_more_pipeline_layouts_match_single_device(baseline, name):
@@ -105,19 +75,14 @@ def test_more_pipeline_layouts_match_single_device(baseline, name):
     cfg = make_cfg(mesh, model=extra.get("model", MODEL), **parallelism)
     if "accum" in extra:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum_steps=extra["accum"]))
-    _check(baseline, run(cfg, jax.devices()), name)
+    assert_matches(run(cfg, jax.devices()), baseline, name, trains=False)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_pipeline_matches_single_device(baseline, name):
     mesh, parallelism = LAYOUTS[name]
     result = run(make_cfg(mesh, **parallelism), jax.devices())
-    np.testing.assert_allclose(result["losses"], baseline["losses"], rtol=1e-5, err_msg=name)
-    for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(result["params"])[0],
-                                 jax.tree.leaves(baseline["params"])):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=PARAM_ATOL,
-                                   err_msg=f"{name} {jax.tree_util.keystr(path)}")
-    assert result["losses"][-1] < result["losses"][0]
+    assert_matches(result, baseline, name)
     # The stacked layers really are split over `stage`.
     wq = result["state"].params["layers"]["attn"]["wq"][...]
     assert wq.sharding.spec[0] == "stage", wq.sharding
@@ -228,11 +193,8 @@ def moe_baseline():
 def _check_moe(moe_baseline: dict, name: str, layouts: dict, capacity_factor: float = 4.0) -> None:
     mesh, parallelism, dispatch = layouts[name]
     result = run(moe_cfg(mesh, dispatch, capacity_factor, **parallelism), jax.devices())
-    _check(moe_baseline, result, name)
-    for key in ("moe_aux_loss", "moe_z_loss", "moe_load_cv", "moe_load_max", "moe_dropped_frac"):
-        np.testing.assert_allclose([m[key] for m in result["metrics"]], [m[key] for m in moe_baseline["metrics"]],
-                                   rtol=1e-5, atol=1e-7, err_msg=f"{name} {key}")
-    assert result["losses"][-1] < result["losses"][0]
+    assert_matches(result, moe_baseline, name, metric_atol=1e-7,
+                   metric_keys=("moe_aux_loss", "moe_z_loss", "moe_load_cv", "moe_load_max", "moe_dropped_frac"))
     # The MoE periods are split over `stage`, their experts over `expert`; the bias moved.
     w_gate = result["state"].params["moe_layers"]["moe"]["w_gate"][...]
     assert tuple(w_gate.sharding.spec[:2]) == ("stage", "expert"), w_gate.sharding

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -18,14 +19,13 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxinfra.config import Config, OptimizerConfig, ScheduleConfig, TrainConfig, load_config
-from jaxinfra.data import DataConfig
-from jaxinfra.runtime import build_runtime
+from jaxinfra.config import Config, OptimizerConfig, ScheduleConfig, load_config
 from jaxinfra.optim import decay_mask, make_optimizer, make_schedule
 from jaxinfra.state import create_train_state, init_params, model_graphdef
 from jaxinfra.step import make_train_step
 from models import ModelConfig
-from sharding.mesh import MeshConfig, make_mesh
+from parity import PARAM_ATOL, assert_series_close, assert_trees_close, parity_config, run_steps, series
+from sharding.mesh import make_mesh
 from sharding.rules import activation_sharding, rules_for
 
 MODEL = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -64,72 +64,43 @@ def _batches():
     return out
 
 
-def run_steps(mesh_cfg, grad_accum_steps=1, devices=None):
+def run_layout(mesh: dict, grad_accum_steps=1, devices=None):
     """Build the runtime the way jaxinfra/train.py does and run N_STEPS steps."""
-    cfg = Config(model=MODEL, optimizer=OPT, schedule=SCHED, mesh=mesh_cfg,
-                 data=DataConfig(source="synthetic", synthetic_vocab=MODEL.vocab_size),
-                 train=TrainConfig(steps=TOTAL_STEPS, batch_size=BATCH, seq_len=SEQ,
-                                   grad_accum_steps=grad_accum_steps))
-    rt = build_runtime(cfg, devices if devices is not None else jax.devices())
-    state = rt.init_state()
-    initial_params = jax.device_get(state.params)
-    metrics = []
-    for batch in _batches():
-        state, m = rt.train_step(state, rt.to_global(batch))
-        metrics.append(jax.device_get(m))
-    return dict(state=state, metrics=metrics, initial_params=initial_params,
-                params=jax.device_get(state.params), shardings=rt.state_shardings)
+    cfg = parity_config(MODEL, OPT, mesh, batch=BATCH, seq=SEQ, schedule=SCHED, total_steps=TOTAL_STEPS,
+                        accum=grad_accum_steps)
+    return run_steps(cfg, devices if devices is not None else jax.devices(), _batches())
 
 
 @pytest.fixture(scope="module")
 def single():
-    return run_steps(MeshConfig(data=1), devices=jax.devices()[:1])
-
-
-def _assert_trees_close(a, b, rtol, atol):
-    assert len(jax.tree.leaves(a)) == len(jax.tree.leaves(b))
-    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol,
-                                   err_msg=jax.tree_util.keystr(path))
-
-
-# Parameters: summation noise (~3e-9 on the smallest gradients) x lr / eps (1e3) ~ 3e-6 observed;
-# a real error moves parameters by ~lr = 1e-2 per step. Gradient *scale* errors are invisible in
-# Adam's parameters (it normalises the gradient) and are caught by the loss / grad_norm checks.
-PARAM_ATOL = 2e-5
-
-
-def _series(run, key):
-    return np.array([float(m[key]) for m in run["metrics"]])
+    return run_layout({}, devices=jax.devices()[:1])
 
 
 def test_single_device_run_trains(single):
-    losses = _series(single, "loss")
+    losses = series(single, "loss")
     assert np.all(np.isfinite(losses))
     assert abs(losses[0] - math.log(MODEL.vocab_size)) < 0.2  # near-uniform predictions at init
     assert int(single["state"].step) == N_STEPS
     tokens = sum(int((b["segment_ids"] > 0).sum()) for b in _batches()[:1])
     assert float(single["metrics"][0]["tokens"]) == tokens
     # The lr reported for step s is the schedule at s (cosine from the peak, no warmup).
-    np.testing.assert_allclose(_series(single, "lr"), [float(make_schedule(SCHED, OPT.lr, TOTAL_STEPS)(s))
+    np.testing.assert_allclose(series(single, "lr"), [float(make_schedule(SCHED, OPT.lr, TOTAL_STEPS)(s))
                                                        for s in range(N_STEPS)], rtol=1e-6)
 
 
 def test_grad_accumulation_equals_large_batch(single):
-    accum = run_steps(MeshConfig(data=1), grad_accum_steps=2, devices=jax.devices()[:1])
-    for key in ("loss", "grad_norm", "tokens"):
-        np.testing.assert_allclose(_series(accum, key), _series(single, key), rtol=1e-5, err_msg=key)
-    _assert_trees_close(accum["params"], single["params"], rtol=1e-5, atol=PARAM_ATOL)
+    accum = run_layout({}, grad_accum_steps=2, devices=jax.devices()[:1])
+    assert_series_close(accum, single, ("loss", "grad_norm", "tokens"), rtol=1e-5)
+    assert_trees_close(accum["params"], single["params"], rtol=1e-5, atol=PARAM_ATOL)
 
 
 @pytest.mark.parametrize("layout", [dict(fsdp=4, tensor=2), dict(data=8)], ids=["fsdp4-tensor2", "data8"])
 def test_sharded_matches_single_device(single, layout):
     assert jax.device_count() == 8, "conftest must give 8 fake CPU devices"
-    run = run_steps(MeshConfig(**{"data": 1, **layout}))
-    _assert_trees_close(run["initial_params"], single["initial_params"], rtol=0, atol=0)
-    for key in ("loss", "grad_norm"):
-        np.testing.assert_allclose(_series(run, key), _series(single, key), rtol=1e-5, err_msg=key)
-    _assert_trees_close(run["params"], single["params"], rtol=1e-5, atol=PARAM_ATOL)
+    run = run_layout(layout)
+    assert_trees_close(run["initial"], single["initial"], rtol=0, atol=0)
+    assert_series_close(run, single, ("loss", "grad_norm"), rtol=1e-5)
+    assert_trees_close(run["params"], single["params"], rtol=1e-5, atol=PARAM_ATOL)
 
     wq = run["state"].params["layers"]["attn"]["wq"][...]
     shard = wq.addressable_shards[0].data
@@ -139,6 +110,25 @@ def test_sharded_matches_single_device(single, layout):
         assert shard.size < wq.size
     else:  # pure data parallelism: parameters replicated
         assert shard.shape == wq.shape
+
+
+@pytest.mark.skipif(not os.environ.get("JAX_COMPILATION_CACHE_DIR"), reason="compile cache turned off")
+def test_same_runtime_built_again_is_not_recompiled(single):
+    """tests/conftest.py's persistent compile cache: a second build_runtime of the `single` config
+    (fresh jitted functions) loads every program from the cache instead of compiling it."""
+    events = []
+
+    def listen(event, **_):
+        events.append(event)
+
+    jax.monitoring.register_event_listener(listen)
+    try:
+        again = run_layout({}, devices=jax.devices()[:1])
+    finally:
+        jax.monitoring.unregister_event_listener(listen)
+    assert "/jax/compilation_cache/cache_misses" not in events
+    assert events.count("/jax/compilation_cache/cache_hits") >= 2  # init and train_step at least
+    np.testing.assert_array_equal(again["losses"], single["losses"])
 
 
 # ---------------------------------------------------------------- schedules
