@@ -16,13 +16,13 @@ import time
 import jax
 import numpy as np
 import pytest
+from subprocs import cli_env
 
 from jaxinfra.checkpoint import Checkpointer, abstract_with_shardings, export_params
 from jaxinfra.config import load_config
 from jaxinfra.runtime import build_runtime
 from jaxinfra.state import abstract_state
 from jaxinfra.train import EXIT_DIVERGED, EXIT_PREEMPTED, Trainer, train
-from subprocs import cli_env
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 20

@@ -161,8 +161,8 @@ def test_default_text_source_is_the_stdlib():
 def test_same_seed_same_batches_other_seed_differs(tmp_path):
     _write_docs(tmp_path)
     for cfg in (_text_cfg(tmp_path), DataConfig(source="synthetic")):
-        make = lambda seed: _take(make_train_iterator(
-            cfg, seq_len=32, global_batch_size=4, vocab_size=256, seed=seed), 5)  # noqa: E731
+        make = lambda seed: _take(make_train_iterator(  # noqa: E731
+            cfg, seq_len=32, global_batch_size=4, vocab_size=256, seed=seed), 5)
         assert _equal(make(3), make(3))
         assert not _equal(make(3), make(4))
 

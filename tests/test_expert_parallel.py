@@ -16,11 +16,11 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from parity import assert_matches, packed_batches, parity_config, run_steps
 
 from jaxinfra.config import Config, ConfigError, OptimizerConfig, TrainConfig
 from jaxinfra.runtime import build_runtime
 from models import ModelConfig
-from parity import assert_matches, packed_batches, parity_config, run_steps
 
 MODEL = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, mlp_dim=64, tie_embeddings=False,
                     attention_type="mla", q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,

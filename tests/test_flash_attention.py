@@ -29,9 +29,8 @@ from flax import nnx
 from jax.experimental.pallas import tpu as pltpu
 
 import kernels
-from kernels import BlockSizes, attention_with_lse
+from kernels import BlockSizes, attention_with_lse, masks
 from kernels import block_sizes as block_table
-from kernels import masks
 from kernels.attention import reference_attention
 
 PALLAS = ("pallas_triton", "pallas_mosaic_tpu")

@@ -96,9 +96,9 @@ def test_restore_params_refuses_other_shapes_like_restore_latest(run_copy):
     rt = build_runtime(other, jax.devices()[:1])
     target = abstract_with_shardings(abstract_state(other.model, rt.tx), rt.state_shardings)
     before = snapshot(run_copy)
-    with pytest.raises(CheckpointFitError, match="model.mlp_dim: 128 -> 64"):
+    with pytest.raises(CheckpointFitError, match=r"model\.mlp_dim: 128 -> 64"):
         restore_params(run_copy, target.params, config=other.to_dict())
-    with pytest.raises(CheckpointFitError, match="model.mlp_dim: 128 -> 64"):
+    with pytest.raises(CheckpointFitError, match=r"model\.mlp_dim: 128 -> 64"):
         Checkpointer(run_copy / "checkpoints", other.checkpoint).restore_latest(target, other.to_dict())
     assert snapshot(run_copy) == before
 

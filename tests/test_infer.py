@@ -21,13 +21,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from subprocs import cli_env
 
 from jaxinfra.config import load_config
-from jaxinfra.infer import (Generator, InferenceError, Sampling, check_token_array, inference_model_config,
-                            load_model, sample, score, token_rows)
+from jaxinfra.infer import (
+    Generator,
+    InferenceError,
+    Sampling,
+    check_token_array,
+    inference_model_config,
+    load_model,
+    sample,
+    score,
+    token_rows,
+)
 from jaxinfra.state import init_params, model_graphdef
 from models import cache as kv_cache
-from subprocs import cli_env
 
 NEW = 32
 SMALL = ["data.source=synthetic", "model.vocab_size=64", "model.d_model=32", "model.num_layers=2", "model.num_heads=4", "model.mlp_dim=64",

@@ -20,8 +20,8 @@ from flax import nnx
 
 from jaxinfra.config import ConfigError, load_config
 from jaxinfra.metrics import param_counts
-from jaxinfra.step import loss_fn
 from jaxinfra.state import model_graphdef
+from jaxinfra.step import loss_fn
 from models import ModelConfig, Transformer
 from models.moe import MoE
 from models.router import load_stats, route, update_bias

@@ -12,12 +12,12 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from parity import assert_matches, packed_batches, parity_config, run_steps
 
 from jaxinfra.config import Config, ConfigError, OptimizerConfig, TrainConfig
 from jaxinfra.runtime import build_runtime
 from jaxinfra.state import bytes_per_device
 from models import ModelConfig
-from parity import assert_matches, packed_batches, parity_config, run_steps
 from sharding.mesh import MeshConfig
 
 # 8 heads so tensor=8 splits them; 4 KV heads, replicated under tensor=8 (GQA practice).

@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from parity import assert_matches, packed_batches, parity_config, run_steps
 
 from jaxinfra.config import Config, ConfigError, OptimizerConfig, ParallelismConfig
 from jaxinfra.runtime import build_runtime
 from models import ModelConfig
-from parity import assert_matches, packed_batches, parity_config, run_steps
 from sharding import pipeline
 from sharding.mesh import MeshConfig, make_mesh
 from sharding.rules import activation_sharding, rules_for

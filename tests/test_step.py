@@ -17,16 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec
+from parity import PARAM_ATOL, assert_series_close, assert_trees_close, parity_config, run_steps, series
 
 from jaxinfra.config import Config, OptimizerConfig, ScheduleConfig, load_config
 from jaxinfra.optim import decay_mask, make_optimizer, make_schedule
-from jaxinfra.state import create_train_state, init_params, model_graphdef
-from jaxinfra.step import make_train_step
+from jaxinfra.state import init_params
 from models import ModelConfig
-from parity import PARAM_ATOL, assert_series_close, assert_trees_close, parity_config, run_steps, series
-from sharding.mesh import make_mesh
-from sharding.rules import activation_sharding, rules_for
 
 MODEL = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                     mlp_dim=64, tie_embeddings=True, param_dtype="float32", dtype="float32")
