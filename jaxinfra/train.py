@@ -12,6 +12,7 @@ resume); 3 diverged (`train.max_bad_steps` consecutive non-finite steps); 70 hun
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pathlib
@@ -424,7 +425,7 @@ def train(cfg: Config, run_dir: str | os.PathLike, devices: Sequence[jax.Device]
         return trainer.run()
     except bad_input_errors() as e:
         # Every process reads the same config and checkpoint, so each one says the same line.
-        _leave(EXIT_BAD_INPUT, f"jaxinfra: error: {e}")
+        _leave(EXIT_BAD_INPUT, f"jaxinfra: error: {e}", peers_alive=True)
     except Exception as e:  # noqa: BLE001 - anything else here is most likely a lost peer
         step, phase = (trainer.watchdog_step, trainer.watchdog_phase) if trainer else (0, "start")
         _leave(EXIT_HUNG, f"jaxinfra: error: process {jax.process_index()} failed at step {step}, phase '{phase}': "
@@ -432,8 +433,15 @@ def train(cfg: Config, run_dir: str | os.PathLike, devices: Sequence[jax.Device]
                           f"died); the last committed checkpoint is in {pathlib.Path(run_dir)}/checkpoints")
 
 
-def _leave(status: int, line: str) -> NoReturn:
-    """Exit a multi-process run now: jax's exit hook would wait for peers that may be gone or stuck."""
+def _leave(status: int, line: str, peers_alive: bool = False) -> NoReturn:
+    """Exit a multi-process run now: jax's exit hook would wait for peers that may be gone or stuck.
+
+    With `peers_alive` (bad input: every process raised the same error) they leave the process
+    group together first, so process 0, which hosts the coordination service, does not vanish
+    under a peer that is still connected (it would abort with a page of gRPC errors)."""
     print(line, file=sys.stderr, flush=True)
     sys.stdout.flush()
+    if peers_alive:
+        with contextlib.suppress(Exception):
+            jax.distributed.shutdown()
     os._exit(status)
