@@ -323,6 +323,9 @@ def validate(cfg: Config, device_count: int | None = None) -> None:
     for key in ("steps", "batch_size", "seq_len", "grad_accum_steps"):
         if getattr(t, key) < 1:
             raise ConfigError(f"train.{key}={getattr(t, key)} is invalid: must be a positive integer")
+    chunk = cfg.model.loss_chunk_size
+    if chunk and chunk < t.seq_len and t.seq_len % chunk:
+        raise ConfigError(f"model.loss_chunk_size={chunk} does not divide train.seq_len={t.seq_len}")
     if t.batch_size % t.grad_accum_steps:
         raise ConfigError(
             f"train.batch_size={t.batch_size} is not divisible by train.grad_accum_steps={t.grad_accum_steps}")

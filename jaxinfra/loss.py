@@ -1,6 +1,13 @@
-"""Next-token cross-entropy with padding mask and PaLM's z-loss, in float32; MoE router losses and metrics."""
+"""Next-token cross-entropy with padding mask and PaLM's z-loss, in float32; MoE router losses and metrics.
+
+The loss is a sum over tokens, so it can be computed over sequence chunks (`chunked_sums`):
+only one chunk's [batch, chunk, vocab] float32 logits exist at a time, in the forward and
+(rematerialised) in the backward.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +29,34 @@ def cross_entropy_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array,
     ce = (log_z - target_logit) * mask
     z = z_loss_weight * jnp.square(log_z) * mask
     return {"loss_sum": jnp.sum(ce + z), "ce_sum": jnp.sum(ce), "z_sum": jnp.sum(z), "tokens": jnp.sum(mask)}
+
+
+def chunked_sums(fn: Callable[..., dict[str, jax.Array]], chunk: int, *arrays: jax.Array) -> dict[str, jax.Array]:
+    """sum over sequence chunks of fn(*chunks): every array is [B, T, ...] and is cut along T.
+
+    `fn` returns a dict of token sums (e.g. `cross_entropy_sums` of a chunk's logits); it runs
+    under `jax.checkpoint` inside a `lax.scan`, so its intermediates (the chunk's logits) are
+    rebuilt in the backward instead of kept: peak memory holds one chunk's, not the sequence's.
+    Chunks interleave (chunk j = positions j, j + n, ...; n = T / chunk) so that a sequence
+    axis sharded over `context` or `tensor` keeps its sharding: no gather on entry.
+    chunk 0 (or >= T): one call on the whole arrays.
+    """
+    t = arrays[0].shape[1]
+    if not chunk or chunk >= t:
+        return fn(*arrays)
+    if t % chunk:
+        raise ValueError(f"loss chunk {chunk} does not divide the sequence length {t}")
+    n = t // chunk
+    split = lambda x: jnp.moveaxis(x.reshape(x.shape[0], chunk, n, *x.shape[2:]), 2, 0)  # noqa: E731
+    pieces = tuple(split(x) for x in arrays)  # [n, B, chunk, ...]
+    one = jax.checkpoint(fn)
+
+    def body(total, xs):
+        return jax.tree.map(jnp.add, total, one(*xs)), None
+
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, *(x[0] for x in pieces)))
+    total, _ = jax.lax.scan(body, zeros, pieces)
+    return total
 
 
 def add_moe_sums(sums: dict[str, jax.Array], stats: dict[str, jax.Array], aux_loss_weight: float,

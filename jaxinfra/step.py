@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxinfra.loss import add_moe_sums, cross_entropy_sums, moe_metrics
+from jaxinfra.loss import add_moe_sums, chunked_sums, cross_entropy_sums, moe_metrics
 from jaxinfra.optim import global_norm, tree_all_finite
 from jaxinfra.state import TrainState
 from models import ModelConfig
@@ -20,8 +20,12 @@ Batch = dict[str, jax.Array]
 
 def _forward_sums(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, cfg: ModelConfig) -> dict[str, jax.Array]:
     model = nnx.merge(graphdef, params)
-    logits, moe_stats = model.forward(batch["inputs"], batch["positions"], batch["segment_ids"])
-    sums = cross_entropy_sums(logits, batch["targets"], batch["segment_ids"] > 0, cfg.z_loss_weight)
+    h, moe_stats = model.hidden(batch["inputs"], batch["positions"], batch["segment_ids"])
+
+    def token_sums(h: jax.Array, targets: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:
+        return cross_entropy_sums(model.logits(h), targets, mask, cfg.z_loss_weight)
+
+    sums = chunked_sums(token_sums, cfg.loss_chunk_size, h, batch["targets"], batch["segment_ids"] > 0)
     return add_moe_sums(sums, moe_stats, cfg.moe_aux_loss_weight, cfg.moe_z_loss_weight)
 
 

@@ -73,6 +73,10 @@ class ModelConfig:
     param_dtype: DType = "float32"
     dtype: DType = "float32"  # compute dtype
     attention_impl: AttentionImpl = "xla"
+    # Sequence positions per chunk of the output projection + loss (jaxinfra/loss.py
+    # chunked_sums): the [batch, length, vocab] float32 logits exist one chunk at a time.
+    # 0: the whole sequence at once. Must divide train.seq_len.
+    loss_chunk_size: int = 0
 
     # ---- multi-head latent attention (attention_type="mla"; DeepSeek-V2 sec. 2.1)
     attention_type: AttentionType = "mha"
@@ -172,6 +176,8 @@ class ModelConfig:
             out.append(("rope_scaling_factor", self.rope_scaling_factor, ">= 1 or null"))
         if self.mla_norm_eps is not None and not (0 < self.mla_norm_eps < math.inf):
             out.append(("mla_norm_eps", self.mla_norm_eps, "a finite number > 0 or null (= norm_eps)"))
+        if self.loss_chunk_size < 0:
+            out.append(("loss_chunk_size", self.loss_chunk_size, "an integer >= 0 (0: no chunking)"))
         if self.logit_softcap is not None and self.logit_softcap <= 0:
             out.append(("logit_softcap", self.logit_softcap, "> 0 or null"))
         if self.moe_num_experts:

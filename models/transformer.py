@@ -165,6 +165,14 @@ class Transformer(nnx.Module):
         """(logits, MoE statistics stacked over MoE layers: {} for a dense model).
 
         Statistics (see models/moe.py): counts [L_moe, E], dropped, aux_loss, z_loss [L_moe]."""
+        h, stats = self.hidden(tokens, positions, segment_ids)
+        return self.logits(h), stats
+
+    def hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(final-normed hidden states [B, T, d], MoE statistics): the forward without the output
+        projection. `logits(h)` finishes it; the loss applies it per sequence chunk
+        (jaxinfra/loss.py) so that no [B, T, vocab] float32 buffer is ever whole."""
         cfg = self.cfg
         h, positions, rope_freqs = self._embed(tokens, positions)
         stats: dict[str, jax.Array] = {}
@@ -180,7 +188,19 @@ class Transformer(nnx.Module):
                 stats = {k: stats[k] for k in MOE_STATS}
         else:
             h = self._dense_stack(h, positions, segment_ids, rope_freqs)
-        return self._head(h), stats
+        return self.final_norm(h), stats
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """Final-normed hidden states [B, T, d] (or a chunk of T) -> float32 logits [B, T, vocab],
+        soft-capped when configured."""
+        cfg, dt = self.cfg, DTYPES[self.cfg.dtype]
+        if cfg.tie_embeddings:
+            logits = jnp.einsum("btd,vd->btv", h, self.embed[...].astype(dt), preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum("btd,dv->btv", h, self.unembed[...].astype(dt), preferred_element_type=jnp.float32)
+        if cfg.logit_softcap is not None:
+            logits = cfg.logit_softcap * jnp.tanh(logits / cfg.logit_softcap)
+        return constrain(logits, ("batch", "length", "vocab"))
 
     # ------------------------------------------------------------ inference (jaxinfra/infer/)
 
@@ -226,15 +246,7 @@ class Transformer(nnx.Module):
         return h, positions, rope_frequencies(cfg)
 
     def _head(self, h: jax.Array) -> jax.Array:
-        cfg, dt = self.cfg, DTYPES[self.cfg.dtype]
-        h = self.final_norm(h)
-        if cfg.tie_embeddings:
-            logits = jnp.einsum("btd,vd->btv", h, self.embed[...].astype(dt), preferred_element_type=jnp.float32)
-        else:
-            logits = jnp.einsum("btd,dv->btv", h, self.unembed[...].astype(dt), preferred_element_type=jnp.float32)
-        if cfg.logit_softcap is not None:
-            logits = cfg.logit_softcap * jnp.tanh(logits / cfg.logit_softcap)
-        return constrain(logits, ("batch", "length", "vocab"))
+        return self.logits(self.final_norm(h))
 
     def _by_stack(self, ys: tuple) -> dict:
         dense, sparse = ys

@@ -284,3 +284,45 @@ def test_train_end_to_end(tmp_path):
     assert written["steps"] == 30
     assert written["final_eval_loss"] == pytest.approx(eval_lines[-1]["eval_loss"])
     assert summary["final_eval_loss"] == pytest.approx(written["final_eval_loss"])
+
+
+# ---------------------------------------------------------------- chunked loss
+
+
+def test_chunked_loss_matches_whole_sequence(single):
+    """model.loss_chunk_size: logits and cross-entropy per sequence chunk (rematerialised in the
+    backward) give the whole-sequence run's losses, gradients and parameters."""
+    cfg = parity_config(dataclasses.replace(MODEL, loss_chunk_size=4), OPT, {}, batch=BATCH, seq=SEQ,
+                        schedule=SCHED, total_steps=TOTAL_STEPS)
+    chunked = run_steps(cfg, jax.devices()[:1], _batches())
+    assert_series_close(chunked, single, ("loss", "grad_norm", "tokens"), rtol=1e-5)
+    assert_trees_close(chunked["params"], single["params"], rtol=1e-5, atol=PARAM_ATOL)
+
+
+def test_chunked_sums_hold_one_chunk_of_logits():
+    """The backward of a chunked loss keeps no [B, T, vocab] buffer: XLA's temporary memory for
+    the gradient falls by about the logits' size (here 4 x 256 x 2048 float32 = 8 MiB)."""
+    from jaxinfra.loss import chunked_sums, cross_entropy_sums
+
+    b, t, d, v = 4, 256, 32, 2048
+    rng = np.random.default_rng(0)
+    h = jnp.asarray(rng.standard_normal((b, t, d)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((d, v)) * 0.1, jnp.float32)
+    targets = jnp.asarray(rng.integers(0, v, (b, t)), jnp.int32)
+    mask = jnp.asarray(rng.random((b, t)) < 0.9)
+
+    def loss(w, h, chunk):
+        sums = chunked_sums(lambda h, y, m: cross_entropy_sums(h @ w, y, m, 1e-4), chunk, h, targets, mask)
+        return sums["loss_sum"] / sums["tokens"]
+
+    grads, temps = {}, {}
+    for chunk in (0, 32):
+        fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)
+        temps[chunk] = fn.lower(w, h, chunk).compile().memory_analysis().temp_size_in_bytes
+        grads[chunk] = jax.device_get(fn(w, h, chunk))
+    np.testing.assert_allclose(grads[32][0], grads[0][0], rtol=1e-6)
+    for got, want in zip(grads[32][1], grads[0][1]):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    logits_bytes = b * t * v * 4
+    assert temps[0] >= logits_bytes, temps
+    assert temps[32] < temps[0] - 0.75 * logits_bytes, temps
