@@ -18,7 +18,14 @@ import pytest
 
 from jaxinfra import cli
 from jaxinfra.config import ConfigError, load_config
-from jaxinfra.data import DataConfig, DataError, make_eval_batches, make_train_iterator, vocab_size_of
+from jaxinfra.data import (
+    DataConfig,
+    DataError,
+    make_eval_batches,
+    make_eval_sets,
+    make_train_iterator,
+    vocab_size_of,
+)
 from jaxinfra.data.config import MixtureConfig
 from jaxinfra.data.encode import BYTE_EOD, make_encoder
 from jaxinfra.data.prepare import prepare
@@ -82,11 +89,17 @@ def _segments(batches) -> list[list[int]]:
     return out
 
 
-def _read_all(cfg: DataConfig, vocab: int, seq_len: int, n_train: int, n_eval: int) -> tuple[list, list]:
+def _read_all(cfg: DataConfig, vocab: int, seq_len: int, n_eval: int, documents: int) -> tuple[list, list]:
+    """Segments of `n_eval` eval batches, and of training batches until every document not held out was seen."""
     kw = dict(seq_len=seq_len, global_batch_size=2, vocab_size=vocab, seed=0)
-    it = make_train_iterator(cfg, **kw)
-    train = _segments(next(it) for _ in range(n_train))
-    return train, _segments(make_eval_batches(cfg, **kw)[:n_eval])
+    held = _segments(make_eval_batches(dataclasses.replace(cfg, eval_batches=n_eval), **kw))
+    train, seen, it = [], set(), make_train_iterator(cfg, **kw)
+    for _ in range(100):
+        if len(seen) + len({tuple(s) for s in held}) >= documents:
+            break
+        train += _segments([next(it)])
+        seen = {tuple(s) for s in train}
+    return train, held
 
 
 def _check_round_trip(cfg: DataConfig, corpus: dict, tokenizer) -> tuple[set, set, int]:
@@ -95,7 +108,7 @@ def _check_round_trip(cfg: DataConfig, corpus: dict, tokenizer) -> tuple[set, se
     want = {tuple(_reference_ids(tokenizer, t)): t for t in texts}
     seq_len = max(len(k) for k in want)  # every document fits one window: segments are whole documents
     vocab = vocab_size_of(cfg)
-    train, held = _read_all(dataclasses.replace(cfg, eval_batches=40), vocab, seq_len, n_train=60, n_eval=40)
+    train, held = _read_all(cfg, vocab, seq_len, n_eval=12, documents=len(want))
     decode = (lambda ids: bytes(ids).decode("utf-8")) if tokenizer is None else tokenizer.decode
     for seg in train + held:
         assert tuple(seg) in want, "a segment is not exactly one input document"
@@ -120,13 +133,12 @@ def test_prepare_then_load_round_trip(corpus, tmp_path, kind):
     _, held_prepared, seq_len = _check_round_trip(prepared, corpus, tokenizer)
     # The same files read on the fly (a mixture of a jsonl and a parquet source) give the same split.
     root = corpus["root"]
-    on_the_fly = DataConfig(source="jsonl", tokenizer=tok_path, eval_fraction=0.2, eval_batches=40, mixture={
+    on_the_fly = DataConfig(source="jsonl", tokenizer=tok_path, eval_fraction=0.2, eval_batches=12, mixture={
         "j": MixtureConfig(paths=(str(root / "a.jsonl"), str(root / "b.jsonl.gz"))),
         "p": MixtureConfig(paths=(str(root / "c.parquet"),), source="parquet")})
     assert vocab_size_of(on_the_fly) == meta["vocab_size"]
-    held_fly = set()
-    for part in on_the_fly.parts().values():
-        held_fly |= {tuple(s) for s in _read_all(part, meta["vocab_size"], seq_len, 0, 40)[1]}
+    kw = dict(seq_len=seq_len, global_batch_size=2, vocab_size=meta["vocab_size"], seed=0)
+    held_fly = {tuple(s) for batches in make_eval_sets(on_the_fly, **kw).values() for s in _segments(batches)}
     assert held_fly == held_prepared
 
 

@@ -7,7 +7,6 @@ data.tokenizer). A failed check ends the report with one DataError line (exit st
 
 from __future__ import annotations
 
-import hashlib
 import os
 from typing import Any
 
@@ -85,7 +84,8 @@ def _checks(prepared, cfg: Any, verify: bool) -> list[tuple[bool, str]]:
            (meta["vocab_size"] <= limit, f"dtype {meta['dtype']} holds the {meta['vocab_size']}-id vocabulary"),
            (meta["max_id"] < meta["vocab_size"], f"largest id {meta['max_id']} < vocabulary {meta['vocab_size']}")]
     if verify:
-        bad = [s["file"] for s, path in zip(meta["shards"], prepared.shards) if _sha256(path) != s["sha256"]]
+        bad = [s["file"] for s, path in zip(meta["shards"], prepared.shards)
+               if file_sha256(path, "shard") != s["sha256"]]
         out.append((not bad, f"shard sha256 match meta.json{': not ' + ', '.join(bad[:3]) if bad else ''}"))
     if cfg is not None:
         vocab = cfg.model.vocab_size
@@ -96,14 +96,6 @@ def _checks(prepared, cfg: Any, verify: bool) -> list[tuple[bool, str]]:
         else:
             out.append((True, "data.tokenizer is null: the directory's own tokenizer is used"))
     return out
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def raise_failures(failures: list[str], directory: str) -> None:

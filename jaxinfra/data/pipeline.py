@@ -106,6 +106,10 @@ def _split_sources(cfg: DataConfig, seq_len: int, vocab_size: int, seed: int) ->
         return synthetic.split(cfg.synthetic_vocab, seq_len, _seed32(seed), cfg.eval_fraction)
     if cfg.source == "tokens":
         return _token_sources(cfg, seq_len, vocab_size)
+    for path in cfg.paths:
+        if is_prepared(os.path.expanduser(path)):
+            raise DataError(f"data.paths: {path!r} is a directory made by `jaxinfra data prepare`; read it with "
+                            f"data.source=tokens (not {cfg.source})")
     if cfg.source in ("jsonl", "parquet"):
         return _record_sources(cfg)
     if cfg.paths:
