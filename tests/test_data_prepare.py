@@ -323,3 +323,13 @@ def test_directory_prepared_with_another_tokenizer_is_refused(prepared_bytes, co
                             global_batch_size=1, vocab_size=512, seed=0)
     with pytest.raises(DataError, match=r"one run reads one tokenizer's ids"):
         vocab_size_of(DataConfig(source="tokens", paths=(str(prepared_bytes), str(other))))
+
+
+def test_train_refuses_a_truncated_shard_in_one_line(prepared_bytes, tmp_path, capsys):
+    shard = prepared_bytes / "shard-00000.bin"
+    os.truncate(shard, os.path.getsize(shard) - 1)
+    args = ["train", "tiny", "--run-dir", str(tmp_path / "run"), "data.source=tokens",
+            f"data.paths=[{prepared_bytes}]", "model.vocab_size=264", "log.progress=false"]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(r"shard-00000\.bin' is \d+ bytes, but meta\.json records", err[0]), err

@@ -51,6 +51,8 @@ def read_json(path: str, what: str) -> dict:
 def load_meta(directory: str) -> dict:
     """meta.json of a complete preparation; DataError for an unfinished or foreign one."""
     path = os.path.join(directory, META)
+    if not os.path.exists(path) and not os.path.exists(os.path.join(directory, PLAN)):
+        raise DataError(f"data.paths: {directory!r} is not a directory made by `jaxinfra data prepare` (no {META})")
     if not os.path.exists(path):
         raise DataError(f"data.paths: {directory!r} is an unfinished preparation (no {META}); rerun the same "
                         f"`jaxinfra data prepare` command to finish it")
