@@ -6,14 +6,16 @@ the `small` preset's training step, all in one run.
 1. A corpus: the Python standard library's .py files as JSON Lines (one document per file), up
    to --mb MB, and a byte-level BPE tokenizer.json trained on it (vocab --vocab, with
    <|endoftext|>), written to a temporary directory.
-2. Raw tokenizer speed: `encode_batch_fast` over the same texts in ~1 MiB batches, one thread
-   (TOKENIZERS_PARALLELISM=false, as each prepare worker runs).
-3. `data prepare` with each --workers count: tokens/s in all and per worker, and
-   raw / per-worker (the target: <= 2).
-4. The loader: data.source=tokens on the prepared directory, the `small` preset's batch
+2. For each --workers count N: the tokenizer's raw speed, `encode_batch_fast` over the same
+   texts in ~1 MiB batches, one thread per process (TOKENIZERS_PARALLELISM=false, as each
+   prepare worker runs), in N processes at once (per process: the contention N prepare workers
+   meet); then `data prepare --workers N`: tokens/s in all and per worker, and raw / per-worker
+   (the target: <= 2).
+3. The loader: data.source=tokens on the prepared directory, the `small` preset's batch
    (8 x 256), data.worker_count as the preset (0): tokens/s delivered (rows x seq_len / s, and
-   the non-padding share), packed with segment ids.
-5. The `small` preset's training step on random batches (benchmarks/step_cpu.py), tokens/s,
+   the non-padding share), packed with segment ids; and the same for data.source=jsonl on the
+   corpus itself (tokenized on the fly).
+4. The `small` preset's training step on random batches (benchmarks/step_cpu.py), tokens/s,
    and loader / step (the target: >= 20).
 
 The load average is printed before and after: other processes on the machine skew everything.
@@ -65,11 +67,8 @@ def train_tokenizer(root: str, texts: list[str], vocab: int) -> str:
     return path
 
 
-def raw_tokens_per_s(tokenizer: str, texts: list[str]) -> tuple[float, int]:
-    """(tokens/s, tokens) of encode_batch_fast over ~1 MiB batches, best of 2 passes."""
-    import tokenizers
-
-    tok = tokenizers.Tokenizer.from_file(tokenizer)
+def _batches(texts: list[str]) -> list[list[str]]:
+    """Texts in ~1 MiB batches, as `data prepare` hands them to the tokenizer."""
     batches, batch, size = [], [], 0
     for t in texts:
         batch.append(t)
@@ -77,13 +76,34 @@ def raw_tokens_per_s(tokenizer: str, texts: list[str]) -> tuple[float, int]:
         if size >= 1 << 20:
             batches.append(batch)
             batch, size = [], 0
-    batches.append(batch)
-    best, tokens = float("inf"), 0
-    for _ in range(2):
-        t0 = time.perf_counter()
-        tokens = sum(len(e.ids) for b in batches for e in tok.encode_batch_fast(b, add_special_tokens=False))
-        best = min(best, time.perf_counter() - t0)
-    return tokens / best, tokens
+    return [*batches, batch] if batch else batches
+
+
+def _encode_timed(job: tuple[str, list[list[str]]]) -> tuple[int, float]:
+    """(tokens, seconds) of encode_batch_fast over the batches, in this process."""
+    import tokenizers
+
+    path, batches = job
+    tok = tokenizers.Tokenizer.from_file(path)
+    t0 = time.perf_counter()
+    tokens = sum(len(e.ids) for b in batches for e in tok.encode_batch_fast(b, add_special_tokens=False))
+    return tokens, time.perf_counter() - t0
+
+
+def raw_tokens_per_s(tokenizer: str, texts: list[str], workers: int) -> float:
+    """The tokenizer's own batched speed per process, with `workers` processes encoding at once (each
+    its share of the batches, one thread each): the same contention a prepare with that many workers
+    meets on this machine."""
+    batches = _batches(texts)
+    if workers == 1:
+        tokens, seconds = _encode_timed((tokenizer, batches))
+        return tokens / seconds
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    with ctx.Pool(workers) as pool:
+        results = pool.map(_encode_timed, [(tokenizer, batches[w::workers]) for w in range(workers)])
+    return sum(tokens / seconds for tokens, seconds in results) / workers
 
 
 def prepare_tokens_per_s(corpus: str, tokenizer: str, out: str, workers: int) -> tuple[float, int]:
@@ -125,12 +145,12 @@ def main() -> None:
     tokenizer = train_tokenizer(root, texts, args.vocab)
     print(f"corpus {os.path.getsize(corpus) / 1e6:.1f} MB ({len(texts)} documents), tokenizer vocab {args.vocab}; "
           f"load average {load_before[0]:.2f}")
-    raw, tokens = raw_tokens_per_s(tokenizer, texts)
-    print(f"raw encode_batch_fast, 1 thread: {raw:,.0f} tokens/s ({tokens:,} tokens)")
     for workers in (int(w) for w in args.workers.split(",")):
-        tps, _ = prepare_tokens_per_s(corpus, tokenizer, os.path.join(root, f"prepared-{workers}"), workers)
-        print(f"data prepare --workers {workers}: {tps:,.0f} tokens/s, {tps / workers:,.0f} per worker, "
-              f"raw / per-worker = {raw / (tps / workers):.2f}")
+        raw = raw_tokens_per_s(tokenizer, texts, workers)
+        tps, tokens = prepare_tokens_per_s(corpus, tokenizer, os.path.join(root, f"prepared-{workers}"), workers)
+        print(f"{workers} worker(s): raw encode_batch_fast {raw:,.0f} tokens/s per process; data prepare "
+              f"{tps:,.0f} tokens/s = {tps / workers:,.0f} per worker ({tokens:,} tokens); raw / per-worker = "
+              f"{raw / (tps / workers):.2f}")
 
     from jaxinfra.config import load_config
 
@@ -140,12 +160,18 @@ def main() -> None:
     loader, fill = loader_tokens_per_s(cfg, args.batches)
     print(f"loader (data.source=tokens, {cfg.train.batch_size} x {cfg.train.seq_len}, data.worker_count="
           f"{cfg.data.worker_count}): {loader:,.0f} tokens/s ({fill:.1%} non-padding)")
+    fly_cfg = load_config("small", ["data.source=jsonl", f"data.paths=[{corpus}]", f"data.tokenizer={tokenizer}",
+                                    "mesh.data=1"])
+    fly, fly_fill = loader_tokens_per_s(fly_cfg, args.batches)
+    print(f"loader (data.source=jsonl, tokenized on the fly, same batch and workers): {fly:,.0f} tokens/s "
+          f"({fly_fill:.1%} non-padding)")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from step_cpu import time_steps
 
     _, step_s = time_steps(cfg, args.steps)
     step = cfg.train.batch_size * cfg.train.seq_len / step_s
-    print(f"small preset training step: {step:,.0f} tokens/s; loader / step = {loader / step:.1f}")
+    print(f"small preset training step: {step:,.0f} tokens/s; loader / step = {loader / step:.1f} "
+          f"(on the fly: {fly / step:.1f})")
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 

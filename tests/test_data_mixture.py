@@ -121,13 +121,15 @@ def test_each_source_keeps_its_own_held_out_split(streams):
     (["data.paths=[x.npy]"], r"data\.paths=\('x\.npy',\) is invalid: must be empty when data\.mixture is set"),
     (["data.mixture.a.wieght=1"], r"unknown key 'data\.mixture\.a\.wieght' \(did you mean 'data\.mixture\.a\.weight'"),
 ])
-def test_mixture_config_errors_are_one_line(streams, overrides, message):
+def test_mixture_config_errors_are_one_line(streams, overrides, message, tmp_path):
     base = ["data.source=tokens", f"data.mixture.a.paths=[{streams['a']}]", f"data.mixture.b.paths=[{streams['b']}]",
             "model.vocab_size=64"]
     with pytest.raises(ConfigError, match=message):
         load_config("tiny", [*base, *overrides])
     cfg = load_config("tiny", [*base, "data.mixture.a.weights=[[0, 0.7], [1000, 0.5]]"])
     assert cfg.data.mixture["a"].stages() == [(0, 0.7), (1000, 0.5)]
+    (tmp_path / "config.yaml").write_text(cfg.to_yaml())  # a run dir's config.yaml restarts the same mixture
+    assert load_config(str(tmp_path / "config.yaml")) == cfg
 
 
 # --------------------------------------------------------------- training runs

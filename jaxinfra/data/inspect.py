@@ -44,7 +44,7 @@ def _histogram(lengths: np.ndarray) -> str:
         n = int((buckets == b).sum())
         if n:
             share = n / len(lengths)
-            rows.append((f"{1 << b}-{(2 << b) - 1}", n, f"{share:.1%}", "#" * max(1, round(40 * share))))
+            rows.append((f"{1 << b}-{(2 << b) - 1}" if b else "1", n, f"{share:.1%}", "#" * max(1, round(40 * share))))
     table = format_table(rows, [Column("length", align=">"), Column("documents", ",", ">"), Column("share", align=">"),
                                 Column("")])
     stats = (f"min {int(lengths.min())}, median {int(np.median(lengths))}, mean {lengths.mean():.1f}, "

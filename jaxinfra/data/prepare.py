@@ -45,7 +45,10 @@ def prepare(inputs: Sequence[str], out: str, *, tokenizer: str | None = None, te
     workers = (os.cpu_count() or 1) if workers is None else workers
     if workers < 1:
         raise DataError(f"--workers {workers} is invalid: must be a positive integer")
-    files = expand_paths(inputs, what="data prepare")
+    inside = os.path.join(os.path.abspath(out), "")
+    files = [f for f in expand_paths(inputs, what="data prepare") if not f.startswith(inside)]  # not our output
+    if not files:
+        raise DataError(f"data prepare: no input files besides --out {out!r}")
     units = sum(_check_input(path, text_key, unit_bytes) for path in files)
     encoder = make_encoder(tokenizer, eod_token)
     plan = _plan(files, encoder, text_key, shard_tokens, unit_bytes)
