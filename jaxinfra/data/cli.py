@@ -20,8 +20,9 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     if getattr(args, "overrides", None):
         raise ConfigError(f"data prepare takes no KEY=VALUE overrides: {' '.join(args.overrides)}")
     start = time.perf_counter()
+    sizes = {"shard_tokens": args.shard_tokens} if args.shard_tokens is not None else {}
     meta = prepare(args.inputs, args.out, tokenizer=args.tokenizer, text_key=args.text_key, workers=args.workers,
-                   shard_tokens=args.shard_tokens, eod_token=args.eod_token, progress=not args.no_progress)
+                   eod_token=args.eod_token, progress=not args.no_progress, **sizes)
     seconds = time.perf_counter() - start
     print(f"prepared {meta['documents']:,} documents, {meta['tokens']:,} tokens ({meta['dtype']}, vocabulary "
           f"{meta['vocab_size']}, end of document = id {meta['eod_id']}) in {len(meta['shards'])} shard(s) -> "
@@ -55,7 +56,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     how.add_argument("--bytes", action="store_true", help="byte-level ids 0..255, end of document = 256")
     p.add_argument("--text-key", default="text", help="JSON field / Parquet column of the text (default: text)")
     p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: one per CPU)")
-    p.add_argument("--shard-tokens", type=int, default=50_000_000, metavar="N",
+    p.add_argument("--shard-tokens", type=int, metavar="N",
                    help="close a shard after the document that reaches N tokens (default 50M)")
     p.add_argument("--eod-token", metavar="TOKEN", help="the tokenizer's end-of-document token (default: the "
                    "first of <|endoftext|>, <|end_of_text|>, </s>, <eos>, ... it has; else a new id)")
