@@ -19,7 +19,8 @@ Modules of `jaxinfra/` (see docs/architecture.md for how one run goes through th
     launch.py      `jaxinfra launch`: N local processes that act as N hosts (multi-host tests)
     info.py        `jaxinfra info`: devices, versions, mesh, per-parameter sharding and memory
     bench.py       `jaxinfra bench collectives`: collective timings per mesh axis
-    data/          grain input pipeline: text, token files or synthetic, packed into batches
+    data/          grain input pipeline (text, token files, prepared dirs, jsonl/parquet, synthetic,
+                   mixtures) packed into batches; `data prepare` / `data inspect`
     metrics/       FLOP counts, device peaks, MFU, JSONL/TensorBoard writers, table formatting
     scaling/       scaling-law sweeps: spec -> runs -> results table -> Chinchilla fits -> plots
     hf/            Hugging Face interop: import safetensors checkpoints as runs, export runs back

@@ -18,6 +18,8 @@ train, info and bench also take --coordinator HOST:PORT --num-processes N --proc
     jaxinfra generate CKPT (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N] [--temperature T]
                       [--top-k K] [--top-p P] [--stop-ids ...]   sampling with a KV cache
     jaxinfra eval CKPT --tokens FILE.npy [--batch-size B]   mean next-token loss, one JSON line
+    jaxinfra data prepare INPUT... --out DIR (--tokenizer PATH | --bytes) [--workers N] [--shard-tokens N]
+    jaxinfra data inspect DIR [CONFIG] [KEY=VALUE ...]   counts, lengths, a decoded sample, checks
 
 Bad input (config, mesh, data, checkpoint) exits with status 2 and one line on stderr, no
 traceback; the statuses are in jaxinfra/exits.py.
@@ -113,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxinfra.infer.cli import add_subcommands as add_inference  # generate, eval
 
     add_inference(sub)
+    from jaxinfra.data.cli import add_subcommands as add_data  # data {prepare,inspect}
+
+    add_data(sub)
     return parser
 
 

@@ -36,7 +36,7 @@ from jaxinfra.checkpoint import (
     restore_params,
 )
 from jaxinfra.config import Config
-from jaxinfra.data import make_eval_batches, make_train_iterator, row_states, set_row_states
+from jaxinfra.data import make_eval_sets, make_train_iterator, row_states, set_row_states
 from jaxinfra.exits import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_HUNG, EXIT_OK, EXIT_PREEMPTED, bad_input_errors
 from jaxinfra.metrics import (
     MetricsLogger,
@@ -117,7 +117,8 @@ class Trainer:
         data_args = dict(seq_len=t.seq_len, global_batch_size=t.batch_size, vocab_size=cfg.model.vocab_size,
                          seed=t.seed, process_index=jax.process_index(), process_count=jax.process_count())
         self.train_iter = make_train_iterator(cfg.data, **data_args)
-        self.eval_batches = make_eval_batches(cfg.data, **data_args)
+        self.eval_sets = make_eval_sets(cfg.data, **data_args)  # per mixture source ("": the one source)
+        self.eval_batches = [b for batches in self.eval_sets.values() for b in batches]
         self.ckpt = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint) if cfg.checkpoint.enabled else None
         self.state: TrainState | None = None
         self._signal: int | None = None
@@ -132,8 +133,15 @@ class Trainer:
 
     def evaluate(self, state: TrainState) -> float:
         """Token-weighted mean cross-entropy over the held-out batches."""
-        ce, tokens = self.rt.eval_sums(state.params, self.eval_batches)
-        return ce / max(tokens, 1.0)
+        return self.eval_metrics(state)["eval_loss"]
+
+    def eval_metrics(self, state: TrainState) -> dict[str, float]:
+        """`eval_loss` over all held-out batches, and with a mixture `eval_loss/<name>` per source."""
+        sums = {name: self.rt.eval_sums(state.params, batches) for name, batches in self.eval_sets.items()}
+        ce, tokens = sum(c for c, _ in sums.values()), sum(n for _, n in sums.values())
+        line = {"eval_loss": ce / max(tokens, 1.0)}
+        line.update({f"eval_loss/{name}": c / max(n, 1.0) for name, (c, n) in sums.items() if name})
+        return line
 
     def _target(self) -> TrainState:
         return abstract_with_shardings(abstract_state(self.cfg.model, self.rt.tx), self.rt.state_shardings)
@@ -287,10 +295,12 @@ class Trainer:
         loop.first_eval = meta.get("first_eval_loss", loop.evals[0][1] if loop.evals else None)
 
     def _record_eval(self, loop: _Loop, step: int) -> None:
-        eval_loss = self.evaluate(loop.state)
+        line = self.eval_metrics(loop.state)
+        eval_loss = line["eval_loss"]
         loop.evals.append((step, eval_loss))
-        self._log(step, {"eval_loss": eval_loss})
-        self._say(f"step {step}: eval_loss {eval_loss:.4f}")
+        self._log(step, line)
+        per_source = "".join(f", {k.split('/', 1)[1]} {v:.4f}" for k, v in line.items() if "/" in k)
+        self._say(f"step {step}: eval_loss {eval_loss:.4f}{per_source}")
 
     def _train_one_step(self, loop: _Loop, step: int, batches: Iterator[dict[str, jax.Array]]) -> bool:
         """Dispatch one step, then its log point, evaluation and checkpoint; False ends the loop."""
