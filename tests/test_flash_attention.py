@@ -404,7 +404,7 @@ def _z(*shape, dtype=jnp.float32):
          "one-segment-array-lengths", "segment-shape-q", "segment-shape-kv", "segment-dtype", "window-negative",
          "window-int", "softcap", "scale", "impl", "cudnn-on-cpu"],
 )
-@pytest.mark.parametrize("impl", ["pallas_triton", "pallas_mosaic_tpu", "xla"])
+@pytest.mark.parametrize("impl", ["pallas_triton", "pallas_mosaic_tpu", "pallas_mosaic_gpu", "xla"])
 def test_bad_arguments_raise_before_any_kernel(args, kwargs, pattern, impl, monkeypatch):
     def no_kernel(*a, **k):
         raise AssertionError("a kernel ran before validation")
@@ -442,6 +442,9 @@ def test_pallas_impl_on_the_wrong_accelerator_raises(monkeypatch):
 def test_block_size_table():
     bs = block_table.lookup("NVIDIA H100 80GB HBM3", "bfloat16", 128, 128, "causal")
     assert bs.num_warps == 8 and bs.block_q == 128
+    assert bs.warps_stages("fwd", 128) == (8, 3) and bs.warps_stages("dkv", 128) == (8, 2)
+    assert BlockSizes().warps_stages("dq", 64) == (4, 2)  # unset: 4 warps up to D64, 2 stages
+    assert BlockSizes(num_warps=8, num_stages_dq=4).warps_stages("dq", 64) == (8, 4)
     assert block_table.lookup("NVIDIA H100", "float32", 128, 128, "causal").block_q == 64  # dtype row wins
     assert block_table.lookup("TPU v5 lite", "bfloat16", 128, 128, "causal").block_kv == 512
     assert block_table.lookup("TPU v4", "bfloat16", 64, 64, "full") == block_table.TABLE[("TPU", "*", "*", "*")]
@@ -497,6 +500,68 @@ def test_block_ranges_are_sound_and_full_blocks_are_full():
                     assert not cols[i * bq:(i + 1) * bq].any(), (band, bq, bk, kj, i)
                 if flo <= i < fhi:
                     assert vis[i * bq:(i + 1) * bq, kj * bk:(kj + 1) * bk].all(), (band, bq, bk, kj, i)
+
+
+def test_every_fully_visible_block_is_in_the_unmasked_range():
+    """The converse of the test above: a block whose tile is entirely visible (and holds no
+    appended key) is never visited with an element mask, so the unmasked fast path covers
+    every block strictly inside the band."""
+    rng = np.random.default_rng(2)
+    for _ in range(300):
+        tq, tkv = (int(x) for x in rng.integers(1, 90, 2))
+        bq, bk = (int(x) for x in rng.choice([16, 32, 64], 2))
+        left = None if rng.random() < 0.4 else int(rng.integers(0, 40))
+        right = None if rng.random() < 0.4 else int(rng.integers(0, 40))
+        band = masks.make_band(bool(rng.random() < 0.5), (left, right), tq, tkv)
+        tq_p, tkv_p = -(-tq // 64) * 64, -(-tkv // 64) * 64
+        vis = _dense_visibility(band, tq_p, tkv_p)
+        tile = lambda i, j: vis[i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]  # noqa: E731
+        for qi in range(tq_p // bq):
+            _, flo, fhi, _ = masks.kv_block_range(qi, bq, bk, band)
+            full = [j for j in range(tkv_p // bk) if (j + 1) * bk <= tkv and tile(qi, j).all()]
+            assert full == list(range(flo, fhi)), (band, bq, bk, qi)
+        for kj in range(tkv_p // bk):
+            _, flo, fhi, _ = masks.q_block_range(kj, bq, bk, band)
+            full = [i for i in range(-(-tq // bq)) if (kj + 1) * bk <= tkv and tile(i, kj).all()]
+            assert full == list(range(flo, fhi)), (band, bq, bk, kj)
+
+
+def test_triton_kernels_mask_only_the_blocks_on_the_band_edge(monkeypatch):
+    """Counted at run time (interpret mode): causal T=64 in 16-blocks visits 10 blocks per
+    kernel (forward, dq, dk/dv) and applies the element mask on the 4 diagonal blocks only."""
+    from kernels import flash_triton
+
+    counts = {"visits": 0, "masked": 0}
+
+    def counting(name, fn):
+        def wrapped(*a, **k):
+            jax.debug.callback(lambda: counts.__setitem__(name, counts[name] + 1))
+            return fn(*a, **k)
+        return wrapped
+
+    monkeypatch.setattr(flash_triton, "_scores", counting("visits", flash_triton._scores))
+    monkeypatch.setattr(flash_triton, "_mask", counting("masked", flash_triton._mask))
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 64, 1, 16)), jnp.float32)
+
+    def loss(q):
+        return jnp.sum(kernels.attention(q, q, q, causal=True, impl="pallas_triton", block_sizes=SMALL))
+
+    jax.block_until_ready(jax.jit(jax.grad(loss))(q))
+    assert counts == {"visits": 3 * 10, "masked": 3 * 4}
+
+
+def test_float32_inputs_use_ieee_dots_in_the_triton_kernel():
+    """Triton's default for float32 dots is TF32 (~1e-3 relative error, measured on an H200):
+    float32 operands must ask for HIGHEST (IEEE), 16-bit ones keep the default."""
+    from kernels import flash_triton
+
+    def precision(dtype):
+        x = jnp.zeros((16, 16), dtype)
+        eqn = jax.make_jaxpr(lambda a, b: flash_triton._dot(a, b, flash_triton._NT))(x, x).eqns[0]
+        return eqn.params["precision"]
+
+    assert precision(jnp.float32) == (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+    assert precision(jnp.bfloat16) is None
 
 
 def test_block_ranges_traced_equal_static():
