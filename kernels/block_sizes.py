@@ -103,8 +103,9 @@ DEFAULT = BlockSizes()
 
 # The Mosaic GPU kernel (kernels/flash_mosaic_gpu.py): block_q = rows per compute warpgroup
 # (two compute warpgroups per program), kv blocks multiples of 64, num_stages = TMA ring depth.
-# Unmeasured starting points (FlashAttention-3's Hopper tiles at 64 rows per warpgroup).
-_MOSAIC_D128 = BlockSizes(64, 128, 64, 128, 64, 64, num_stages=2)
+# Unmeasured starting points (FlashAttention-3's Hopper tiles at 64 rows per warpgroup; the dq
+# kernel keeps two [64, block_kv_dq] float32 tiles (s, dP) live beside dq, so 64 there).
+_MOSAIC_D128 = BlockSizes(64, 128, 64, 64, 64, 64, num_stages=2)
 _MOSAIC_D192 = BlockSizes(64, 64, 64, 64, 64, 64, num_stages=2)  # bucket 256: the kernel takes up to 192
 MOSAIC_GPU_TABLE: dict[tuple[str, str, int | str, str], BlockSizes] = {
     ("NVIDIA", "*", 64, "*"): _MOSAIC_D128,  # unmeasured starting point

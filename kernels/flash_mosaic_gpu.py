@@ -200,6 +200,91 @@ def _drain(lo, hi, stages: int, *free_barriers) -> None:
             plgpu.barrier_wait(bar.at[lax.rem(j - lo, stages)])
 
 
+@dataclasses.dataclass(frozen=True)
+class _KvRing:
+    """The k/v (and kv segment id) ring of the forward and dq kernels: per slot a tile, a
+    "loaded" barrier each, and "free" barriers for k and v (both compute warpgroups arrive)."""
+
+    k: object
+    v: object
+    seg: object | None
+    k_loaded: object
+    v_loaded: object
+    seg_loaded: object | None
+    k_free: object
+    v_free: object
+    stages: int
+
+    def slot(self, j, lo):
+        return lax.rem(j - lo, self.stages)
+
+
+def _stream_kv(ring: _KvRing, k_ref, v_ref, kvseg_ref, b, kv_head, lo, hi, bk: int) -> None:
+    """The memory warpgroup: kv blocks [lo, hi) into the ring, each slot refilled once both
+    compute warpgroups freed it (k and v separately, so v's copy can start while k is in use)."""
+    plgpu.set_max_registers(40, action="decrease")
+
+    def fetch_k(j, slot):
+        rows = pl.ds(j * bk, bk)
+        plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kv_head], ring.k.at[slot], ring.k_loaded.at[slot])
+        if ring.seg is not None:
+            plgpu.copy_gmem_to_smem(kvseg_ref.at[b, rows], ring.seg.at[slot], ring.seg_loaded.at[slot])
+
+    def fetch_v(j, slot):
+        plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(j * bk, bk), kv_head], ring.v.at[slot], ring.v_loaded.at[slot])
+
+    for i in range(ring.stages):
+        @pl.when(lo + i < hi)
+        def _prologue():
+            fetch_k(lo + i, i)
+            fetch_v(lo + i, i)
+
+    @pl.loop(lo + ring.stages, hi)
+    def _steady(j):
+        slot = ring.slot(j, lo)
+        plgpu.barrier_wait(ring.k_free.at[slot])
+        fetch_k(j, slot)
+        plgpu.barrier_wait(ring.v_free.at[slot])
+        fetch_v(j, slot)
+
+    _drain(lo, hi, ring.stages, ring.k_free, ring.v_free)
+
+
+def _kv_program(params: FlashParams, geo: _Geom, ring: _KvRing, bq: int, bk: int, k_ref, v_ref, kvseg_ref):
+    """A forward / dq program: its indices and kv block range [lo, hi), with the memory
+    warpgroup started on that range."""
+    b, h, qi, wg = (lax.axis_index(n) for n in ("batch", "heads", "q_seq", "wg"))
+    lo, _, _, hi = kv_block_range(qi, COMPUTE_WGS * bq, bk, params.band)
+    pl.when(wg == MEMORY_WG)(lambda: _stream_kv(ring, k_ref, v_ref, kvseg_ref, b, _kv_head(h, geo.group), lo, hi, bk))
+    return b, h, qi, wg, lo, hi
+
+
+def _pass_block(ring: _KvRing, slot, take_turn=None) -> None:
+    """A compute warpgroup passing over a block only the other one needs: the same waits,
+    arrivals (and turns of the ping-pong) as computing on it, so every phase stays in step."""
+    plgpu.barrier_wait(ring.k_loaded.at[slot])
+    if ring.seg is not None:
+        plgpu.barrier_wait(ring.seg_loaded.at[slot])
+    plgpu.barrier_arrive(ring.k_free.at[slot])
+    if take_turn is not None:
+        take_turn()
+    plgpu.barrier_wait(ring.v_loaded.at[slot])
+    if take_turn is not None:
+        take_turn()
+    plgpu.barrier_arrive(ring.v_free.at[slot])
+
+
+def _ring_scratch(stages: int, bk: int, geo: _Geom, dtype):
+    """(tiles, barriers) of a _KvRing."""
+    tiles = (_tiles((stages, bk, geo.dqk), dtype), _tiles((stages, bk, geo.dv), dtype),
+             plgpu.SMEM((stages, bk), jnp.int32) if geo.has_seg else None)
+    bars = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages) if geo.has_seg else None,
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages))
+    return tiles, bars
+
+
 def _kv_head(h, group: int):
     return lax.div(h, jnp.int32(group)) if group > 1 else h
 
@@ -209,48 +294,19 @@ def _kv_head(h, group: int):
 
 def _fwd_kernel(*refs, params: FlashParams, geo: _Geom, hw: bool):
     if geo.has_seg:
-        q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, out_ref, lse_ref, smem, bars = refs
+        q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, out_ref, lse_ref, (smem, ring_tiles), (bars, ring_bars) = refs
     else:
-        (q_ref, k_ref, v_ref, out_ref, lse_ref, smem, bars), qseg_ref, kvseg_ref = refs, None, None
-    q_smem, o_smem, k_smem, v_smem, lse_smem, qseg_smem, kvseg_smem = smem
-    q_bar, k_bar, v_bar, seg_bar, k_free, v_free, turn = bars
+        (q_ref, k_ref, v_ref, out_ref, lse_ref, (smem, ring_tiles), (bars, ring_bars)), qseg_ref, kvseg_ref = \
+            refs, None, None
+    q_smem, o_smem, lse_smem, qseg_smem = smem
+    q_bar, turn = bars
     bq, bk, stages = params.blocks.block_q, params.blocks.block_kv, params.blocks.num_stages or 2
-    b, h, qi, wg = (lax.axis_index(n) for n in ("batch", "heads", "q_seq", "wg"))
-    lo, _, _, hi = kv_block_range(qi, COMPUTE_WGS * bq, bk, params.band)
+    ring = _KvRing(*ring_tiles, *ring_bars, stages=stages)
+    b, h, qi, wg, lo, hi = _kv_program(params, geo, ring, bq, bk, k_ref, v_ref, kvseg_ref)
 
     def take_turn():  # the ping-pong between the two compute warpgroups
         plgpu.barrier_arrive(turn)
         plgpu.barrier_wait(turn)
-
-    @pl.when(wg == MEMORY_WG)
-    def _memory():
-        plgpu.set_max_registers(40, action="decrease")
-        kv_head = _kv_head(h, geo.group)
-
-        def fetch_k(j, slot):
-            rows = pl.ds(j * bk, bk)
-            plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kv_head], k_smem.at[slot], k_bar.at[slot])
-            if geo.has_seg:
-                plgpu.copy_gmem_to_smem(kvseg_ref.at[b, rows], kvseg_smem.at[slot], seg_bar.at[slot])
-
-        def fetch_v(j, slot):
-            plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(j * bk, bk), kv_head], v_smem.at[slot], v_bar.at[slot])
-
-        for i in range(stages):
-            @pl.when(lo + i < hi)
-            def _prologue():
-                fetch_k(lo + i, i)
-                fetch_v(lo + i, i)
-
-        @pl.loop(lo + stages, hi)
-        def _steady(j):
-            slot = lax.rem(j - lo, stages)
-            plgpu.barrier_wait(k_free.at[slot])
-            fetch_k(j, slot)
-            plgpu.barrier_wait(v_free.at[slot])
-            fetch_v(j, slot)
-
-        _drain(lo, hi, stages, k_free, v_free)
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
@@ -268,14 +324,14 @@ def _fwd_kernel(*refs, params: FlashParams, geo: _Geom, hw: bool):
 
         def step(j, carry, masked):
             acc, m_prev, l_prev = carry
-            slot = lax.rem(j - lo, stages)
-            plgpu.barrier_wait(k_bar.at[slot])
-            s = _mm(q_tile, k_smem.at[slot], hw=hw, trans_b=True, sync=take_turn)
+            slot = ring.slot(j, lo)
+            plgpu.barrier_wait(ring.k_loaded.at[slot])
+            s = _mm(q_tile, ring.k.at[slot], hw=hw, trans_b=True, sync=take_turn)
             kv_seg = None
             if geo.has_seg:
-                plgpu.barrier_wait(seg_bar.at[slot])
-                kv_seg = _load(kvseg_smem.at[slot], _COL, hw)
-            plgpu.barrier_arrive(k_free.at[slot])
+                plgpu.barrier_wait(ring.seg_loaded.at[slot])
+                kv_seg = _load(ring.seg.at[slot], _COL, hw)
+            plgpu.barrier_arrive(ring.k_free.at[slot])
             s, _ = _scores(params, s)
             if masked:
                 s = _mask(params, s, q_start, j * bk, 0, hw, q_seg, kv_seg)
@@ -288,22 +344,14 @@ def _fwd_kernel(*refs, params: FlashParams, geo: _Geom, hw: bool):
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             p = p.astype(q_ref.dtype)
             plgpu.barrier_arrive(turn)  # softmax done: the other warpgroup may issue its matmuls
-            plgpu.barrier_wait(v_bar.at[slot])
+            plgpu.barrier_wait(ring.v_loaded.at[slot])
             plgpu.barrier_wait(turn)
-            acc = _mm(p, v_smem.at[slot], hw=hw, acc=acc)
-            plgpu.barrier_arrive(v_free.at[slot])
+            acc = _mm(p, ring.v.at[slot], hw=hw, acc=acc)
+            plgpu.barrier_arrive(ring.v_free.at[slot])
             return acc, m_next, l_next
 
-        def skip(j, carry):  # a block only the other warpgroup needs: same waits, arrivals, turns
-            slot = lax.rem(j - lo, stages)
-            plgpu.barrier_wait(k_bar.at[slot])
-            if geo.has_seg:
-                plgpu.barrier_wait(seg_bar.at[slot])
-            plgpu.barrier_arrive(k_free.at[slot])
-            take_turn()
-            plgpu.barrier_wait(v_bar.at[slot])
-            take_turn()
-            plgpu.barrier_arrive(v_free.at[slot])
+        def skip(j, carry):
+            _pass_block(ring, ring.slot(j, lo), take_turn)
             return carry
 
         carry = (_cast(jnp.zeros((bq, geo.dv), jnp.float32), plgpu.Layout.WGMMA, hw),
@@ -329,16 +377,11 @@ def _fwd_scratch(params: FlashParams, geo: _Geom, dtype):
     bq, bk, stages = params.blocks.block_q, params.blocks.block_kv, params.blocks.num_stages or 2
     smem = (_tiles((COMPUTE_WGS, bq, geo.dqk), dtype),
             None if geo.dv == geo.dqk else _tiles((COMPUTE_WGS, bq, geo.dv), dtype),
-            _tiles((stages, bk, geo.dqk), dtype), _tiles((stages, bk, geo.dv), dtype),
             plgpu.SMEM((COMPUTE_WGS, bq), jnp.float32),
-            plgpu.SMEM((COMPUTE_WGS, bq), jnp.int32) if geo.has_seg else None,
-            plgpu.SMEM((stages, bk), jnp.int32) if geo.has_seg else None)
-    bars = (plgpu.Barrier(num_barriers=2 * COMPUTE_WGS), plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages) if geo.has_seg else None,
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS))
-    return [smem, bars]
+            plgpu.SMEM((COMPUTE_WGS, bq), jnp.int32) if geo.has_seg else None)
+    bars = (plgpu.Barrier(num_barriers=2 * COMPUTE_WGS), plgpu.Barrier(num_arrivals=COMPUTE_WGS))
+    ring_tiles, ring_bars = _ring_scratch(stages, bk, geo, dtype)
+    return [(smem, ring_tiles), (bars, ring_bars)]
 
 
 # ---------------------------------------------------------------- backward: dq
@@ -346,39 +389,15 @@ def _fwd_scratch(params: FlashParams, geo: _Geom, dtype):
 
 def _dq_kernel(*refs, params: FlashParams, geo: _Geom, hw: bool):
     if geo.has_seg:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, dq_ref, smem, bars = refs
+        (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, dq_ref, (smem, ring_tiles),
+         (row_bars, ring_bars)) = refs
     else:
-        (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, bars), qseg_ref, kvseg_ref = \
-            refs, None, None
-    q_smem, do_smem, lse_smem, delta_smem, qseg_smem, k_smem, v_smem, kvseg_smem = smem
-    row_bars, k_bar, v_bar, seg_bar, free = bars
+        (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, (smem, ring_tiles), (row_bars, ring_bars)), \
+            qseg_ref, kvseg_ref = refs, None, None
+    q_smem, do_smem, lse_smem, delta_smem, qseg_smem = smem
     bq, bk = params.blocks.block_q_dq, params.blocks.block_kv_dq
-    stages = params.blocks.num_stages or 2
-    b, h, qi, wg = (lax.axis_index(n) for n in ("batch", "heads", "q_seq", "wg"))
-    lo, _, _, hi = kv_block_range(qi, COMPUTE_WGS * bq, bk, params.band)
-
-    @pl.when(wg == MEMORY_WG)
-    def _memory():
-        plgpu.set_max_registers(40, action="decrease")
-        kv_head = _kv_head(h, geo.group)
-
-        def fetch(j, slot):
-            rows = pl.ds(j * bk, bk)
-            plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kv_head], k_smem.at[slot], k_bar.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kv_head], v_smem.at[slot], v_bar.at[slot])
-            if geo.has_seg:
-                plgpu.copy_gmem_to_smem(kvseg_ref.at[b, rows], kvseg_smem.at[slot], seg_bar.at[slot])
-
-        for i in range(stages):
-            pl.when(lo + i < hi)(functools.partial(fetch, lo + i, i))
-
-        @pl.loop(lo + stages, hi)
-        def _steady(j):
-            slot = lax.rem(j - lo, stages)
-            plgpu.barrier_wait(free.at[slot])
-            fetch(j, slot)
-
-        _drain(lo, hi, stages, free)
+    ring = _KvRing(*ring_tiles, *ring_bars, stages=params.blocks.num_stages or 2)
+    b, h, qi, wg, lo, hi = _kv_program(params, geo, ring, bq, bk, k_ref, v_ref, kvseg_ref)
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
@@ -400,37 +419,31 @@ def _dq_kernel(*refs, params: FlashParams, geo: _Geom, hw: bool):
         q_seg = _load(qseg_smem.at[wg], _ROW, hw) if geo.has_seg else None
 
         def step(j, dq, masked):
-            slot = lax.rem(j - lo, stages)
-            plgpu.barrier_wait(k_bar.at[slot])
-            plgpu.barrier_wait(v_bar.at[slot])
-            k_tile = k_smem.at[slot]
+            slot = ring.slot(j, lo)
+            plgpu.barrier_wait(ring.k_loaded.at[slot])
+            k_tile = ring.k.at[slot]
             s = _mm(q_tile, k_tile, hw=hw, trans_b=True)
-            dp = _mm(do_tile, v_smem.at[slot], hw=hw, trans_b=True)
+            kv_seg = None
+            if geo.has_seg:
+                plgpu.barrier_wait(ring.seg_loaded.at[slot])
+                kv_seg = _load(ring.seg.at[slot], _COL, hw)
+            plgpu.barrier_wait(ring.v_loaded.at[slot])
+            dp = _mm(do_tile, ring.v.at[slot], hw=hw, trans_b=True)
+            plgpu.barrier_arrive(ring.v_free.at[slot])
             s, t = _scores(params, s)
             if masked:
-                kv_seg = None
-                if geo.has_seg:
-                    plgpu.barrier_wait(seg_bar.at[slot])
-                    kv_seg = _load(kvseg_smem.at[slot], _COL, hw)
                 s = _mask(params, s, q_start, j * bk, 0, hw, q_seg, kv_seg)
-            elif geo.has_seg:
-                plgpu.barrier_wait(seg_bar.at[slot])
             p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [0]))
             ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
             if t is not None:
                 ds = ds * (1.0 - t * t)  # d(cap * tanh(s / cap)) / ds
             ds = (ds * params.scale).astype(k_ref.dtype)
             dq = _mm(ds, k_tile, hw=hw, acc=dq)
-            plgpu.barrier_arrive(free.at[slot])
+            plgpu.barrier_arrive(ring.k_free.at[slot])
             return dq
 
         def skip(j, dq):
-            slot = lax.rem(j - lo, stages)
-            plgpu.barrier_wait(k_bar.at[slot])
-            plgpu.barrier_wait(v_bar.at[slot])
-            if geo.has_seg:
-                plgpu.barrier_wait(seg_bar.at[slot])
-            plgpu.barrier_arrive(free.at[slot])
+            _pass_block(ring, ring.slot(j, lo))
             return dq
 
         dq = _cast(jnp.zeros((bq, geo.dqk), jnp.float32), plgpu.Layout.WGMMA, hw)
@@ -444,16 +457,11 @@ def _dq_kernel(*refs, params: FlashParams, geo: _Geom, hw: bool):
 
 def _dq_scratch(params: FlashParams, geo: _Geom, dtype):
     bq, bk, stages = params.blocks.block_q_dq, params.blocks.block_kv_dq, params.blocks.num_stages or 2
-    seg = geo.has_seg
     smem = (_tiles((COMPUTE_WGS, bq, geo.dqk), dtype), _tiles((COMPUTE_WGS, bq, geo.dv), dtype),
             plgpu.SMEM((COMPUTE_WGS, bq), jnp.float32), plgpu.SMEM((COMPUTE_WGS, bq), jnp.float32),
-            plgpu.SMEM((COMPUTE_WGS, bq), jnp.int32) if seg else None,
-            _tiles((stages, bk, geo.dqk), dtype), _tiles((stages, bk, geo.dv), dtype),
-            plgpu.SMEM((stages, bk), jnp.int32) if seg else None)
-    bars = (plgpu.Barrier(num_barriers=5 * COMPUTE_WGS), plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages) if seg else None,
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages))
-    return [smem, bars]
+            plgpu.SMEM((COMPUTE_WGS, bq), jnp.int32) if geo.has_seg else None)
+    ring_tiles, ring_bars = _ring_scratch(stages, bk, geo, dtype)
+    return [(smem, ring_tiles), (plgpu.Barrier(num_barriers=5 * COMPUTE_WGS), ring_bars)]
 
 
 # ---------------------------------------------------------------- backward: dk, dv

@@ -1,10 +1,8 @@
 """The Hopper kernel in Pallas Mosaic GPU (kernels/flash_mosaic_gpu.py) behind kernels.attention.
 
-No GPU here, so three kinds of checks:
+No GPU here, so (besides the lowering for CUDA of every supported feature, with the other
+kernels' lowering tests in tests/test_flash_attention.py):
 
-* Lowering: forward + backward lower for CUDA (the hardware program: wgmma, TMA, barriers,
-  warp specialisation) for every supported feature; Mosaic GPU's lowering checks layouts,
-  wgmma operand shapes and the 227 KB shared-memory limit on CPU too.
 * The wrapper: dispatch (`auto` and the table), every fallback to pallas_triton with its one
   log line, padding, block-size rules.
 * Numerics (slow): jax's GPU interpreter runs the same program on CPU, simulating the
@@ -27,59 +25,10 @@ import pytest
 import kernels
 from kernels import BlockSizes, attention_with_lse, flash_mosaic_gpu, masks
 from kernels import block_sizes as block_table
-from kernels.flash import FlashParams, flash_attention
+from kernels.flash import FlashParams
 from kernels.reference import reference_attention
 
 attention_module = importlib.import_module("kernels.attention")
-H100_BLOCKS = block_table.lookup("NVIDIA H100 80GB HBM3", "bfloat16", 128, 128, "causal",
-                                 table=block_table.MOSAIC_GPU_TABLE)
-
-
-# ---------------------------------------------------------------- lowering for CUDA
-
-
-def _lower(*, t=256, hq=4, hkv=2, dqk=128, dv=128, dtype=jnp.bfloat16, causal=True, window=None, softcap=None,
-           segments=False, blocks=None) -> str:
-    band = masks.make_band(causal, window, t, t)
-    if blocks is None:
-        blocks = block_table.lookup("NVIDIA H100 80GB HBM3", jnp.dtype(dtype).name, dqk, dv, band.kind,
-                                    table=block_table.MOSAIC_GPU_TABLE)
-    params = FlashParams("mosaic_gpu", band, dqk ** -0.5, softcap, flash_mosaic_gpu.clamped(blocks, band),
-                         interpret=False)
-    q = jax.ShapeDtypeStruct((2, t, hq, dqk), dtype)
-    k = jax.ShapeDtypeStruct((2, t, hkv, dqk), dtype)
-    v = jax.ShapeDtypeStruct((2, t, hkv, dv), dtype)
-    seg = jax.ShapeDtypeStruct((2, t), jnp.int32) if segments else None
-
-    def fwd_bwd(q, k, v, seg):
-        def loss(q, k, v):
-            out, lse = flash_attention(params, q, k, v, seg, seg)
-            return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
-        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-
-    return jax.jit(fwd_bwd).trace(q, k, v, seg).lower(lowering_platforms=("cuda",)).as_text()
-
-
-LOWERING = {
-    "causal-d128-gqa2": {},
-    "full-d64-gqa4-f16": dict(hq=8, hkv=2, dqk=64, dv=64, causal=False, dtype=jnp.float16),
-    "mla192-128-mqa-segments-window-softcap": dict(dqk=192, dv=128, hkv=1, segments=True, window=(64, 0),
-                                                  softcap=30.0),
-    "len200-window-both-sides": dict(t=200, causal=False, window=(40, 17)),
-}
-
-
-@pytest.mark.parametrize("name", list(LOWERING))
-def test_forward_and_backward_lower_to_mosaic_gpu_for_cuda(name):
-    text = _lower(**LOWERING[name])
-    assert text.count("custom_call @mosaic_gpu") == 3  # forward, dq, dk/dv
-
-
-def test_head_dim_256_is_refused_because_it_does_not_fit_shared_memory():
-    """The stated limit is real: at 256 the backward's tiles exceed Hopper's 227 KB."""
-    assert "up to 192" in flash_mosaic_gpu.unsupported(jnp.bfloat16, 256, 256, "gpu", "9.0")
-    with pytest.raises(ValueError, match="exceeds available shared memory"):
-        _lower(dqk=256, dv=256, blocks=BlockSizes(64, 64, 64, 64, 64, 64, num_stages=2))
 
 
 # ---------------------------------------------------------------- the wrapper
