@@ -50,8 +50,10 @@ class PackedSegments(NamedTuple):
     row_ok: jax.Array  # [B] bool: the row satisfies both conditions (else its output is NaN)
 
 
-def pack_segments(segment_ids: jax.Array, max_segments: int = MAX_SEGMENTS) -> PackedSegments:
-    """Runs of equal ids -> (lengths, offsets) per row; see the module docstring."""
+def pack_segments(segment_ids: jax.Array, max_segments: int | None = None) -> PackedSegments:
+    """Runs of equal ids -> (lengths, offsets) per row; see the module docstring.
+    max_segments None: `MAX_SEGMENTS` as it is at the call (so a program may raise it)."""
+    max_segments = MAX_SEGMENTS if max_segments is None else max_segments
     if max_segments < 2:  # with one, cuDNN takes the tables as plain padding lengths, not a packed layout
         raise ValueError(f"attention: cudnn max_segments must be >= 2, got {max_segments}")
     seg = segment_ids.astype(jnp.int32)
@@ -111,7 +113,7 @@ FusedCall = Callable[..., jax.Array]
 
 
 def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, causal: bool,
-                     scale: float, left_window: int | None, max_segments: int = MAX_SEGMENTS,
+                     scale: float, left_window: int | None, max_segments: int | None = None,
                      fused: FusedCall = cudnn_fused) -> jax.Array:
     """Attention of a packed batch through cuDNN's packed layout; equals `kernels.attention`
     with `segment_ids` (one shared array) under the two conditions of the module docstring.

@@ -645,10 +645,10 @@ def test_lowers_to_mosaic_for_tpu(name):
 # operand shapes and the 227 KB shared-memory limit on CPU too.
 MOSAIC_GPU_LOWERING = {
     "causal-d128-gqa2": {},
-    "full-d64-gqa4-f16": dict(hq=8, hkv=2, dqk=64, dv=64, causal=False, dtype=jnp.float16),
+    "len200-window-both-d64-gqa4-f16": dict(t=200, hq=8, hkv=2, dqk=64, dv=64, causal=False, window=(40, 17),
+                                            dtype=jnp.float16),
     "mla192-128-mqa-segments-window-softcap": dict(dqk=192, dv=128, hkv=1, segments=True, window=(64, 0),
                                                   softcap=30.0),
-    "len200-window-both-sides": dict(t=200, causal=False, window=(40, 17)),
 }
 
 

@@ -199,21 +199,21 @@ def _device_check():
 
 
 def test_device_check_dry_run(tmp_path, capsys):
-    """scripts/device_check.py on CPU: one numerics case (the Triton kernel interpreted; cuDNN
-    and Mosaic GPU say why not; xla is left out to save compiles, it takes the same path), the
-    timing table, the JSON rows under --out, and a spent budget skipping rows uncompiled."""
+    """scripts/device_check.py on CPU: one numerics case (xla runs it, twice; cuDNN and Mosaic GPU
+    say why not; the Triton kernel takes the same path and is left out to save its interpreted
+    compiles), the timing table, the JSON rows under --out, and a spent budget skipping rows."""
     import json
 
     from benchmarks import attention as bench
 
     check = _device_check()
-    impls = "pallas_triton,pallas_mosaic_gpu,cudnn"
+    impls = "xla,pallas_mosaic_gpu,cudnn"
     assert check.main(["--dry-run", "--cases", "packed causal GQA2", "--impls", impls, "--shapes", "h16d128",
                        "--causal", "yes", "--out", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     numerics = json.loads((tmp_path / "attention_numerics.json").read_text())["numerics"]
     verdicts = {r["impl"]: (r.get("ok"), r["note"]) for r in numerics}
-    assert verdicts["pallas_triton"][0]
+    assert verdicts["xla"][0]
     assert verdicts["cudnn"][1] == "n/a (no GPU)" and verdicts["pallas_mosaic_gpu"][1].startswith("n/a (dry run")
     timing = json.loads((tmp_path / "attention_timing.json").read_text())["timing"]
     assert [r["impl"] for r in timing] == impls.split(",")

@@ -63,16 +63,23 @@ def test_every_fallback_runs_pallas_triton_and_logs_one_line(monkeypatch, caplog
 
 
 def test_fallback_is_what_runs(monkeypatch, caplog, fresh_log):
-    """A float32 call with impl='pallas_mosaic_gpu' on CPU runs the Triton kernel (interpreted)."""
+    """A float32 call with impl='pallas_mosaic_gpu' reaches the Triton kernel, with Triton's
+    block table; a bfloat16 one the Mosaic GPU kernel with its own (recorded, not run)."""
     called = []
-    real = attention_module.flash_attention
-    monkeypatch.setattr(attention_module, "flash_attention", lambda p, *a: called.append(p.backend) or real(p, *a))
-    q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 16, 2, 16)), jnp.float32)
+
+    def record(params, q, k, v, q_seg, kv_seg):
+        called.append((params.backend, params.blocks.block_kv))
+        return jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype), jnp.zeros((q.shape[0], q.shape[2], q.shape[1]))
+
+    monkeypatch.setattr(attention_module, "flash_attention", record)
     with caplog.at_level(logging.WARNING, logger="kernels.attention"):
-        out = kernels.attention(q, q, q, impl="pallas_mosaic_gpu", block_sizes=BlockSizes(16, 16, 16, 16, 16, 16))
-    assert called == ["triton"]
-    np.testing.assert_allclose(np.asarray(out), np.asarray(reference_attention(q, q, q)), rtol=1e-5, atol=1e-6)
-    assert "using pallas_triton" in caplog.text
+        kernels.attention(_z(1, 16, 2, 64, dtype=jnp.float32), _z(1, 16, 2, 64, dtype=jnp.float32),
+                          _z(1, 16, 2, 64, dtype=jnp.float32), impl="pallas_mosaic_gpu")
+        kernels.attention(_z(1, 300, 2, 64), _z(1, 300, 2, 64), _z(1, 300, 2, 64), impl="pallas_mosaic_gpu")
+    cpu_triton = block_table.TABLE[("cpu", "*", "*", "*")].clamped(16, 16).block_kv
+    cpu_mosaic = block_table.MOSAIC_GPU_TABLE[("cpu", "*", "*", "*")].block_kv
+    assert called == [("triton", cpu_triton), ("mosaic_gpu", cpu_mosaic)]
+    assert caplog.text.count("using pallas_triton") == 1
 
 
 def test_mosaic_gpu_needs_its_tile_rules():
