@@ -209,6 +209,12 @@ def format_table(rows: list[Row]) -> str:
                                 r.bwd_tflops, r.bwd_only_tflops, r.note) for r in rows], COLUMNS, sep=" ", rule=True)
 
 
+def _spec(bs: BlockSizes) -> str:
+    """BlockSizes as Python, set fields only (a row to paste into the table)."""
+    fields = (f"{f.name}={getattr(bs, f.name)}" for f in dataclasses.fields(bs) if getattr(bs, f.name) is not None)
+    return f"BlockSizes({', '.join(fields)})"
+
+
 def _candidates(impl: str, dry_run: bool):
     """(forward candidates, backward variations of a chosen forward) for a sweep."""
     if impl == "pallas_mosaic_gpu":  # block_q is fixed (one 64-row wgmma tile per warpgroup)
@@ -239,7 +245,7 @@ def sweep(shapes: dict[str, Shape], impl: str, dtype: str, reps: int, dry_run: b
             row = measure(shape, causal, impl, dtype, reps, block_sizes=bs, deadline=deadline)
             ms = row.bwd_ms if backward else row.fwd_ms
             tf = row.bwd_tflops if backward else row.fwd_tflops
-            print(f"#   {'f+b' if backward else 'fwd'} {bs!r}: "
+            print(f"#   {'f+b' if backward else 'fwd'} {_spec(bs)}: "
                   + (f"{ms:.3f} ms, {tf:.0f} TFLOP/s" if ms is not None else row.note or "-"), flush=True)
             return ms
 
@@ -259,17 +265,21 @@ def sweep(shapes: dict[str, Shape], impl: str, dtype: str, reps: int, dry_run: b
         band = make_band(causal, None, shape.t, shape.t)
         bucket = head_dim_bucket(shape.dqk, shape.dv)
         table_name = "MOSAIC_GPU_TABLE" if impl == "pallas_mosaic_gpu" else "TABLE"
-        print(f'    ("{device_kind}", "{dtype}", {bucket}, "{band.kind}"): {chosen!r},'
+        print(f'    ("{device_kind}", "{dtype}", {bucket}, "{band.kind}"): {_spec(chosen)},'
               f"  # {table_name}, measured {time.strftime('%Y-%m-%d')}: {shape.name} T{shape.t} fwd {fwd_ms:.3f} ms"
               + ("" if best_bwd is None else f", fwd+bwd {best_bwd[0]:.3f} ms"))
 
 
 def rows_for(shapes: dict[str, Shape], seq_lens, causal_modes, impls) -> list[tuple[Shape, bool, str]]:
-    """(shape at length, causal, impl) in priority order: each length, then shape, mask, impl.
+    """(shape at length, causal, impl) in priority order, for a time budget: every shape at the
+    first length, then the first shape at the other lengths, then the rest.
     seq_lens None: the shapes as they are (the dry run's tiny ones)."""
-    sized = [[s for s in shapes.values()]] if seq_lens is None else [
-        [at_length(s, t) for s in shapes.values()] for t in seq_lens]
-    return [(s, c, impl) for group in sized for s in group for c in causal_modes for impl in impls]
+    if seq_lens is None:
+        return [(s, c, impl) for s in shapes.values() for c in causal_modes for impl in impls]
+    first = next(iter(shapes.values()))
+    pairs = sorted(((s, t) for t in seq_lens for s in shapes.values()),
+                   key=lambda st: (st[1] != seq_lens[0], st[0] is not first))  # stable: keeps the given order
+    return [(at_length(s, t), c, impl) for s, t in pairs for c in causal_modes for impl in impls]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,10 +30,10 @@ run() { echo "== $1: ${*:2}"; local t0=$SECONDS; timeout 300 "${@:2}"; echo "== 
   "$PYTHON" -c 'import jax, flax, optax; print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__, jax.devices())'
   for s in "${sections[@]}"; do
     case "$s" in
-      numerics) run "$s" "$PYTHON" "$repo/scripts/device_check.py" --skip-timing --numerics-budget-s 120 ;;
-      attention) run "$s" "$PYTHON" "$repo/scripts/device_check.py" --skip-numerics --budget-s 150 --reps 5 ;;
+      numerics) run "$s" "$PYTHON" "$repo/scripts/device_check.py" --skip-timing --numerics-budget-s 140 ;;
+      attention) run "$s" "$PYTHON" "$repo/scripts/device_check.py" --skip-numerics --budget-s 130 --reps 5 ;;
       sweep) run "$s" "$PYTHON" "$repo/benchmarks/attention.py" --sweep --impls pallas_triton,pallas_mosaic_gpu \
-               --shapes h16d128 --causal yes --reps 5 --budget-s 90 ;;
+               --shapes h16d128 --causal yes --reps 5 --budget-s 75 ;;
       step) run "$s" "$PYTHON" "$repo/benchmarks/step_device.py" --impls pallas_triton,xla,cudnn --budget-s 150 ;;
       decode) run "$s" "$PYTHON" "$repo/benchmarks/decode.py" --batches 1,8,64 --prompt-len 128 --new-tokens 128 \
                 "${model[@]}" model.param_dtype=bfloat16 ;;
