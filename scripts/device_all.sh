@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
 # Every GPU check in one call (device time is scarce). Sections, in order (default: all):
-#   numerics  attention kernels vs the float32 reference (scripts/device_check.py --skip-timing)
-#   attention attention TFLOP/s: ours, cuDNN, XLA (scripts/device_check.py --skip-numerics)
-#   sweep     block-size sweep of our Triton kernel, bf16 D128 causal (benchmarks/attention.py --sweep)
+#   numerics  every attention implementation vs the float32 reference, float32 cases included, and
+#             two runs compared bitwise (scripts/device_check.py --skip-timing)
+#   attention attention TFLOP/s: ours (Triton, Mosaic GPU), cuDNN, XLA; D128, D64, GQA 32/8, MLA 192/128;
+#             T 4096, 1024, 16384; causal and not (scripts/device_check.py --skip-numerics)
+#   sweep     block sizes, warps and stages of our Triton and Mosaic GPU kernels, bf16 D128 causal
+#             (benchmarks/attention.py --sweep)
+#   numerics + attention + sweep: <= 7 minutes on one H200 (budgets below; rows past a budget are skipped).
 #   step      training-step MFU per attention impl, 1.1B Llama shape (benchmarks/step_device.py)
 #   decode    KV-cache decode tokens/s, the same shape in bf16 (benchmarks/decode.py)
 #   hf        peak host RSS of a streaming HF import onto the GPU (benchmarks/hf_import.py)
 #   scripts/device_all.sh [SECTION ...]
-# Output also goes to $OUT/device_all.log when $OUT is set (the device tool's result folder).
+# Output also goes to $OUT/device_all.log when $OUT is set (the device tool's result folder), and
+# the attention rows to $OUT/attention_numerics.json and $OUT/attention_timing.json.
+# Without a GPU every section dry-runs (tiny shapes, interpret mode).
 set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 log="${OUT:-/tmp}/device_all.log"
@@ -24,10 +30,10 @@ run() { echo "== $1: ${*:2}"; local t0=$SECONDS; timeout 300 "${@:2}"; echo "== 
   "$PYTHON" -c 'import jax, flax, optax; print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__, jax.devices())'
   for s in "${sections[@]}"; do
     case "$s" in
-      numerics) run "$s" "$PYTHON" "$repo/scripts/device_check.py" --skip-timing ;;
-      attention) run "$s" "$PYTHON" "$repo/scripts/device_check.py" --skip-numerics --budget-s 100 --reps 5 ;;
-      sweep) run "$s" "$PYTHON" "$repo/benchmarks/attention.py" --sweep --impls pallas_triton --shapes h16d128 \
-               --causal yes --reps 5 --budget-s 110 ;;
+      numerics) run "$s" "$PYTHON" "$repo/scripts/device_check.py" --skip-timing --numerics-budget-s 140 ;;
+      attention) run "$s" "$PYTHON" "$repo/scripts/device_check.py" --skip-numerics --budget-s 130 --reps 5 ;;
+      sweep) run "$s" "$PYTHON" "$repo/benchmarks/attention.py" --sweep --impls pallas_triton,pallas_mosaic_gpu \
+               --shapes h16d128 --causal yes --reps 5 --budget-s 75 ;;
       step) run "$s" "$PYTHON" "$repo/benchmarks/step_device.py" --impls pallas_triton,xla,cudnn --budget-s 150 ;;
       decode) run "$s" "$PYTHON" "$repo/benchmarks/decode.py" --batches 1,8,64 --prompt-len 128 --new-tokens 128 \
                 "${model[@]}" model.param_dtype=bfloat16 ;;
