@@ -253,8 +253,8 @@ class _Runner:
         print(format_row(r, self.matmul), flush=True)
         if "profile" in r:
             p = r["profile"]
-            print(format_profile(StepProfile(p["steps"], p["step_us"], p["busy"], p["between_steps_us"],
-                                             p["categories"], p["ops"]), top=8))
+            print(format_profile(StepProfile(p["steps"], p["step_us"], p["busy"], p["unnamed"],
+                                             p["between_steps_us"], p["categories"], p["ops"]), top=8))
         return r
 
 

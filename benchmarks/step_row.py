@@ -179,19 +179,19 @@ def _header_facts(cfg: Config, device: jax.Device, measure_matmul: bool, dry: bo
     return facts
 
 
-def _profile(compiled, run_steps, work: Path, label: str, steps: int) -> dict[str, Any]:
+def _profile(compiled, run_steps, work: Path, label: str, steps: int, device: bool) -> dict[str, Any]:
     """Trace `steps` steps; the step's category shares, top ops, and where the trace and HLO are."""
     hlo_text = compiled.as_text()
     module = parse_hlo(hlo_text)
     slug = re.sub(r"[^A-Za-z0-9._-]+", "-", label)
     trace = capture(run_steps, work / f"trace-{slug}")
-    prof = summarize(op_events(load_events(trace), module.name), module, steps)
+    prof = summarize(op_events(load_events(trace), module.name, device=device), module, steps)
     hlo_path = work / f"{slug}.hlo.txt.gz"
     with gzip.open(hlo_path, "wt") as f:
         f.write(hlo_text)
     return {"categories": prof.categories, "ops": prof.ops[:15], "steps": prof.steps, "step_us": prof.step_us,
-            "busy": prof.busy_fraction, "between_steps_us": prof.between_steps_us, "trace": str(trace),
-            "hlo": str(hlo_path)}
+            "busy": prof.busy_fraction, "unnamed": prof.unnamed_fraction, "between_steps_us": prof.between_steps_us,
+            "trace": str(trace), "hlo": str(hlo_path)}
 
 
 def _fit(rt, state, cfg: Config, opts: RowOptions, own_bytes: int, capacity: int | None,
@@ -266,4 +266,8 @@ def _run_row(out: dict[str, Any], rt, compiled, state, batch, cfg: Config, spec:
             state, _, _ = _timed_steps(rt, compiled, state, batch, cfg, opts.profile_steps, flags,
                                        opts.docs_per_row)
 
-        out["profile"] = _profile(compiled, run_steps, work, spec.label, opts.profile_steps)
+        try:  # a failed trace keeps the row's timing and memory
+            out["profile"] = _profile(compiled, run_steps, work, spec.label, opts.profile_steps,
+                                      device=jax.devices()[0].platform != "cpu")
+        except Exception as e:  # noqa: BLE001
+            out["note"] = f"profile failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"

@@ -156,6 +156,7 @@ def test_gpu_trace_reads_stream_kernels_once():
     assert prof.categories[hlo.MATMUL] == pytest.approx((60 + 5) / 180)  # the nameless gemm by its name
     assert prof.categories[hlo.ATTENTION] == pytest.approx(40 / 180)
     assert prof.between_steps_us == pytest.approx(20 / 2)  # run 1 ends at 80, run 2 starts at 100
+    assert prof.unnamed_fraction == pytest.approx(5 / 145)
     assert sum(prof.categories.values()) == pytest.approx(1.0)
 
 
@@ -171,6 +172,9 @@ def test_overlapping_ops_share_the_busy_time():
 def test_trace_without_ops_of_the_module_is_an_error():
     with pytest.raises(ValueError, match="xprof_traceme"):
         trace.summarize(trace.op_events(_gpu_trace(), "jit_missing"), hlo.parse_hlo(GPU_HLO))
+    host_only = [e for e in _gpu_trace() if e.get("pid") != 1]  # launches only: the device tracer recorded nothing
+    with pytest.raises(ValueError, match="no device op events"):
+        trace.op_events(host_only, "jit_train_step", device=True)
 
 
 # ------------------------------------------------------------------ batch-fit search

@@ -54,6 +54,7 @@ class StepProfile:
     steps: int
     step_us: float  # traced window / steps
     busy_fraction: float  # of the window, some op running
+    unnamed_fraction: float  # of the op time, events that named no HLO op (classified by kernel name)
     between_steps_us: float  # per step, idle between one execution's last op and the next one's first
     categories: dict[str, float]  # category -> share of the step (sums to 1 with host gaps)
     ops: list[tuple[str, str, float, float, float]]  # (op, category, calls per step, us per step, share)
@@ -110,10 +111,15 @@ def _module_of(event: dict[str, Any]) -> str:
     return module.split("(")[0] if isinstance(module, str) else ""
 
 
-def op_events(events: list[dict[str, Any]], module: str) -> list[OpEvent]:
-    """Executions of the ops of HLO module `module` (e.g. `jit_train_step`) in a trace."""
+def op_events(events: list[dict[str, Any]], module: str, device: bool = False) -> list[OpEvent]:
+    """Executions of the ops of HLO module `module` (e.g. `jit_train_step`) in a trace.
+
+    device=True: the ops must come from a device's lines (an accelerator's trace); a trace whose only
+    op events are the host's (launches: the device tracer, CUPTI on a GPU, did not record) is an error."""
     processes, threads = _names(events)
     lines = _device_lines(events, processes, threads, module)
+    if device and not lines:
+        raise ValueError(f"no device op events of {module} in the trace (did the device tracer, e.g. CUPTI, run?)")
     out = []
     for e in events:
         if e.get("ph") != "X" or "dur" not in e or (lines and (e["pid"], e.get("tid")) not in lines):
@@ -186,8 +192,9 @@ def summarize(events: list[OpEvent], module: HloModule, steps: int | None = None
         categories[cat] = categories.get(cat, 0.0) + t * scale
         ops.append((name, cat, calls / steps, t / steps, t * scale))
     ops.sort(key=lambda op: -op[3])
-    return StepProfile(steps, window / steps, busy / window if window else 0.0, _between_steps(leaves) / steps,
-                       categories, ops)
+    unnamed = sum(ev.end - ev.start for ev in leaves if not ev.named) / op_total
+    return StepProfile(steps, window / steps, busy / window if window else 0.0, unnamed,
+                       _between_steps(leaves) / steps, categories, ops)
 
 
 def format_profile(profile: StepProfile, top: int = 12) -> str:
@@ -198,7 +205,8 @@ def format_profile(profile: StepProfile, top: int = 12) -> str:
     ms = profile.step_us / 1e3
     cats = [(c, profile.categories.get(c, 0.0) * ms, 100 * profile.categories.get(c, 0.0)) for c in CATEGORIES]
     head = (f"profile: {profile.steps} steps, {ms:.3f} ms/step traced, ops busy {100 * profile.busy_fraction:.1f}%"
-            f", idle between steps {profile.between_steps_us / 1e3:.3f} ms/step")
+            f", idle between steps {profile.between_steps_us / 1e3:.3f} ms/step, op time in events naming no "
+            f"HLO op {100 * profile.unnamed_fraction:.1f}%")
     table = format_table(cats, (Column("category", width=22), Column("ms/step", ".3f", ">", 9),
                                 Column("% of step", ".1f", ">", 9)), sep=" ")
     ops = [(name[:48], cat, calls, us / 1e3, 100 * share) for name, cat, calls, us, share in profile.ops[:top]]
