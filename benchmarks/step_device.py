@@ -2,8 +2,8 @@
 then a chain of candidate improvements measured one after the other in the same call.
 
     python benchmarks/step_device.py [--impls pallas_triton,cudnn,xla] [--policies none]
-        [--variants base,chunked_loss,remat=save_qkv_attn_mlp,batch=fit,host_batches]
-        [--profile] [--fit-batch] [--isolate] [--budget-s 380] [KEY=VALUE ...]
+        [--variants base,chunked_loss,remat=save_dots_no_batch,batch=fit,host_batches]
+        [--profile] [--fit-batch] [--isolate] [--budget-s 240] [--cpu-preset small] [KEY=VALUE ...]
 
 The default model is Llama-shaped, ~1.1B parameters (d_model 2048, 16 layers, 16 heads of 128,
 8 KV heads, SwiGLU 8192, vocab 32768, untied), seq 4096, global batch 8, bfloat16 compute with
@@ -17,11 +17,12 @@ halved), the ratio to a `jnp.dot` measured in the same call, the device's `peak_
 compiled program's memory estimate and (--fit-batch) the largest batch that fits, found by
 compiling only. --profile traces a few steps per row and prints where the time goes
 (jaxinfra/metrics/trace.py), then a table of every profiled row's shares side by side; the traces
-of the first and last profiled rows, their HLO, and all rows as JSON go to $OUT/step_profile/.
+and HLO of the fastest implementation's base row and of the last improvement, and all rows as JSON,
+go to $OUT/step_profile/. docs/profiling.md explains the figures.
 
 --isolate runs each row in its own process: the allocator's peak is then the row's own, and an
 out-of-memory row cannot disturb the next. Without an accelerator it runs a tiny config on CPU (a
-dry run of the same code; its figures say nothing about a GPU).
+dry run of the same code; its figures say nothing about a GPU), or with --cpu-preset a preset as it is.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -41,23 +41,20 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 
-from benchmarks.step_row import LOOP_VARIANTS, BadVariant, RowOptions, RowSpec, check_variant, measure
+from benchmarks.step_row import LOOP_VARIANTS, BadVariant, RowOptions, RowSpec, check_variant, measure, slug
 from jaxinfra.metrics.hlo import CATEGORIES
 from jaxinfra.metrics.table import Column, format_table
 from jaxinfra.metrics.trace import StepProfile, format_profile
 
 GIB = 2**30
 COLUMNS = (Column("row", width=24), Column("attention", width=13), Column("remat", width=18),
-           Column("chunk", ">", width=5), Column("batch", ">", width=5), Column("compile s", ".1f", ">", 9),
+           Column("chunk", align=">", width=5), Column("batch", align=">", width=5), Column("compile s", ".1f", ">", 9),
            Column("step s", ".3f", ">", 7), Column("tokens/s", ".0f", ">", 8), Column("TFLOP/s", ".1f", ">", 7),
            Column("MFU", ".3f", ">", 5), Column("MFU causal", ".3f", ">", 10), Column("/matmul", ".2f", ">", 7),
-           Column("peak GiB", ">", width=8), Column("est GiB", ".3f", ">", 7), Column("fits batch", ">", width=10))
+           Column("peak GiB", align=">", width=8), Column("est GiB", ".3f", ">", 7),
+           Column("fits batch", align=">", width=10))
 MAX_OUT_FILE = 16 * 2**20  # what the device tool brings back per file
 ROW_GRACE_S = 90.0  # --isolate: a row still running this long after the budget is stopped
-
-
-def _slug(label: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", label).strip("-") or "row"
 
 
 def _cells(r: dict[str, Any], matmul: float | None) -> list[Any]:
@@ -177,7 +174,7 @@ def _write_out(rows: list[dict[str, Any]], keep: dict[str, dict], out: str) -> l
             if src.stat().st_size > MAX_OUT_FILE:
                 notes.append(f"{tag} {key} not kept: {src.stat().st_size / 2**20:.1f} MiB > 16 MiB")
                 continue
-            shutil.copyfile(src, folder / f"{tag}-{_slug(r['label'])}.{suffix}")
+            shutil.copyfile(src, folder / f"{tag}-{slug(r['label'])}.{suffix}")
     (folder / "rows.json").write_text(json.dumps(rows, indent=1))
     return notes + [f"wrote {', '.join(sorted(p.name for p in folder.iterdir()))} under {folder}"]
 
@@ -297,6 +294,14 @@ def main(argv: list[str] | None = None) -> int:
     if any("profile" in r for r in runner.rows):
         print("profile shares, before -> after:")
         print(_profiles_table(runner.rows))
+    timed = [r for r in runner.rows if "step_s" in r]
+    if any(r.get("peak_bytes_in_use") is None for r in timed):
+        print("peak GiB n/a: this backend keeps no allocator statistics (XLA:CPU's memory_stats() is None); "
+              "est GiB is the compiled program's estimate (arguments + outputs - donated + temporaries)")
+    if timed:
+        top = max(timed, key=lambda r: r["tokens"] / r["step_s"] * r["fpt"] / r["peak_flops"])
+        print(f"best MFU (PaLM): {top['label']} {top['tokens'] / top['step_s'] * top['fpt'] / top['peak_flops']:.3f} "
+              f"of {top['peak_flops'] / 1e12:.1f} TFLOP/s ({top['peak_source']})")
     agreement = _loss_agreement(runner.rows, runner.specs)
     if agreement:
         print(agreement)

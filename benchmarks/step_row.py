@@ -58,6 +58,11 @@ PENDING_VARIANTS = {  # what the CPU HLO of `small` shows, and why nothing was b
 }
 
 
+def slug(label: str) -> str:
+    """A row label as a file name (letters, digits, '.', '_', '-')."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", label).strip("-") or "row"
+
+
 class BadVariant(ValueError):
     """A --variants entry that names nothing this script knows."""
 
@@ -183,10 +188,10 @@ def _profile(compiled, run_steps, work: Path, label: str, steps: int, device: bo
     """Trace `steps` steps; the step's category shares, top ops, and where the trace and HLO are."""
     hlo_text = compiled.as_text()
     module = parse_hlo(hlo_text)
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", label)
-    trace = capture(run_steps, work / f"trace-{slug}")
+    name = slug(label)
+    trace = capture(run_steps, work / f"trace-{name}")
     prof = summarize(op_events(load_events(trace), module.name, device=device), module, steps)
-    hlo_path = work / f"{slug}.hlo.txt.gz"
+    hlo_path = work / f"{name}.hlo.txt.gz"
     with gzip.open(hlo_path, "wt") as f:
         f.write(hlo_text)
     return {"categories": prof.categories, "ops": prof.ops[:15], "steps": prof.steps, "step_us": prof.step_us,

@@ -239,7 +239,7 @@ def test_dry_run_prints_every_row_profile_and_memory(dry_run):
     assert synced["batch"] == 8 and "not built" in pending["note"] and "fit" not in fitted and "fit" not in synced
     for category in hlo.CATEGORIES:
         assert category in text
-    assert "profile shares, before -> after:" in text
+    assert "profile shares, before -> after:" in text and "peak GiB n/a: this backend keeps no allocator" in text
     assert "losses vs xla (max relative diff over 3 steps): batch=8 0.00e+00, sync_each_step 0.00e+00" in text
     assert sorted(p.name for p in folder.iterdir()) == [
         "after-batch-8.hlo.txt.gz", "after-batch-8.trace.json.gz", "before-xla.hlo.txt.gz",
