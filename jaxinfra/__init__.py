@@ -20,8 +20,7 @@ Modules of `jaxinfra/` (see docs/architecture.md for how one run goes through th
     info.py        `jaxinfra info`: devices, versions, mesh, per-parameter sharding and memory
     bench.py       `jaxinfra bench collectives`: collective timings per mesh axis
     data/          grain input pipeline: text, token files or synthetic, packed into batches
-    metrics/       FLOP counts, device peaks, MFU, JSONL/TensorBoard writers, table formatting; step
-                   profiles (HLO op classes, trace shares) and memory (estimates, largest batch)
+    metrics/       FLOP counts, device peaks, MFU, JSONL/TensorBoard writers, table formatting
     scaling/       scaling-law sweeps: spec -> runs -> results table -> Chinchilla fits -> plots
     hf/            Hugging Face interop: import safetensors checkpoints as runs, export runs back
     infer/         inference: checkpoint loading, generation with a KV cache, eval of token files
