@@ -3,11 +3,12 @@
 #   numerics  attention kernels vs the float32 reference (scripts/device_check.py --skip-timing)
 #   attention attention TFLOP/s: ours, cuDNN, XLA (scripts/device_check.py --skip-numerics)
 #   sweep     block-size sweep of our Triton kernel, bf16 D128 causal (benchmarks/attention.py --sweep)
-#   step      the 1.1B Llama-shape training step (benchmarks/step_device.py, one process per row): every
-#             attention impl's step time, MFU, peak memory and largest fitting batch, then the chain of
-#             variants on the fastest (chunked loss, remat, larger batch, host-fed batches), each row
-#             profiled (top-ops shares before -> after; traces + HLO under $OUT/step_profile/).
-#             Budget: STEP_BUDGET_S (default 300 s: no row starts later, a running one is stopped at +90 s)
+#   step      training-step MFU per attention impl, 1.1B Llama shape (benchmarks/step_device.py)
+#             one process per row: every attention impl's step time, MFU, peak memory and largest
+#             fitting batch, then the chain of variants on the fastest (chunked loss, remat, larger
+#             batch, host-fed batches), each row profiled (top-ops shares before -> after; traces and
+#             HLO under $OUT/step_profile/). Budget: STEP_BUDGET_S (default 300 s: no row starts
+#             later, a running one is stopped at +90 s, the section at +120 s; <= 7 minutes)
 #   decode    KV-cache decode tokens/s, the same shape in bf16 (benchmarks/decode.py)
 #   hf        peak host RSS of a streaming HF import onto the GPU (benchmarks/hf_import.py)
 #   scripts/device_all.sh [SECTION ...]
