@@ -10,6 +10,7 @@ import optax
 from flax import nnx
 
 from jaxinfra.loss import add_moe_sums, chunked_sums, cross_entropy_sums, moe_metrics
+from jaxinfra.metrics.hlo import LOSS_SCOPE, OPTIMIZER_SCOPE
 from jaxinfra.optim import global_norm, tree_all_finite
 from jaxinfra.state import TrainState
 from models import ModelConfig
@@ -25,8 +26,32 @@ def _forward_sums(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, cfg: 
     def token_sums(h: jax.Array, targets: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:
         return cross_entropy_sums(model.logits(h), targets, mask, cfg.z_loss_weight)
 
-    sums = chunked_sums(token_sums, cfg.loss_chunk_size, h, batch["targets"], batch["segment_ids"] > 0)
+    with jax.named_scope(LOSS_SCOPE):  # names only (for profiles, jaxinfra/metrics/hlo.py): same numerics
+        sums = chunked_sums(token_sums, cfg.loss_chunk_size, h, batch["targets"], batch["segment_ids"] > 0)
     return add_moe_sums(sums, moe_stats, cfg.moe_aux_loss_weight, cfg.moe_z_loss_weight)
+
+
+def _update(state: TrainState, sums: dict, grads: nnx.State, tx: optax.GradientTransformation, cfg: ModelConfig,
+            nan_steps: tuple[int, ...]) -> tuple[nnx.State, optax.OptState, jax.Array, jax.Array, jax.Array]:
+    """(params, opt_state, grad norm, finite, tokens): the summed gradients scaled, the optimizer
+    applied, and the old state kept where the step is not finite."""
+    tokens = jnp.maximum(sums["tokens"], 1.0)
+    scale = 1.0 / tokens
+    if nan_steps:
+        scale = jnp.where(jnp.isin(state.step + 1, jnp.asarray(nan_steps)), jnp.nan, scale)
+    grads = jax.tree.map(lambda g: g * scale, grads)
+    grad_norm = global_norm(grads)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    # DeepSeek-V3 aux-loss-free balancing: outside the gradient. With a fixed (imported) bias,
+    # rate 0 restores it exactly, so neither the optimizer nor weight decay ever moves it.
+    if cfg.moe_bias_update_rate or cfg.moe_router_bias:
+        params = apply_bias_updates(params, state.params, sums["moe_counts"], cfg.moe_bias_update_rate)
+    # The new params too: a NaN/inf learning rate or optimizer state poisons them while the loss
+    # and gradients of the step still look finite.
+    finite = jnp.isfinite(sums["loss_sum"]) & jnp.isfinite(grad_norm) & tree_all_finite(params)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+    return keep(params, state.params), keep(opt_state, state.opt_state), grad_norm, finite, tokens
 
 
 def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig, tx: optax.GradientTransformation,
@@ -62,22 +87,8 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig, tx: optax.Gradient
             zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(sums_and_grads, state.params,
                                                                  jax.tree.map(lambda x: x[0], micro)))
             (sums, grads), _ = jax.lax.scan(accumulate, zeros, micro)
-        tokens = jnp.maximum(sums["tokens"], 1.0)
-        scale = 1.0 / tokens
-        if nan_steps:
-            scale = jnp.where(jnp.isin(state.step + 1, jnp.asarray(nan_steps)), jnp.nan, scale)
-        grads = jax.tree.map(lambda g: g * scale, grads)
-        grad_norm = global_norm(grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        # DeepSeek-V3 aux-loss-free balancing: outside the gradient. With a fixed (imported) bias,
-        # rate 0 restores it exactly, so neither the optimizer nor weight decay ever moves it.
-        if cfg.moe_bias_update_rate or cfg.moe_router_bias:
-            params = apply_bias_updates(params, state.params, sums["moe_counts"], cfg.moe_bias_update_rate)
-        # The new params too: a NaN/inf learning rate or optimizer state poisons them while the loss
-        # and gradients of the step still look finite.
-        finite = jnp.isfinite(sums["loss_sum"]) & jnp.isfinite(grad_norm) & tree_all_finite(params)
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+        with jax.named_scope(OPTIMIZER_SCOPE):  # names only (for profiles): same numerics
+            params, opt_state, grad_norm, finite, tokens = _update(state, sums, grads, tx, cfg, nan_steps)
         metrics = {
             "loss": sums["ce_sum"] / tokens,
             "z_loss": sums["z_sum"] / tokens,
@@ -87,8 +98,7 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig, tx: optax.Gradient
             "nonfinite": (~finite).astype(jnp.int32),
             **moe_metrics(sums, tokens),
         }
-        return TrainState(step=state.step + 1, params=keep(params, state.params),
-                          opt_state=keep(opt_state, state.opt_state)), metrics
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step
 
