@@ -7,7 +7,7 @@ experts on both MoE paths, the unembedding, the router) calls one of these with 
     weight is an Int8Weight (a `jaxinfra quantize` checkpoint)  -> weight-only int8: the int8
         values enter the dot converted, and the per-channel scale multiplies the result (or
         the input, when the scaled dims are the input's); group-wise scales multiply per-group
-        partial sums. No dequantized copy of the weight is formed.
+        partial sums. No dequantized (value x scale) copy of the weight is formed.
     MatmulQuant.mode int8 / fp8 (quant.train)                  -> models/qdot.py custom VJPs
     otherwise                                                  -> the plain einsum in the compute dtype
 
@@ -139,8 +139,7 @@ def project(spec: str, x: jax.Array, w: Weight, matmul: MatmulQuant, *, dtype: A
         if matmul.mode == "none":
             return jnp.einsum(spec, x, w.astype(dtype), preferred_element_type=out_dtype)
         xl, wl, ol = qdot.parse_einsum(spec, x.ndim, w.ndim)
-        plan = qdot.EinsumPlan(xl, wl, ol, *_splits(names), out_dtype=out_dtype, x_dtype=x.dtype,
-                               w_dtype=w.dtype, name=matmul.name)
+        plan = qdot.EinsumPlan(xl, wl, ol, **_operands(names, out_dtype, x, w, matmul))
         if matmul.mode == "int8":
             return qdot.int8_einsum(plan, x, w)
         return qdot.fp8_einsum(plan, x, w, history)
@@ -159,15 +158,17 @@ def project_ragged(rows: jax.Array, w: Weight, group_sizes: jax.Array, matmul: M
             return (out * w.scale[gid, 0]).astype(dtype)
         if matmul.mode == "none":
             return jax.lax.ragged_dot(rows, w.astype(dtype), group_sizes)
-        plan = qdot.RaggedPlan(*_splits(names), out_dtype=dtype, x_dtype=rows.dtype, w_dtype=w.dtype,
-                               name=matmul.name)
+        plan = qdot.RaggedPlan(**_operands(names, dtype, rows, w, matmul))
         fn = qdot.int8_ragged_dot if matmul.mode == "int8" else qdot.fp8_ragged_dot
         return fn(plan, rows, w, group_sizes)
 
 
-def _splits(names: tuple | None) -> tuple:
-    """The manual axes splitting each dim of (x, w), resolved now from their logical names."""
-    return (None, None) if names is None else (manual_split(names[0]), manual_split(names[1]))
+def _operands(names: tuple | None, out_dtype: Any, x: jax.Array, w: jax.Array, matmul: MatmulQuant) -> dict:
+    """qdot.Operands fields; the manual axes splitting each dim of x and w resolved now from their
+    logical names (inside a shard_map body, while it is traced)."""
+    x_split, w_split = (None, None) if names is None else (manual_split(names[0]), manual_split(names[1]))
+    return dict(x_split=x_split, w_split=w_split, out_dtype=out_dtype, x_dtype=x.dtype, w_dtype=w.dtype,
+                name=matmul.name)
 
 
 def lookup(table: Weight, tokens: jax.Array, dtype: Any) -> jax.Array:

@@ -36,19 +36,25 @@ from models.quant import INT8_MAX, absmax, fp8_scale, int8_scale, quantize_fp8
 from sharding.reductions import Split, complete_max
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Operands:
+    """What a quantized matmul knows of its operands beyond their values (static)."""
+
+    x_split: Split = None  # per dim of x: the manual axes splitting it inside a shard_map (or None)
+    w_split: Split = None  # per dim of w, alike
+    out_dtype: Any = jnp.float32
+    x_dtype: Any = jnp.float32  # the cotangents' dtypes
+    w_dtype: Any = jnp.float32
+    name: str = ""  # the projection (a named_scope on its dots)
+
+
 @dataclasses.dataclass(frozen=True)
-class EinsumPlan:
-    """A two-operand einsum with every label spelled out; splits: manual axes per dim (or None)."""
+class EinsumPlan(Operands):
+    """A two-operand einsum with every label spelled out."""
 
     xl: str
     wl: str
     ol: str
-    x_split: Split = None
-    w_split: Split = None
-    out_dtype: Any = jnp.float32
-    x_dtype: Any = jnp.float32
-    w_dtype: Any = jnp.float32
-    name: str = ""
 
     @property
     def contracted(self) -> str:
@@ -201,15 +207,8 @@ fp8_einsum.defvjp(_fp8_fwd, _fp8_bwd)
 
 
 @dataclasses.dataclass(frozen=True)
-class RaggedPlan:
-    """rows [M, K] x weights [E, K, N] -> [M, N], rows grouped by expert (group sizes [E])."""
-
-    x_split: Split = None  # per dim of the rows [M, K] (see EinsumPlan)
-    w_split: Split = None  # per dim of the weights [E, K, N]
-    out_dtype: Any = jnp.float32
-    x_dtype: Any = jnp.float32
-    w_dtype: Any = jnp.float32
-    name: str = ""
+class RaggedPlan(Operands):
+    """rows x [M, K] times weights w [E, K, N] -> [M, N], rows grouped by expert (group sizes [E])."""
 
     @property
     def o_split(self) -> Split:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import jax
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 from jaxinfra import cli
 from jaxinfra.checkpoint import save_params_only
 from jaxinfra.config import ConfigError, load_config
+from jaxinfra.infer import Generator, load_model
 from jaxinfra.info import describe
 from jaxinfra.quantize import check_trainable
 from jaxinfra.state import init_params
@@ -60,6 +62,15 @@ def test_generate_loads_int8_weights_with_an_int8_kv_cache(runs, capsys):
     assert rc == 0, err
     ids = json.loads(out)
     assert len(ids) == 6 and all(0 <= i < 64 for i in ids)
+    # The compiled decode loop (the same program, from the compile cache) never holds a float copy of the
+    # stacked layer weights: no float array of any int8 layer weight's [layers, ...] shape. (XLA:CPU does
+    # convert each layer's slice, and the output projection, inside the step: see docs/quantization.md.)
+    cfg, params = load_model(runs / "int8", ["quant.kv_cache=int8"], devices=jax.devices()[:1])
+    _, decode = Generator(cfg, params, devices=jax.devices()[:1])._compile(1, 16, 6, 8)
+    text = decode.as_text()
+    stacked = {"[" + ",".join(map(str, v.shape)) + "]" for v in jax.tree.leaves(params["layers"])
+               if v.dtype == np.int8}
+    assert stacked and not [s for s in stacked if re.search(rf"(f32|bf16){re.escape(s)}", text)], stacked
 
 
 def test_info_shows_int8_bytes_per_device(runs, capsys):
