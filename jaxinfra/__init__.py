@@ -18,6 +18,7 @@ Modules of `jaxinfra/` (see docs/architecture.md for how one run goes through th
     distributed.py jax.distributed start-up from flags, environment or a detected cluster
     launch.py      `jaxinfra launch`: N local processes that act as N hosts (multi-host tests)
     info.py        `jaxinfra info`: devices, versions, mesh, per-parameter sharding and memory
+    quantize.py    `jaxinfra quantize`: weight-only int8 checkpoints; the quant checks that need devices
     bench.py       `jaxinfra bench collectives`: collective timings per mesh axis
     data/          grain input pipeline (text, token files, prepared dirs, jsonl/parquet, synthetic,
                    mixtures) packed into batches; `data prepare` / `data inspect`

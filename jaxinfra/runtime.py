@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfra.config import Config, pipeline_settings, validate
 from jaxinfra.optim import make_optimizer, make_schedule
+from jaxinfra.quantize import check_trainable
 from jaxinfra.state import TrainState, abstract_state, create_train_state, model_graphdef, sharding_rules, shardings_for
 from jaxinfra.step import make_eval_step, make_train_step
 from sharding.context import balanced_order
@@ -46,7 +47,7 @@ class Runtime:
 
     def init_state(self) -> TrainState:
         state, _ = create_train_state(self.cfg.model, self.tx, jax.random.key(self.cfg.train.seed),
-                                      self.mesh, self.rules)
+                                      self.mesh, self.rules, self.cfg.quant)
         return state
 
     def to_global(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -80,6 +81,7 @@ def build_runtime(cfg: Config, devices: Sequence[jax.Device] | None = None) -> R
     """Validate against the devices, then build the mesh, rules and jitted steps."""
     devices = list(devices) if devices is not None else jax.devices()
     validate(cfg, len(devices))
+    check_trainable(cfg.quant, devices)
     t = cfg.train
     mesh = make_mesh(cfg.mesh, devices)
     rules = sharding_rules(cfg.parallelism)
@@ -87,8 +89,8 @@ def build_runtime(cfg: Config, devices: Sequence[jax.Device] | None = None) -> R
         rules = dataclasses.replace(rules, pipeline=pipeline_settings(cfg.parallelism))
     schedule = make_schedule(cfg.schedule, cfg.optimizer.lr, t.steps)
     tx = make_optimizer(cfg.optimizer, schedule)
-    graphdef = model_graphdef(cfg.model)
-    state_shardings = shardings_for(abstract_state(cfg.model, tx), mesh, rules)
+    graphdef = model_graphdef(cfg.model, cfg.quant)
+    state_shardings = shardings_for(abstract_state(cfg.model, tx, cfg.quant), mesh, rules)
     data_sharding = batch_sharding(mesh, rules)
     replicated = NamedSharding(mesh, PartitionSpec())
     train_step = jax.jit(make_train_step(graphdef, cfg.model, tx, schedule, t.grad_accum_steps, t.nan_steps),

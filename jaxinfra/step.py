@@ -14,6 +14,7 @@ from jaxinfra.metrics.hlo import LOSS_SCOPE, OPTIMIZER_SCOPE
 from jaxinfra.optim import global_norm, tree_all_finite
 from jaxinfra.state import TrainState
 from models import ModelConfig
+from models.project import merge_observations, roll_histories, zero_histories
 from models.router import apply_bias_updates
 
 Batch = dict[str, jax.Array]
@@ -35,6 +36,8 @@ def _update(state: TrainState, sums: dict, grads: nnx.State, tx: optax.GradientT
             nan_steps: tuple[int, ...]) -> tuple[nnx.State, optax.OptState, jax.Array, jax.Array, jax.Array]:
     """(params, opt_state, grad norm, finite, tokens): the summed gradients scaled, the optimizer
     applied, and the old state kept where the step is not finite."""
+    # fp8 delayed scaling: amax histories get observations, not gradients (models/project.py).
+    observed, grads = grads, zero_histories(grads)
     tokens = jnp.maximum(sums["tokens"], 1.0)
     scale = 1.0 / tokens
     if nan_steps:
@@ -47,6 +50,7 @@ def _update(state: TrainState, sums: dict, grads: nnx.State, tx: optax.GradientT
     # rate 0 restores it exactly, so neither the optimizer nor weight decay ever moves it.
     if cfg.moe_bias_update_rate or cfg.moe_router_bias:
         params = apply_bias_updates(params, state.params, sums["moe_counts"], cfg.moe_bias_update_rate)
+    params = roll_histories(params, state.params, observed)
     # The new params too: a NaN/inf learning rate or optimizer state poisons them while the loss
     # and gradients of the step still look finite.
     finite = jnp.isfinite(sums["loss_sum"]) & jnp.isfinite(grad_norm) & tree_all_finite(params)
@@ -82,7 +86,7 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig, tx: optax.Gradient
 
             def accumulate(carry, mb):
                 sums, grads = sums_and_grads(state.params, mb)
-                return jax.tree.map(jnp.add, carry, (sums, grads)), None
+                return (jax.tree.map(jnp.add, carry[0], sums), merge_observations(carry[1], grads)), None
 
             zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(sums_and_grads, state.params,
                                                                  jax.tree.map(lambda x: x[0], micro)))

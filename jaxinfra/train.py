@@ -144,7 +144,8 @@ class Trainer:
         return line
 
     def _target(self) -> TrainState:
-        return abstract_with_shardings(abstract_state(self.cfg.model, self.rt.tx), self.rt.state_shardings)
+        return abstract_with_shardings(abstract_state(self.cfg.model, self.rt.tx, self.cfg.quant),
+                                       self.rt.state_shardings)
 
     def initial_state(self) -> tuple[int, TrainState, dict[str, Any]]:
         """(completed steps, state, saved meta): resume this run, restore from elsewhere, or start fresh."""

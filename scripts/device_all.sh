@@ -15,6 +15,8 @@
 #             later, a running one is stopped at +90 s, the section at +120 s; <= 7 minutes)
 #   decode    KV-cache decode tokens/s, the same shape in bf16 (benchmarks/decode.py)
 #   hf        peak host RSS of a streaming HF import onto the GPU (benchmarks/hf_import.py)
+#   quant     fp8 training step vs bf16 on the 1.1B shape, int8 weight-only decode at batch 1 vs bf16
+#             (benchmarks/quant.py --sections device)
 #   scripts/device_all.sh [SECTION ...]
 # Output also goes to $OUT/device_all.log when $OUT is set (the device tool's result folder), and
 # the attention rows to $OUT/attention_numerics.json and $OUT/attention_timing.json.
@@ -26,10 +28,10 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxinfra-jax-cache}"
 PYTHON="${PYTHON:-python3}"
 sections=("$@")
-[[ ${#sections[@]} -eq 0 ]] && sections=(numerics attention sweep step decode hf)
+[[ ${#sections[@]} -eq 0 ]] && sections=(numerics attention sweep step decode hf quant)
 model=(model.d_model=2048 model.num_layers=16 model.num_heads=16 model.num_kv_heads=8 model.head_dim=128
        model.mlp_dim=8192 model.vocab_size=32768 model.tie_embeddings=false model.dtype=bfloat16)
-run() { echo "== $1: ${*:2}"; local t0=$SECONDS; timeout 300 "${@:2}"; echo "== $1: exit $? in $((SECONDS - t0)) s"; }
+run() { echo "== $1: ${*:2}"; local t0=$SECONDS; timeout "${LIMIT:-300}" "${@:2}"; echo "== $1: exit $? in $((SECONDS - t0)) s"; }
 run_for() { echo "== $2: ${*:3}"; local t0=$SECONDS; timeout "$1" "${@:3}"; echo "== $2: exit $? in $((SECONDS - t0)) s"; }
 step_budget="${STEP_BUDGET_S:-300}"
 {
@@ -47,7 +49,8 @@ step_budget="${STEP_BUDGET_S:-300}"
       decode) run "$s" "$PYTHON" "$repo/benchmarks/decode.py" --batches 1,8,64 --prompt-len 128 --new-tokens 128 \
                 "${model[@]}" model.param_dtype=bfloat16 ;;
       hf) run "$s" "$PYTHON" "$repo/benchmarks/hf_import.py" --dir /tmp/hf_bench ;;
-      *) echo "unknown section $s (numerics attention sweep step decode hf)"; exit 2 ;;
+      quant) LIMIT=420 run "$s" "$PYTHON" "$repo/benchmarks/quant.py" --sections device --out "${OUT:-/tmp}/quant" ;;
+      *) echo "unknown section $s (numerics attention sweep step decode hf quant)"; exit 2 ;;
     esac
   done
 } 2>&1 | tee "$log"
