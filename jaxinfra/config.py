@@ -20,6 +20,7 @@ from typing import Any, Literal
 import yaml
 
 from jaxinfra.data.config import DataConfig
+from jaxinfra.distill.config import DistillConfig
 from models.config import REMAT_POLICIES, ModelConfig
 from sharding.mesh import MESH_AXES, MeshConfig, MeshError, resolve_mesh_sizes
 from sharding.pipeline import PipelineSettings, Schedule
@@ -127,6 +128,7 @@ class Config:
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
+    distill: DistillConfig = DistillConfig()  # off unless distill.teacher or distill.logits
 
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(dataclasses.asdict(self))
@@ -316,7 +318,8 @@ def validate(cfg: Config, device_count: int | None = None) -> None:
     bad = _non_finite(cfg.to_dict())  # every section, new ones included: NaN or inf is never a setting
     if bad:
         raise ConfigError(f"{bad[0]} is invalid: numbers in the config must be finite")
-    for section, problems in (("model", cfg.model.problems()), ("data", cfg.data.problems())):
+    for section, problems in (("model", cfg.model.problems()), ("data", cfg.data.problems()),
+                              ("distill", cfg.distill.problems(cfg.model.vocab_size))):
         for key, value, allowed in problems:
             raise ConfigError(f"{section}.{key}={value!r} is invalid: must be {allowed}")
     t = cfg.train
