@@ -18,6 +18,8 @@ train, info and bench also take --coordinator HOST:PORT --num-processes N --proc
     jaxinfra generate CKPT (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N] [--temperature T]
                       [--top-k K] [--top-p P] [--stop-ids ...]   sampling with a KV cache
     jaxinfra eval CKPT --tokens FILE.npy [--batch-size B]   mean next-token loss, one JSON line
+    jaxinfra distill save-logits TEACHER --out DIR --top-k K --steps N [--data KEY=VALUE ...]
+                                                    a teacher's top-k logits for offline distillation
 
 Bad input (config, mesh, data, checkpoint) exits with status 2 and one line on stderr, no
 traceback; the statuses are in jaxinfra/exits.py.
@@ -113,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxinfra.infer.cli import add_subcommands as add_inference  # generate, eval
 
     add_inference(sub)
+    from jaxinfra.distill.cli import add_subcommands as add_distill  # distill save-logits
+
+    add_distill(sub)
     return parser
 
 
