@@ -118,6 +118,11 @@ class Trainer:
                          seed=t.seed, process_index=jax.process_index(), process_count=jax.process_count())
         self.train_iter = make_train_iterator(cfg.data, **data_args)
         self.eval_batches = make_eval_batches(cfg.data, **data_args)
+        self.distill = None
+        if cfg.distill.enabled:  # jaxinfra/distill/run.py: teacher params or saved logits, teacher eval
+            from jaxinfra.distill.run import DistillRun
+
+            self.distill = DistillRun(self.rt, self.eval_batches, self.first_row, self.local_rows)
         self.ckpt = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint) if cfg.checkpoint.enabled else None
         self.state: TrainState | None = None
         self._signal: int | None = None
@@ -125,9 +130,11 @@ class Trainer:
 
     # ------------------------------------------------------------ pieces
 
-    def batches(self) -> Iterator[dict[str, jax.Array]]:
-        """Global batches, forever."""
-        for local in self.train_iter:
+    def batches(self, first_step: int = 1) -> Iterator[dict[str, jax.Array]]:
+        """Global batches of steps first_step, first_step + 1, ..., forever."""
+        for step, local in enumerate(self.train_iter, first_step):
+            if self.distill is not None:  # offline distillation: the step's saved teacher logits
+                local = self.distill.host_batch(local, step)
             yield self.rt.to_global(local)
 
     def evaluate(self, state: TrainState) -> float:
@@ -193,6 +200,8 @@ class Trainer:
             return None
         meta = {**meta, "step": step, "global_batch": self.cfg.train.batch_size, "seq_len": self.cfg.train.seq_len,
                 "process_count": jax.process_count(), "config": self.cfg.to_yaml()}
+        if self.distill is not None:  # which teacher (and step), never its params
+            meta["distill"] = self.distill.checkpoint_meta()
         self.ckpt.save(step, state, row_states(self.train_iter, self.first_row), meta, metrics)
         return time.perf_counter() - start
 
@@ -238,13 +247,16 @@ class Trainer:
 
     def _run(self) -> dict[str, Any]:
         start_step, state, meta = self.initial_state()  # before anything is written: a refusal changes nothing
+        notes = self.distill.start(meta) if self.distill is not None else []
         self._open_outputs(start_step)
         loop = _Loop(start_step=start_step, step=start_step, state=state)
         self._header(start_step)
+        for note in notes:
+            self._say(note)
         self._first_eval(loop, meta)
         self._install_signal_handlers()
         self.watchdog = Watchdog(self.cfg.train.step_timeout_s, process_index=jax.process_index())
-        batches = self.batches()
+        batches = self.batches(start_step + 1)
         loop.started = time.perf_counter()
         for step in range(start_step + 1, self.cfg.train.steps + 1):
             loop.step = step
@@ -289,7 +301,7 @@ class Trainer:
     def _record_eval(self, loop: _Loop, step: int) -> None:
         eval_loss = self.evaluate(loop.state)
         loop.evals.append((step, eval_loss))
-        self._log(step, {"eval_loss": eval_loss})
+        self._log(step, {"eval_loss": eval_loss, **(self.distill.eval_fields() if self.distill else {})})
         self._say(f"step {step}: eval_loss {eval_loss:.4f}")
 
     def _train_one_step(self, loop: _Loop, step: int, batches: Iterator[dict[str, jax.Array]]) -> bool:
@@ -348,7 +360,8 @@ class Trainer:
         }
         if self.cfg.model.z_loss_weight:
             line["z_loss"] = float(host["z_loss"])
-        line.update({k: float(v) for k, v in host.items() if k.startswith("moe_")})  # MoE router stats
+        line.update({k: float(v) for k, v in host.items()
+                     if k.startswith(("moe_", "distill_", "teacher_"))})  # MoE router stats, distillation losses
         return line
 
     def _checkpoint_or_stop(self, loop: _Loop, step: int, sync: bool) -> bool:
