@@ -67,47 +67,53 @@ def distill_config(teacher: str, mesh: dict, **distill) -> Config:
 # ---------------------------------------------------------------- the loss against numpy
 
 
-def _np_kl(s: np.ndarray, t: np.ndarray, temp: float) -> np.ndarray:
-    def log_softmax(x):
-        x = x / temp - np.max(x / temp, axis=-1, keepdims=True)
-        return x - np.log(np.sum(np.exp(x), axis=-1, keepdims=True))
+def _np_log_softmax(x: np.ndarray, temp: float) -> np.ndarray:
+    x = x.astype(np.float64) / temp
+    x = x - np.max(x, axis=-1, keepdims=True)
+    return x - np.log(np.sum(np.exp(x), axis=-1, keepdims=True))
 
-    log_p, log_q = log_softmax(t.astype(np.float64)), log_softmax(s.astype(np.float64))
+
+def _np_kl(s: np.ndarray, t: np.ndarray, temp: float) -> np.ndarray:
+    log_p, log_q = _np_log_softmax(t, temp), _np_log_softmax(s, temp)
     return np.sum(np.exp(log_p) * (log_p - log_q), axis=-1)
 
 
-def _logits(seed: int, shape=(3, 5, V), scale=3.0) -> jax.Array:
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape) * scale, jnp.float32)
+def _logits(seed: int, shape=(3, 5, V), scale=3.0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
+
+
+# One compiled program each, whatever the temperature (a traced argument).
+SOFT, SOFT_GRAD = jax.jit(soft_loss_sum), jax.jit(jax.grad(soft_loss_sum))
+TOP_K_SOFT, TEACHER_SOFT = jax.jit(top_k_soft_loss_sum), jax.jit(teacher_soft_loss_sum, static_argnums=4)
 
 
 def test_kl_of_a_distribution_with_itself_is_zero():
-    x, mask = _logits(0), jnp.ones((3, 5), bool)
+    x, mask = _logits(0), np.ones((3, 5), bool)
+    ids = np.argsort(-x, axis=-1)[..., :7]
     for temp in (0.5, 1.0, 4.0):
-        assert float(soft_loss_sum(x, x, mask, temp)) == 0.0
-        ids = jax.lax.top_k(x, 7)[1]
-        assert float(top_k_soft_loss_sum(x, ids, jnp.take_along_axis(x, ids, -1), mask, temp)) == 0.0
+        assert float(SOFT(x, x, mask, temp)) == 0.0
+        assert float(TOP_K_SOFT(x, ids, np.take_along_axis(x, ids, -1), mask, temp)) == 0.0
 
 
 @pytest.mark.parametrize("temp", [1.0, 2.0, 5.0])
 def test_soft_loss_is_t_squared_kl_with_gradient_t_times_q_minus_p(temp):
     """T^2 * KL against float64 numpy; its gradient T * (q_T - p_T) keeps the hard loss's scale."""
     s, t = _logits(1), _logits(2)
-    mask = jnp.asarray(np.random.default_rng(3).random((3, 5)) < 0.7)
-    want = temp ** 2 * np.sum(_np_kl(np.asarray(s), np.asarray(t), temp) * np.asarray(mask))
-    np.testing.assert_allclose(float(soft_loss_sum(s, t, mask, temp)), want, rtol=1e-5)
-    grad = jax.grad(soft_loss_sum)(s, t, mask, temp)
-    q, p = jax.nn.softmax(s / temp), jax.nn.softmax(t / temp)
-    np.testing.assert_allclose(grad, temp * (q - p) * mask[..., None], atol=1e-6)
+    mask = np.random.default_rng(3).random((3, 5)) < 0.7
+    want = temp ** 2 * np.sum(_np_kl(s, t, temp) * mask)
+    np.testing.assert_allclose(float(SOFT(s, t, mask, temp)), want, rtol=1e-5)
+    q, p = np.exp(_np_log_softmax(s, temp)), np.exp(_np_log_softmax(t, temp))
+    np.testing.assert_allclose(SOFT_GRAD(s, t, mask, temp), temp * (q - p) * mask[..., None], atol=1e-6)
 
 
 def test_top_k_over_the_whole_vocabulary_is_the_full_loss():
-    s, t, mask = _logits(4), _logits(5), jnp.ones((3, 5), bool)
-    full = float(teacher_soft_loss_sum(s, t, mask, 2.0, 0))
-    np.testing.assert_allclose(float(teacher_soft_loss_sum(s, t, mask, 2.0, V)), full, rtol=1e-6)
+    s, t, mask = _logits(4), _logits(5), np.ones((3, 5), bool)
+    full = float(TEACHER_SOFT(s, t, mask, 2.0, 0))
+    np.testing.assert_allclose(float(TEACHER_SOFT(s, t, mask, 2.0, V)), full, rtol=1e-6)
     # k < V: the KL of both distributions renormalised over the teacher's top k (numpy reference).
-    ids = np.argsort(-np.asarray(t), axis=-1)[..., :8]
-    sk, tk = (np.take_along_axis(np.asarray(x), ids, -1) for x in (s, t))
-    got = float(teacher_soft_loss_sum(s, t, mask, 2.0, 8))
+    ids = np.argsort(-t, axis=-1)[..., :8]
+    sk, tk = (np.take_along_axis(x, ids, -1) for x in (s, t))
+    got = float(TEACHER_SOFT(s, t, mask, 2.0, 8))
     np.testing.assert_allclose(got, 4.0 * np.sum(_np_kl(sk, tk, 2.0)), rtol=1e-5)
     assert abs(got - full) > 1e-3 * full
 
@@ -359,3 +365,34 @@ def test_bad_distillation_input_is_one_line_exit_2(teacher, logits_dir, tmp_path
     named = {"vocab": "model.vocab_size=128", "missing": "nowhere", "config": "invalid YAML",
 "top_k": "distill.top_k=65", "both": "distill.logits"}[case]
     assert named in err[0], err
+
+
+def test_save_logits_bad_input_is_one_line_exit_2(teacher, tmp_path, capsys):
+    for args, named in (([f"--top-k={V + 1}"], "--top-k 65"), (["--data", "model.d_model=8"], "model.d_model=8"),
+                        (["--steps=0"], "--steps 0")):
+        code = main(["distill", "save-logits", teacher, "--out", str(tmp_path / "out"), "--steps", "2", *args])
+        err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jaxinfra: error")]
+        assert code == 2 and len(err) == 1 and named in err[0], err
+    assert main(["distill", "save-logits", str(tmp_path / "none"), "--out", str(tmp_path / "o"), "--steps", "2"]) == 2
+
+
+def test_an_interrupted_logits_directory_continues_and_a_finished_one_is_kept(tmp_path):
+    from jaxinfra.distill.logits import LogitsWriter
+
+    meta = {"train": {"batch_size": 2, "seq_len": 3}, "top_k": 2, "steps": 4, "ids_dtype": "uint16"}
+    step = [np.ones((2, 3, 2)), np.ones((2, 3, 2)), np.ones((2, 3)), np.ones(2)]
+    first = LogitsWriter(tmp_path / "l", meta, flush_every=1)
+    first.write(1, *step)
+    first.write(2, *step)  # then the process dies
+    again = LogitsWriter(tmp_path / "l", meta)
+    assert again.next_step == 3
+    with pytest.raises(LogitsError, match="unfinished logits of another"):
+        LogitsWriter(tmp_path / "l", {**meta, "top_k": 3})
+    with pytest.raises(LogitsError, match="unfinished"):
+        LogitsDir.open(tmp_path / "l")
+    again.write(3, *step)
+    again.write(4, *step)
+    again.finish()
+    assert LogitsDir.open(tmp_path / "l").steps == 4
+    with pytest.raises(LogitsError, match="already holds complete logits"):
+        LogitsWriter(tmp_path / "l", meta)
