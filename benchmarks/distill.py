@@ -143,7 +143,8 @@ def _step_memory(overrides: list[str], batch: int, seq: int) -> tuple[float, flo
                                "data.source=synthetic", *overrides])
     rt = build_runtime(cfg, jax.devices()[:1])
     if rt.distill is not None:
-        rt.step_inputs = (abstract_params(rt.distill.teacher.compute_model("bfloat16"), rt.mesh, rt.rules),)
+        rt.step_inputs = rt.distill.step_inputs(
+            abstract_params(rt.distill.teacher.compute_model("bfloat16"), rt.mesh, rt.rules))
     state = abstract_with_shardings(abstract_state(cfg.model, rt.tx), rt.state_shardings)
     ids = jax.ShapeDtypeStruct((batch, seq), jax.numpy.int32, sharding=rt.batch_sharding)
     start = time.perf_counter()

@@ -44,7 +44,7 @@ class Runtime:
     _train_step: Any
     _eval_step: Any
     distill: Any = None  # jaxinfra.distill.step.DistillParts when the distill section is on
-    step_inputs: tuple = ()  # the train step's arguments after the batch: an online teacher's params
+    step_inputs: tuple = ()  # the train step's arguments after the batch (distillation: jaxinfra/distill/step.py)
 
     def init_state(self) -> TrainState:
         state, _ = create_train_state(self.cfg.model, self.tx, jax.random.key(self.cfg.train.seed),
@@ -110,4 +110,4 @@ def build_runtime(cfg: Config, devices: Sequence[jax.Device] | None = None) -> R
     order = (balanced_order(t.seq_len, ring)
              if ring > 1 and rules.context_impl == "ring" and rules.load_balance else None)
     return Runtime(cfg, mesh, rules, schedule, tx, graphdef, state_shardings, data_sharding, order,
-                   train_step, eval_step, distill)
+                   train_step, eval_step, distill, distill.step_inputs() if distill else ())

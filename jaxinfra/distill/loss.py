@@ -15,6 +15,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxinfra.distill.config import DistillConfig
 
@@ -61,17 +62,30 @@ def mix(sums: dict[str, jax.Array], alpha: jax.Array) -> dict[str, jax.Array]:
     return {**sums, "loss_sum": sums["loss_sum"] + delta, "means": means}
 
 
-def scheduled(start: float, end: float | None, kind: str, step: jax.Array, total_steps: int) -> jax.Array:
+def scheduled(start: jax.Array | float, end: jax.Array | float | None, kind: str, step: jax.Array,
+              total_steps: int) -> jax.Array:
     """`start` moved to `end` over `total_steps` (linear or half-cosine in step / total_steps);
-    constant when `end` is None. `step` counts the steps completed before this one, as the lr."""
+    constant when `end` is None (or equal). `step` counts the steps completed before this one, as the lr."""
+    start = jnp.asarray(start, jnp.float32)
     if end is None:
-        return jnp.asarray(start, jnp.float32)
+        return start
     frac = jnp.clip(jnp.asarray(step, jnp.float32) / max(total_steps, 1), 0.0, 1.0)
     if kind == "cosine":
         frac = 0.5 * (1.0 - jnp.cos(math.pi * frac))
-    return jnp.asarray(start, jnp.float32) + (end - start) * frac
+    return start + (jnp.asarray(end, jnp.float32) - start) * frac
 
 
-def alpha_and_temperature(cfg: DistillConfig, step: jax.Array, total_steps: int) -> tuple[jax.Array, jax.Array]:
-    return (scheduled(cfg.alpha, cfg.alpha_end, cfg.schedule, step, total_steps),
-            scheduled(cfg.temperature, cfg.temperature_end, cfg.schedule, step, total_steps))
+def schedule_knobs(cfg: DistillConfig) -> np.ndarray:
+    """[alpha, alpha_end, T, T_end] float32 (an end equal to its start when unset): a step input
+    rather than constants, so runs that differ only in these share one compiled step."""
+    alpha_end = cfg.alpha if cfg.alpha_end is None else cfg.alpha_end
+    t_end = cfg.temperature if cfg.temperature_end is None else cfg.temperature_end
+    return np.asarray([cfg.alpha, alpha_end, cfg.temperature, t_end], np.float32)
+
+
+def alpha_and_temperature(knobs: jax.Array, kind: str, step: jax.Array,
+                          total_steps: int) -> tuple[jax.Array, jax.Array]:
+    """This step's alpha and temperature from `schedule_knobs` (start + (end - start) * f(step):
+    exactly the start value when the end equals it)."""
+    return (scheduled(knobs[0], knobs[1], kind, step, total_steps),
+            scheduled(knobs[2], knobs[3], kind, step, total_steps))

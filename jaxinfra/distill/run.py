@@ -43,7 +43,7 @@ class DistillRun:
         rt = self.rt
         self.teacher_step, params = load_teacher_params(self.parts.teacher, self.cfg.teacher_dtype, rt.mesh,
                                                         rt.rules, step=pinned)
-        rt.step_inputs = (params,)
+        rt.step_inputs = self.parts.step_inputs(params)
         if self.eval_batches:
             model = self.parts.teacher.compute_model(self.cfg.teacher_dtype)
             step = jax.jit(make_eval_step(self.parts.teacher_def, model),

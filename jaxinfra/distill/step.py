@@ -19,12 +19,19 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfra.config import Config, ConfigError
 from jaxinfra.distill.config import DistillConfig
-from jaxinfra.distill.loss import alpha_and_temperature, mix, teacher_soft_loss_sum, top_k_soft_loss_sum
+from jaxinfra.distill.loss import (
+    alpha_and_temperature,
+    mix,
+    schedule_knobs,
+    teacher_soft_loss_sum,
+    top_k_soft_loss_sum,
+)
 from jaxinfra.loss import add_moe_sums, chunked_sums, cross_entropy_sums
 from models import ModelConfig
 from sharding.rules import ShardingRules
@@ -39,10 +46,12 @@ def _finish(sums: dict[str, jax.Array], alpha: jax.Array, stats: dict, cfg: Mode
 
 def online_loss_sums(graphdef: nnx.GraphDef, cfg: ModelConfig, teacher_def: nnx.GraphDef, dcfg: DistillConfig,
                      total_steps: int) -> Callable[..., dict[str, jax.Array]]:
-    """loss_sums(params, batch, step, teacher_params) for jaxinfra/step.py's train step."""
+    """loss_sums(params, batch, step, teacher_params, knobs) for jaxinfra/step.py's train step
+    (knobs: `jaxinfra.distill.loss.schedule_knobs`)."""
 
-    def loss_sums(params: nnx.State, batch: Batch, step: jax.Array, teacher_params: nnx.State) -> dict:
-        alpha, temperature = alpha_and_temperature(dcfg, step, total_steps)
+    def loss_sums(params: nnx.State, batch: Batch, step: jax.Array, teacher_params: nnx.State,
+                  knobs: jax.Array) -> dict:
+        alpha, temperature = alpha_and_temperature(knobs, dcfg.schedule, step, total_steps)
         student, teacher = nnx.merge(graphdef, params), nnx.merge(teacher_def, teacher_params)
         args = (batch["inputs"], batch["positions"], batch["segment_ids"])
         h, stats = student.hidden(*args)
@@ -63,11 +72,11 @@ def online_loss_sums(graphdef: nnx.GraphDef, cfg: ModelConfig, teacher_def: nnx.
 
 def offline_loss_sums(graphdef: nnx.GraphDef, cfg: ModelConfig, dcfg: DistillConfig, total_steps: int,
                       top_k: int) -> Callable[..., dict[str, jax.Array]]:
-    """loss_sums(params, batch, step) over a batch that carries the teacher's saved top-k logits;
-    the first `top_k` of the saved (sorted, most likely first) are used."""
+    """loss_sums(params, batch, step, knobs) over a batch that carries the teacher's saved top-k
+    logits; the first `top_k` of the saved (sorted, most likely first) are used."""
 
-    def loss_sums(params: nnx.State, batch: Batch, step: jax.Array) -> dict:
-        alpha, temperature = alpha_and_temperature(dcfg, step, total_steps)
+    def loss_sums(params: nnx.State, batch: Batch, step: jax.Array, knobs: jax.Array) -> dict:
+        alpha, temperature = alpha_and_temperature(knobs, dcfg.schedule, step, total_steps)
         student = nnx.merge(graphdef, params)
         h, stats = student.hidden(batch["inputs"], batch["positions"], batch["segment_ids"])
 
@@ -88,19 +97,28 @@ def offline_loss_sums(graphdef: nnx.GraphDef, cfg: ModelConfig, dcfg: DistillCon
 
 @dataclasses.dataclass
 class DistillParts:
-    """What build_runtime needs from the distill section: the step's loss, and for online
-    distillation the teacher (source, graph, params' shardings: the step's extra input)."""
+    """What build_runtime needs from the distill section: the step's loss and its extra inputs
+    (online: the teacher's params, then the schedule knobs; offline: the knobs), and for online
+    distillation the teacher (source, graph, params' shardings)."""
 
     loss_sums: Callable[..., dict[str, jax.Array]]
-    input_shardings: tuple[Any, ...]  # shardings of the step's extra inputs: (teacher params,) or ()
+    input_shardings: tuple[Any, ...]  # of the step's extra inputs: (teacher params, knobs) or (knobs,)
+    knobs: np.ndarray
     teacher: Any = None  # TeacherSource (online)
     teacher_def: nnx.GraphDef | None = None
     logits: Any = None  # LogitsDir (offline)
+
+    def step_inputs(self, teacher_params: nnx.State | None = None) -> tuple[Any, ...]:
+        """The train step's arguments after the batch (online: none until the teacher is loaded)."""
+        if self.teacher is None:
+            return (self.knobs,)
+        return () if teacher_params is None else (teacher_params, self.knobs)
 
 
 def distill_parts(cfg: Config, mesh: Mesh, rules: ShardingRules, graphdef: nnx.GraphDef) -> DistillParts:
     """Resolve the teacher or the logits directory (bad input: one line, before anything compiles)."""
     d = cfg.distill
+    knobs, replicated = schedule_knobs(d), NamedSharding(mesh, PartitionSpec())
     if mesh.shape["stage"] > 1:
         raise ConfigError(f"distill with mesh.stage={mesh.shape['stage']} is not supported (pipeline stages)")
     if not d.online:
@@ -109,7 +127,8 @@ def distill_parts(cfg: Config, mesh: Mesh, rules: ShardingRules, graphdef: nnx.G
         logits = LogitsDir.open(d.logits)
         logits.check_run(cfg)
         k = d.top_k or logits.top_k
-        return DistillParts(offline_loss_sums(graphdef, cfg.model, d, cfg.train.steps, k), (), logits=logits)
+        return DistillParts(offline_loss_sums(graphdef, cfg.model, d, cfg.train.steps, k), (replicated,), knobs,
+                            logits=logits)
     from jaxinfra.distill.teacher import check_teacher_fits, resolve_teacher, teacher_graphdef, teacher_shardings
 
     source = resolve_teacher(d.teacher, cfg.model.vocab_size)
@@ -117,4 +136,4 @@ def distill_parts(cfg: Config, mesh: Mesh, rules: ShardingRules, graphdef: nnx.G
     teacher_def = teacher_graphdef(source, d.teacher_dtype)
     shardings = teacher_shardings(source.compute_model(d.teacher_dtype), mesh, rules)
     loss = online_loss_sums(graphdef, cfg.model, teacher_def, d, cfg.train.steps)
-    return DistillParts(loss, (shardings,), teacher=source, teacher_def=teacher_def)
+    return DistillParts(loss, (shardings, replicated), knobs, teacher=source, teacher_def=teacher_def)
