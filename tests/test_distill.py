@@ -20,7 +20,7 @@ import orbax.checkpoint as ocp
 import pytest
 from parity import assert_matches, packed_batches, parity_config, run_steps
 
-from jaxinfra.checkpoint import _saved_shapes
+from jaxinfra.checkpoint import CheckpointError, _saved_shapes
 from jaxinfra.cli import main
 from jaxinfra.config import Config, OptimizerConfig, ScheduleConfig, load_config
 from jaxinfra.distill.config import DistillConfig
@@ -176,8 +176,16 @@ def test_chunked_distillation_loss_is_the_whole_sequence_loss_and_holds_one_chun
 
 @pytest.fixture(scope="module")
 def single(teacher):
-    return run_steps(distill_config(teacher, {}), jax.devices()[:1], packed_batches(BATCH, SEQ, V, STEPS),
-                     setup=load_teacher)
+    """The 1-device baseline; its teacher is also evaluated on the first training batch."""
+    runs = []
+
+    def setup(rt):
+        runs.append(DistillRun(rt, packed_batches(BATCH, SEQ, V, 1), 0, BATCH))
+        runs[0].start({})
+
+    result = run_steps(distill_config(teacher, {}), jax.devices()[:1], packed_batches(BATCH, SEQ, V, STEPS),
+                       setup=setup)
+    return {**result, "distill_run": runs[0]}
 
 
 def test_alpha_zero_is_exactly_plain_cross_entropy(single, teacher):
@@ -216,6 +224,20 @@ def test_online_distillation_trains_and_keeps_the_teacher_out_of_the_optimizer(s
     soft = lambda tp: sums_fn(params, batch, jnp.int32(0), tp, rt.distill.knobs)["soft_sum"]  # noqa: E731
     grads = jax.jit(jax.grad(soft))(teacher_params)
     assert all(not np.any(np.asarray(g)) for g in jax.tree.leaves(grads))
+
+
+def test_online_teacher_eval_checkpoint_meta_and_pinned_teacher_step(single, teacher):
+    """What the train loop asks of an online run: the teacher's eval loss (here on the first training
+    batch: the step's teacher_loss), the checkpoint meta (teacher and step, no params), and on resume
+    the checkpoint's teacher step (a step the teacher lacks is refused; another teacher is noted)."""
+    run = single["distill_run"]
+    assert run.teacher_eval_loss == pytest.approx(float(single["metrics"][0]["teacher_loss"]), rel=1e-6)
+    assert run.eval_fields() == {"teacher_eval_loss": run.teacher_eval_loss}
+    assert run.checkpoint_meta() == {"teacher": teacher, "teacher_step": 0}
+    with pytest.raises(CheckpointError, match="no committed checkpoint 5"):
+        DistillRun(run.rt, [], 0, BATCH).start({"distill": {"teacher": teacher, "teacher_step": 5}})
+    notes = DistillRun(run.rt, [], 0, BATCH).start({"distill": {"teacher": "/elsewhere", "teacher_step": 5}})
+    assert "distilled from /elsewhere (step 5)" in notes[0]
 
 
 @pytest.mark.parametrize("layout", [dict(fsdp=4, tensor=2), dict(data=2, fsdp=2, tensor=2)],
