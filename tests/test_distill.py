@@ -45,13 +45,16 @@ SCHED = ScheduleConfig(name="cosine", warmup_steps=0, min_lr_ratio=0.1)
 DISTILL = dict(alpha=0.7, temperature=2.0, teacher_dtype="float32")
 
 
+def teacher_params():
+    return jax.jit(lambda key: init_params(TEACHER, key))(jax.random.key(7))  # one program, not op by op
+
+
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory) -> str:
     from jaxinfra.hf.importer import save_imported
 
     out = tmp_path_factory.mktemp("teacher")
-    params = init_params(TEACHER, jax.random.key(7))
-    save_imported(out, Config(model=TEACHER), params, {"params_only": True, "step": 0})
+    save_imported(out, Config(model=TEACHER), teacher_params(), {"params_only": True, "step": 0})
     return str(out)
 
 
@@ -213,7 +216,7 @@ def test_online_distillation_trains_and_keeps_the_teacher_out_of_the_optimizer(s
     plain_opt = abstract_state(STUDENT, rt.tx).opt_state
     assert len(jax.tree.leaves(single["state"].opt_state)) == len(jax.tree.leaves(plain_opt))
     teacher_params = rt.step_inputs[0]
-    fresh = jax.tree.leaves(jax.device_get(init_params(TEACHER, jax.random.key(7))))
+    fresh = jax.tree.leaves(jax.device_get(teacher_params()))
     for got, want in zip(jax.tree.leaves(jax.device_get(teacher_params)), fresh):
         np.testing.assert_array_equal(got, want)  # unchanged after the steps
 
@@ -373,6 +376,13 @@ def _bad_teacher(tmp_path, teacher, what: str) -> str:
             if f.is_file() and "state" in f.parts and f.stat().st_size > 100:
                 f.write_bytes(f.read_bytes()[:50])
     return str(bad)
+
+
+def test_a_teacher_is_a_run_dir_or_one_of_its_step_dirs(teacher):
+    from jaxinfra.distill.teacher import resolve_teacher
+
+    run, step = resolve_teacher(teacher, V), resolve_teacher(f"{teacher}/checkpoints/0", V)
+    assert run.step is None and step.step == 0 and run.saved_model == step.saved_model == TEACHER
 
 
 def test_a_teacher_with_damaged_checkpoint_files_is_bad_input(teacher, tmp_path):
