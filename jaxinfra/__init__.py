@@ -26,6 +26,7 @@ Modules of `jaxinfra/` (see docs/architecture.md for how one run goes through th
     scaling/       scaling-law sweeps: spec -> runs -> results table -> Chinchilla fits -> plots
     hf/            Hugging Face interop: import safetensors checkpoints as runs, export runs back
     infer/         inference: checkpoint loading, generation with a KV cache, eval of token files
+    distill/       knowledge distillation: online teacher or saved top-k logits, `distill save-logits`
 
 Sibling top-level packages (importable without jaxinfra; each imports only the ones after it):
 

@@ -21,6 +21,8 @@ train, info and bench also take --coordinator HOST:PORT --num-processes N --proc
     jaxinfra data prepare INPUT... --out DIR (--tokenizer PATH | --bytes) [--workers N] [--shard-tokens N]
     jaxinfra data inspect DIR [CONFIG] [KEY=VALUE ...]   counts, lengths, a decoded sample, checks
     jaxinfra quantize RUN_OR_CKPT OUT --weights int8 [--group-size N]   weight-only int8 checkpoint for inference
+    jaxinfra distill save-logits TEACHER --out DIR --top-k K --steps N [--data KEY=VALUE ...]
+                                                    a teacher's top-k logits for offline distillation
 
 Bad input (config, mesh, data, checkpoint) exits with status 2 and one line on stderr, no
 traceback; the statuses are in jaxinfra/exits.py.
@@ -127,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxinfra.data.cli import add_subcommands as add_data  # data {prepare,inspect}
 
     add_data(sub)
+    from jaxinfra.distill.cli import add_subcommands as add_distill  # distill save-logits
+
+    add_distill(sub)
     return parser
 
 

@@ -20,6 +20,7 @@ from typing import Any, Literal
 import yaml
 
 from jaxinfra.data.config import DataConfig
+from jaxinfra.distill.config import DistillConfig
 from models.config import REMAT_POLICIES, ModelConfig
 from models.quant_config import QuantConfig, group_size_problem
 from sharding.mesh import MESH_AXES, MeshConfig, MeshError, resolve_mesh_sizes
@@ -129,6 +130,7 @@ class Config:
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
     quant: QuantConfig = QuantConfig()  # matmul, weight and KV-cache quantization (docs/quantization.md)
+    distill: DistillConfig = DistillConfig()  # off unless distill.teacher or distill.logits
 
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(dataclasses.asdict(self))
@@ -319,7 +321,8 @@ def validate(cfg: Config, device_count: int | None = None) -> None:
     if bad:
         raise ConfigError(f"{bad[0]} is invalid: numbers in the config must be finite")
     for section, problems in (("model", cfg.model.problems()), ("data", cfg.data.problems()),
-                              ("quant", cfg.quant.problems() + group_size_problem(cfg.model, cfg.quant))):
+                              ("quant", cfg.quant.problems() + group_size_problem(cfg.model, cfg.quant)),
+                              ("distill", cfg.distill.problems(cfg.model.vocab_size))):
         for key, value, allowed in problems:
             raise ConfigError(f"{section}.{key}={value!r} is invalid: must be {allowed}")
     t = cfg.train

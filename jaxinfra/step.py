@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +61,8 @@ def _update(state: TrainState, sums: dict, grads: nnx.State, tx: optax.GradientT
 
 def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig, tx: optax.GradientTransformation,
                     schedule: optax.Schedule, grad_accum_steps: int,
-                    nan_steps: tuple[int, ...] = ()) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+                    nan_steps: tuple[int, ...] = (), loss_sums: Callable[..., dict] | None = None,
+                    ) -> Callable[..., tuple[TrainState, dict]]:
     """One optimizer step over `grad_accum_steps` microbatches.
 
     Gradients of token *sums* are accumulated and divided once by the total token
@@ -68,28 +70,34 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig, tx: optax.Gradient
     gradient norm or new params are not finite leaves params and optimizer state unchanged
     (`state.step` still counts it) and reports `nonfinite=1`. `nan_steps` injects
     NaN gradients at those (1-based) steps, for fault-tolerance tests.
+
+    `loss_sums(params, microbatch, step, *inputs)` replaces the cross-entropy sums (distillation,
+    jaxinfra/distill/step.py); `inputs` are the step's arguments after the batch (a teacher's
+    params: never differentiated), and its `means` entry holds token sums reported as means.
     """
 
-    def sums_and_grads(params: nnx.State, micro: Batch) -> tuple[dict, nnx.State]:
+    def sums_and_grads(params: nnx.State, micro: Batch, step: jax.Array, inputs: tuple) -> tuple[dict, nnx.State]:
         def objective(p: nnx.State) -> tuple[jax.Array, dict]:
-            sums = _forward_sums(graphdef, p, micro, cfg)
+            sums = (loss_sums(p, micro, step, *inputs) if loss_sums is not None
+                    else _forward_sums(graphdef, p, micro, cfg))
             return sums["loss_sum"], sums
 
         (_, sums), grads = jax.value_and_grad(objective, has_aux=True)(params)
         return sums, grads
 
-    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+    def train_step(state: TrainState, batch: Batch, *inputs: Any) -> tuple[TrainState, dict]:
         if grad_accum_steps == 1:
-            sums, grads = sums_and_grads(state.params, batch)
+            sums, grads = sums_and_grads(state.params, batch, state.step, inputs)
         else:
             micro = jax.tree.map(lambda x: x.reshape(grad_accum_steps, -1, *x.shape[1:]), batch)
 
             def accumulate(carry, mb):
-                sums, grads = sums_and_grads(state.params, mb)
+                sums, grads = sums_and_grads(state.params, mb, state.step, inputs)
                 return (jax.tree.map(jnp.add, carry[0], sums), merge_observations(carry[1], grads)), None
 
             zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(sums_and_grads, state.params,
-                                                                 jax.tree.map(lambda x: x[0], micro)))
+                                                                 jax.tree.map(lambda x: x[0], micro), state.step,
+                                                                 inputs))
             (sums, grads), _ = jax.lax.scan(accumulate, zeros, micro)
         with jax.named_scope(OPTIMIZER_SCOPE):  # names only (for profiles): same numerics
             params, opt_state, grad_norm, finite, tokens = _update(state, sums, grads, tx, cfg, nan_steps)
@@ -101,6 +109,7 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig, tx: optax.Gradient
             "tokens": sums["tokens"],
             "nonfinite": (~finite).astype(jnp.int32),
             **moe_metrics(sums, tokens),
+            **{k: v / tokens for k, v in sums.get("means", {}).items()},
         }
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 

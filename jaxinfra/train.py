@@ -119,6 +119,11 @@ class Trainer:
         self.train_iter = make_train_iterator(cfg.data, **data_args)
         self.eval_sets = make_eval_sets(cfg.data, **data_args)  # per mixture source ("": the one source)
         self.eval_batches = [b for batches in self.eval_sets.values() for b in batches]
+        self.distill = None
+        if cfg.distill.enabled:  # jaxinfra/distill/run.py: teacher params or saved logits, teacher eval
+            from jaxinfra.distill.run import DistillRun
+
+            self.distill = DistillRun(self.rt, self.eval_batches, self.first_row, self.local_rows)
         self.ckpt = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint) if cfg.checkpoint.enabled else None
         self.state: TrainState | None = None
         self._signal: int | None = None
@@ -126,9 +131,11 @@ class Trainer:
 
     # ------------------------------------------------------------ pieces
 
-    def batches(self) -> Iterator[dict[str, jax.Array]]:
-        """Global batches, forever."""
-        for local in self.train_iter:
+    def batches(self, first_step: int = 1) -> Iterator[dict[str, jax.Array]]:
+        """Global batches of steps first_step, first_step + 1, ..., forever."""
+        for step, local in enumerate(self.train_iter, first_step):
+            if self.distill is not None:  # offline distillation: the step's saved teacher logits
+                local = self.distill.host_batch(local, step)
             yield self.rt.to_global(local)
 
     def evaluate(self, state: TrainState) -> float:
@@ -202,6 +209,8 @@ class Trainer:
             return None
         meta = {**meta, "step": step, "global_batch": self.cfg.train.batch_size, "seq_len": self.cfg.train.seq_len,
                 "process_count": jax.process_count(), "config": self.cfg.to_yaml()}
+        if self.distill is not None:  # which teacher (and step), never its params
+            meta["distill"] = self.distill.checkpoint_meta()
         self.ckpt.save(step, state, row_states(self.train_iter, self.first_row), meta, metrics)
         return time.perf_counter() - start
 
@@ -247,13 +256,16 @@ class Trainer:
 
     def _run(self) -> dict[str, Any]:
         start_step, state, meta = self.initial_state()  # before anything is written: a refusal changes nothing
+        notes = self.distill.start(meta) if self.distill is not None else []
         self._open_outputs(start_step)
         loop = _Loop(start_step=start_step, step=start_step, state=state)
         self._header(start_step)
+        for note in notes:
+            self._say(note)
         self._first_eval(loop, meta)
         self._install_signal_handlers()
         self.watchdog = Watchdog(self.cfg.train.step_timeout_s, process_index=jax.process_index())
-        batches = self.batches()
+        batches = self.batches(start_step + 1)
         loop.started = time.perf_counter()
         for step in range(start_step + 1, self.cfg.train.steps + 1):
             loop.step = step
@@ -299,7 +311,7 @@ class Trainer:
         line = self.eval_metrics(loop.state)
         eval_loss = line["eval_loss"]
         loop.evals.append((step, eval_loss))
-        self._log(step, line)
+        self._log(step, {**line, **(self.distill.eval_fields() if self.distill else {})})
         per_source = "".join(f", {k.split('/', 1)[1]} {v:.4f}" for k, v in line.items() if "/" in k)
         self._say(f"step {step}: eval_loss {eval_loss:.4f}{per_source}")
 
@@ -359,7 +371,8 @@ class Trainer:
         }
         if self.cfg.model.z_loss_weight:
             line["z_loss"] = float(host["z_loss"])
-        line.update({k: float(v) for k, v in host.items() if k.startswith("moe_")})  # MoE router stats
+        line.update({k: float(v) for k, v in host.items()
+                     if k.startswith(("moe_", "distill_", "teacher_"))})  # MoE router stats, distillation losses
         return line
 
     def _checkpoint_or_stop(self, loop: _Loop, step: int, sync: bool) -> bool:
