@@ -153,7 +153,7 @@ def _run(cfg, run_dir, signal_at: int | None = None):
 
     hashes: list[str] = []
 
-    def recording(self):
+    def recording(self, first_step: int = 1):
         for local in self.train_iter:
             hashes.append(_hash(local))
             if signal_at is not None and len(hashes) == signal_at:

@@ -51,10 +51,10 @@ def teacher_params():
 
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory) -> str:
-    from jaxinfra.hf.importer import save_imported
+    from jaxinfra.checkpoint import save_params_only
 
     out = tmp_path_factory.mktemp("teacher")
-    save_imported(out, Config(model=TEACHER), teacher_params(), {"params_only": True, "step": 0})
+    save_params_only(out, Config(model=TEACHER), teacher_params(), {"params_only": True, "step": 0})
     return str(out)
 
 
@@ -215,9 +215,9 @@ def test_online_distillation_trains_and_keeps_the_teacher_out_of_the_optimizer(s
     rt = single["rt"]
     plain_opt = abstract_state(STUDENT, rt.tx).opt_state
     assert len(jax.tree.leaves(single["state"].opt_state)) == len(jax.tree.leaves(plain_opt))
-    teacher_params = rt.step_inputs[0]
+    used = rt.step_inputs[0]
     fresh = jax.tree.leaves(jax.device_get(teacher_params()))
-    for got, want in zip(jax.tree.leaves(jax.device_get(teacher_params)), fresh):
+    for got, want in zip(jax.tree.leaves(jax.device_get(used)), fresh, strict=True):
         np.testing.assert_array_equal(got, want)  # unchanged after the steps
 
     # No gradient reaches the teacher: the soft loss (which alpha does not scale) against its params.
@@ -225,7 +225,7 @@ def test_online_distillation_trains_and_keeps_the_teacher_out_of_the_optimizer(s
     params, batch = jax.device_put(single["initial"]), {k: jnp.asarray(v) for k, v in
                                                          packed_batches(BATCH, SEQ, V, 1)[0].items()}
     soft = lambda tp: sums_fn(params, batch, jnp.int32(0), tp, rt.distill.knobs)["soft_sum"]  # noqa: E731
-    grads = jax.jit(jax.grad(soft))(teacher_params)
+    grads = jax.jit(jax.grad(soft))(used)
     assert all(not np.any(np.asarray(g)) for g in jax.tree.leaves(grads))
 
 
