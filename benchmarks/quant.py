@@ -7,7 +7,9 @@
 train    `tiny` trained with quant.train = none, int8, fp8 (current and delayed scaling) for the
          same steps, seed and data: final eval loss (and its change vs none) and training tokens/s.
 weights  a trained `small` run (trained here for --small-steps unless --small-run is given),
-         quantized by `jaxinfra quantize` (per channel, and per group of 128): parameter bytes vs
+         quantized by `jaxinfra quantize` (per channel, and per group of G inputs, G the largest
+         power of two <= 128 dividing every projection's input dimension: 64 for `small`, whose
+         head_dim is 64): parameter bytes vs
          float32 and bfloat16 (scales included), held-out eval loss and mean per-token
          KL(float || int8), decode tokens/s at batch 1 vs the float weights, the compiled decode
          step's memory (no float copy of the weights), and the int8 KV cache: bytes vs bfloat16
@@ -45,6 +47,7 @@ from jaxinfra.metrics.table import format_table  # noqa: E402
 from jaxinfra.quantize import quantize_checkpoint, quantize_loaded, tree_bytes  # noqa: E402
 from jaxinfra.state import model_graphdef  # noqa: E402
 from models import cache as kv_cache  # noqa: E402
+from models.quant_config import input_dims  # noqa: E402
 
 QUIET = ["log.progress=false", "log.tensorboard=false", "mesh.data=1", "checkpoint.async_save=false"]
 
@@ -122,8 +125,18 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
     return {"positionwise": float(np.mean(same)), "before_first_difference": float(np.mean(prefix))}
 
 
-def weight_checks(run: pathlib.Path, out: pathlib.Path, group_sizes: tuple[int, ...], new: int = 128) -> dict:
+def largest_group(cfg: Config, cap: int = 128) -> int:
+    """The largest power of two <= cap that divides every projection's input dimension."""
+    group = cap
+    while any(size % group for size in input_dims(cfg.model).values()):
+        group //= 2
+    return group
+
+
+def weight_checks(run: pathlib.Path, out: pathlib.Path, new: int = 128) -> dict:
+    """Per-channel and grouped (`largest_group`) int8 weights of `run`, and its int8 KV cache."""
     cfg, params = load_model(run, devices=one_device())
+    group_sizes = (0, largest_group(cfg))
     t = cfg.train
     batches = make_eval_batches(cfg.data, seq_len=t.seq_len, global_batch_size=t.batch_size,
                                 vocab_size=cfg.model.vocab_size, seed=t.seed)
@@ -184,7 +197,7 @@ def weights_section(out: pathlib.Path, steps: int, run: str | None) -> dict:
                                         "data.eval_batches=4", *QUIET])
             train(cfg, path, devices=one_device())
         run = str(path)
-    return weight_checks(pathlib.Path(run), out, (0, 128))
+    return weight_checks(pathlib.Path(run), out)
 
 
 def hf_section(out: pathlib.Path) -> dict:
@@ -194,7 +207,7 @@ def hf_section(out: pathlib.Path) -> dict:
     if not path.exists():
         import_hf(ROOT / "tests/fixtures/hf/llama", path, ["data.source=synthetic", "train.seq_len=64",
                                                            "train.batch_size=8", "data.eval_batches=4"])
-    return weight_checks(path, out, (0, 16))
+    return weight_checks(path, out)
 
 
 # ---------------------------------------------------------------- device (GPU)
