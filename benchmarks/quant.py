@@ -216,7 +216,7 @@ def hf_section(out: pathlib.Path) -> dict:
 def device_section(steps: int = 5) -> dict:
     """fp8 training step vs bfloat16 and int8 weight-only decode vs bfloat16 on the 1.1B shape."""
     from benchmarks.step_cpu import build_step, random_batch
-    from benchmarks.step_device import DRY_OVERRIDES, GPU_OVERRIDES
+    from benchmarks.step_row import DRY_OVERRIDES, GPU_OVERRIDES
     from jaxinfra.state import init_params
 
     dry = jax.devices()[0].platform == "cpu"
