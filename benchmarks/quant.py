@@ -104,11 +104,15 @@ def eval_and_kl(cfg: Config, params, qcfg: Config, qparams, batches: list[dict])
             "tokens": int(total[3])}
 
 
-def decode_rate(cfg: Config, params, prompts: list[list[int]], new: int, repeats: int = 3) -> tuple[float, list]:
+def greedy(cfg: Config, params, prompts: list[list[int]], new: int) -> list[list[int]]:
+    return Generator(cfg, params, devices=one_device()).generate(prompts, max_new_tokens=new).tokens
+
+
+def decode_rate(cfg: Config, params, prompts: list[list[int]], new: int, repeats: int = 3) -> float:
+    """Median decode tokens/s over `repeats` generations after a compiling one."""
     gen = Generator(cfg, params, devices=one_device())
-    first = gen.generate(prompts, max_new_tokens=new)
-    runs = [gen.generate(prompts, max_new_tokens=new) for _ in range(repeats)]
-    return float(np.median([r.decode_tokens_per_s for r in runs])), first.tokens
+    gen.generate(prompts, max_new_tokens=new)
+    return float(np.median([gen.generate(prompts, max_new_tokens=new).decode_tokens_per_s for _ in range(repeats)]))
 
 
 def decode_memory(cfg: Config, params, prompt_len: int, new: int) -> dict[str, int]:
@@ -143,7 +147,7 @@ def weight_checks(run: pathlib.Path, out: pathlib.Path, new: int = 128) -> dict:
     prompts = [list(map(int, batches[0]["inputs"][i, :32])) for i in range(4)]
     float_bytes = tree_bytes(params)
     result = {"run": str(run), "float32_bytes": float_bytes, "variants": []}
-    float_rate, float_tokens = decode_rate(cfg, params, prompts[:1], new)
+    float_rate = decode_rate(cfg, params, prompts[:1], new)
     result["decode_tok_s_float"] = float_rate
     result["decode_memory_float"] = decode_memory(cfg, params, 32, new)
     for group in group_sizes:
@@ -151,7 +155,7 @@ def weight_checks(run: pathlib.Path, out: pathlib.Path, new: int = 128) -> dict:
         if not qdir.exists():
             quantize_checkpoint(run, qdir, "int8", group, devices=one_device())
         qcfg, qparams = load_model(qdir, devices=one_device())
-        rate, _ = decode_rate(qcfg, qparams, prompts[:1], new)
+        rate = decode_rate(qcfg, qparams, prompts[:1], new)
         result["variants"].append({"group_size": group, "bytes": tree_bytes(qparams),
                                    "vs_float32": tree_bytes(qparams) / float_bytes,
                                    "vs_bfloat16": tree_bytes(qparams) / (float_bytes / 2),
@@ -159,8 +163,7 @@ def weight_checks(run: pathlib.Path, out: pathlib.Path, new: int = 128) -> dict:
                                    "decode_tok_s": rate, "decode_speed_ratio": rate / float_rate,
                                    "decode_memory": decode_memory(qcfg, qparams, 32, new)})
     kv_cfg = dataclasses.replace(cfg, quant=dataclasses.replace(cfg.quant, kv_cache="int8"))
-    _, cached = decode_rate(cfg, params, prompts, new, repeats=0)
-    _, cached_int8 = decode_rate(kv_cfg, params, prompts, new, repeats=0)
+    cached, cached_int8 = greedy(cfg, params, prompts, new), greedy(kv_cfg, params, prompts, new)
     result["kv_cache"] = {"bytes_per_token_int8": kv_cache.bytes_per_token(cfg.model, True),
                           "bytes_per_token_bfloat16": kv_cache.bytes_per_token(
                               dataclasses.replace(cfg.model, dtype="bfloat16")),
@@ -240,11 +243,11 @@ def device_section(steps: int = 5) -> dict:
     decode_cfg = load_config("tiny" if dry else "small", base + ["model.param_dtype=bfloat16"])
     params = jax.jit(init_params, static_argnums=0)(decode_cfg.model, jax.random.key(0))
     prompts = [list(range(1, 65))]
-    rate, _ = decode_rate(decode_cfg, params, prompts, 128)
+    rate = decode_rate(decode_cfg, params, prompts, 128)
     result["decode"].append({"weights": "bfloat16", "tok_s": rate})
     qcfg, qparams = quantize_loaded(decode_cfg, params, "int8", 0, one_device())
     del params
-    rate, _ = decode_rate(qcfg, qparams, prompts, 128)
+    rate = decode_rate(qcfg, qparams, prompts, 128)
     result["decode"].append({"weights": "int8", "tok_s": rate})
     t = result["train"]
     speedup = t[1]["tokens_per_s"] / t[0]["tokens_per_s"]
