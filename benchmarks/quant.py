@@ -7,7 +7,9 @@
 train    `tiny` trained with quant.train = none, int8, fp8 (current and delayed scaling) for the
          same steps, seed and data: final eval loss (and its change vs none) and training tokens/s.
 weights  a trained `small` run (trained here for --small-steps unless --small-run is given),
-         quantized by `jaxinfra quantize` (per channel, and per group of 128): parameter bytes vs
+         quantized by `jaxinfra quantize` (per channel, and per group of G inputs, G the largest
+         power of two <= 128 dividing every projection's input dimension: 64 for `small`, whose
+         head_dim is 64): parameter bytes vs
          float32 and bfloat16 (scales included), held-out eval loss and mean per-token
          KL(float || int8), decode tokens/s at batch 1 vs the float weights, the compiled decode
          step's memory (no float copy of the weights), and the int8 KV cache: bytes vs bfloat16
@@ -45,6 +47,7 @@ from jaxinfra.metrics.table import format_table  # noqa: E402
 from jaxinfra.quantize import quantize_checkpoint, quantize_loaded, tree_bytes  # noqa: E402
 from jaxinfra.state import model_graphdef  # noqa: E402
 from models import cache as kv_cache  # noqa: E402
+from models.quant_config import input_dims  # noqa: E402
 
 QUIET = ["log.progress=false", "log.tensorboard=false", "mesh.data=1", "checkpoint.async_save=false"]
 
@@ -101,11 +104,15 @@ def eval_and_kl(cfg: Config, params, qcfg: Config, qparams, batches: list[dict])
             "tokens": int(total[3])}
 
 
-def decode_rate(cfg: Config, params, prompts: list[list[int]], new: int, repeats: int = 3) -> tuple[float, list]:
+def greedy(cfg: Config, params, prompts: list[list[int]], new: int) -> list[list[int]]:
+    return Generator(cfg, params, devices=one_device()).generate(prompts, max_new_tokens=new).tokens
+
+
+def decode_rate(cfg: Config, params, prompts: list[list[int]], new: int, repeats: int = 3) -> float:
+    """Median decode tokens/s over `repeats` generations after a compiling one."""
     gen = Generator(cfg, params, devices=one_device())
-    first = gen.generate(prompts, max_new_tokens=new)
-    runs = [gen.generate(prompts, max_new_tokens=new) for _ in range(repeats)]
-    return float(np.median([r.decode_tokens_per_s for r in runs])), first.tokens
+    gen.generate(prompts, max_new_tokens=new)
+    return float(np.median([gen.generate(prompts, max_new_tokens=new).decode_tokens_per_s for _ in range(repeats)]))
 
 
 def decode_memory(cfg: Config, params, prompt_len: int, new: int) -> dict[str, int]:
@@ -122,15 +129,25 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
     return {"positionwise": float(np.mean(same)), "before_first_difference": float(np.mean(prefix))}
 
 
-def weight_checks(run: pathlib.Path, out: pathlib.Path, group_sizes: tuple[int, ...], new: int = 128) -> dict:
+def largest_group(cfg: Config, cap: int = 128) -> int:
+    """The largest power of two <= cap that divides every projection's input dimension."""
+    group = cap
+    while any(size % group for size in input_dims(cfg.model).values()):
+        group //= 2
+    return group
+
+
+def weight_checks(run: pathlib.Path, out: pathlib.Path, new: int = 128) -> dict:
+    """Per-channel and grouped (`largest_group`) int8 weights of `run`, and its int8 KV cache."""
     cfg, params = load_model(run, devices=one_device())
+    group_sizes = (0, largest_group(cfg))
     t = cfg.train
     batches = make_eval_batches(cfg.data, seq_len=t.seq_len, global_batch_size=t.batch_size,
                                 vocab_size=cfg.model.vocab_size, seed=t.seed)
     prompts = [list(map(int, batches[0]["inputs"][i, :32])) for i in range(4)]
     float_bytes = tree_bytes(params)
     result = {"run": str(run), "float32_bytes": float_bytes, "variants": []}
-    float_rate, float_tokens = decode_rate(cfg, params, prompts[:1], new)
+    float_rate = decode_rate(cfg, params, prompts[:1], new)
     result["decode_tok_s_float"] = float_rate
     result["decode_memory_float"] = decode_memory(cfg, params, 32, new)
     for group in group_sizes:
@@ -138,7 +155,7 @@ def weight_checks(run: pathlib.Path, out: pathlib.Path, group_sizes: tuple[int, 
         if not qdir.exists():
             quantize_checkpoint(run, qdir, "int8", group, devices=one_device())
         qcfg, qparams = load_model(qdir, devices=one_device())
-        rate, _ = decode_rate(qcfg, qparams, prompts[:1], new)
+        rate = decode_rate(qcfg, qparams, prompts[:1], new)
         result["variants"].append({"group_size": group, "bytes": tree_bytes(qparams),
                                    "vs_float32": tree_bytes(qparams) / float_bytes,
                                    "vs_bfloat16": tree_bytes(qparams) / (float_bytes / 2),
@@ -146,8 +163,7 @@ def weight_checks(run: pathlib.Path, out: pathlib.Path, group_sizes: tuple[int, 
                                    "decode_tok_s": rate, "decode_speed_ratio": rate / float_rate,
                                    "decode_memory": decode_memory(qcfg, qparams, 32, new)})
     kv_cfg = dataclasses.replace(cfg, quant=dataclasses.replace(cfg.quant, kv_cache="int8"))
-    _, cached = decode_rate(cfg, params, prompts, new, repeats=0)
-    _, cached_int8 = decode_rate(kv_cfg, params, prompts, new, repeats=0)
+    cached, cached_int8 = greedy(cfg, params, prompts, new), greedy(kv_cfg, params, prompts, new)
     result["kv_cache"] = {"bytes_per_token_int8": kv_cache.bytes_per_token(cfg.model, True),
                           "bytes_per_token_bfloat16": kv_cache.bytes_per_token(
                               dataclasses.replace(cfg.model, dtype="bfloat16")),
@@ -184,7 +200,7 @@ def weights_section(out: pathlib.Path, steps: int, run: str | None) -> dict:
                                         "data.eval_batches=4", *QUIET])
             train(cfg, path, devices=one_device())
         run = str(path)
-    return weight_checks(pathlib.Path(run), out, (0, 128))
+    return weight_checks(pathlib.Path(run), out)
 
 
 def hf_section(out: pathlib.Path) -> dict:
@@ -194,7 +210,7 @@ def hf_section(out: pathlib.Path) -> dict:
     if not path.exists():
         import_hf(ROOT / "tests/fixtures/hf/llama", path, ["data.source=synthetic", "train.seq_len=64",
                                                            "train.batch_size=8", "data.eval_batches=4"])
-    return weight_checks(path, out, (0, 16))
+    return weight_checks(path, out)
 
 
 # ---------------------------------------------------------------- device (GPU)
@@ -203,7 +219,7 @@ def hf_section(out: pathlib.Path) -> dict:
 def device_section(steps: int = 5) -> dict:
     """fp8 training step vs bfloat16 and int8 weight-only decode vs bfloat16 on the 1.1B shape."""
     from benchmarks.step_cpu import build_step, random_batch
-    from benchmarks.step_device import DRY_OVERRIDES, GPU_OVERRIDES
+    from benchmarks.step_row import DRY_OVERRIDES, GPU_OVERRIDES
     from jaxinfra.state import init_params
 
     dry = jax.devices()[0].platform == "cpu"
@@ -227,11 +243,11 @@ def device_section(steps: int = 5) -> dict:
     decode_cfg = load_config("tiny" if dry else "small", base + ["model.param_dtype=bfloat16"])
     params = jax.jit(init_params, static_argnums=0)(decode_cfg.model, jax.random.key(0))
     prompts = [list(range(1, 65))]
-    rate, _ = decode_rate(decode_cfg, params, prompts, 128)
+    rate = decode_rate(decode_cfg, params, prompts, 128)
     result["decode"].append({"weights": "bfloat16", "tok_s": rate})
     qcfg, qparams = quantize_loaded(decode_cfg, params, "int8", 0, one_device())
     del params
-    rate, _ = decode_rate(qcfg, qparams, prompts, 128)
+    rate = decode_rate(qcfg, qparams, prompts, 128)
     result["decode"].append({"weights": "int8", "tok_s": rate})
     t = result["train"]
     speedup = t[1]["tokens_per_s"] / t[0]["tokens_per_s"]

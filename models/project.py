@@ -172,10 +172,11 @@ def _operands(names: tuple | None, out_dtype: Any, x: jax.Array, w: jax.Array, m
 
 
 def lookup(table: Weight, tokens: jax.Array, dtype: Any) -> jax.Array:
-    """Embedding rows table[tokens] in `dtype` (an int8 table: its rows times their per-row scales)."""
+    """Embedding rows table[tokens] in `dtype` (an int8 table: its rows times their per-row, or
+    per-row-per-group, scales; only the gathered rows are dequantized)."""
     if isinstance(table, Int8Weight):
-        return (jnp.take(table.values, tokens, axis=0).astype(jnp.float32)
-                * jnp.take(table.scale, tokens, axis=0)).astype(dtype)
+        rows = Int8Weight(jnp.take(table.values, tokens, axis=0), jnp.take(table.scale, tokens, axis=0))
+        return _dequantized(rows, dtype)
     return jnp.take(table, tokens, axis=0).astype(dtype)
 
 

@@ -33,6 +33,8 @@ def runs(tmp_path_factory):
     params = jax.jit(init_params, static_argnums=0)(cfg.model, jax.random.key(0))
     save_params_only(root / "float", cfg, params, {"params_only": True, "step": 0})
     assert cli.main(["quantize", str(root / "float"), str(root / "int8"), "--weights", "int8"]) == 0
+    assert cli.main(["quantize", str(root / "float"), str(root / "int8-g8"), "--weights", "int8",
+                     "--group-size", "8"]) == 0
     tokens = np.random.default_rng(0).integers(0, 64, (8, 17)).astype(np.int32)
     np.save(root / "tokens.npy", tokens)
     return root
@@ -48,12 +50,14 @@ def _run(argv: list[str], capsys) -> tuple[int, str, str]:
 def test_quantized_checkpoint_is_int8_and_eval_loads_it_directly(runs, capsys):
     cfg = load_config(str(runs / "int8" / "config.yaml"))
     assert cfg.quant.weights == "int8" and cfg.quant.train == "none"
+    assert load_config(str(runs / "int8-g8" / "config.yaml")).quant.group_size == 8
     losses = {}
-    for name in ("float", "int8"):
+    for name in ("float", "int8", "int8-g8"):  # group-wise: the embedding lookup and every projection
         rc, out, _ = _run(["eval", str(runs / name), "--tokens", str(runs / "tokens.npy")], capsys)
         assert rc == 0
         losses[name] = json.loads(out)["eval_loss"]
     assert abs(losses["int8"] / losses["float"] - 1) < 0.01, losses
+    assert abs(losses["int8-g8"] / losses["float"] - 1) < 0.01, losses
 
 
 def test_generate_loads_int8_weights_with_an_int8_kv_cache(runs, capsys):
