@@ -31,8 +31,12 @@ sections=("$@")
 [[ ${#sections[@]} -eq 0 ]] && sections=(numerics attention sweep step decode hf quant)
 model=(model.d_model=2048 model.num_layers=16 model.num_heads=16 model.num_kv_heads=8 model.head_dim=128
        model.mlp_dim=8192 model.vocab_size=32768 model.tie_embeddings=false model.dtype=bfloat16)
-run() { echo "== $1: ${*:2}"; local t0=$SECONDS; timeout "${LIMIT:-300}" "${@:2}"; echo "== $1: exit $? in $((SECONDS - t0)) s"; }
-run_for() { echo "== $2: ${*:3}"; local t0=$SECONDS; timeout "$1" "${@:3}"; echo "== $2: exit $? in $((SECONDS - t0)) s"; }
+failed=()  # sections that exited non-zero: the script's own status says so (after every section ran)
+run_for() {
+  echo "== $2: ${*:3}"; local t0=$SECONDS rc=0; timeout "$1" "${@:3}" || rc=$?
+  echo "== $2: exit $rc in $((SECONDS - t0)) s"; [[ $rc -eq 0 ]] || failed+=("$2")
+}
+run() { run_for "${LIMIT:-300}" "$@"; }
 step_budget="${STEP_BUDGET_S:-300}"
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
@@ -53,4 +57,5 @@ step_budget="${STEP_BUDGET_S:-300}"
       *) echo "unknown section $s (numerics attention sweep step decode hf quant)"; exit 2 ;;
     esac
   done
+  [[ ${#failed[@]} -eq 0 ]] || { echo "== failed sections: ${failed[*]}"; exit 1; }
 } 2>&1 | tee "$log"
