@@ -4,6 +4,7 @@
                                    [--causal both|yes|no] [--dtype bfloat16] [--reps 10]
     python benchmarks/attention.py --sweep [--impls pallas_triton] [--shapes h16d128]
     python benchmarks/attention.py --dry-run     # tiny shapes, interpret mode on CPU
+    python benchmarks/attention.py --shapes h16d128 --causal yes --lengths 1024,2048,4096,8192,16384   # by length
 
 Prints forward and forward+backward time and TFLOP/s. FLOPs count the matmuls only, at
 2 per multiply-add: forward 2·B·Hq·Tq·Tkv·(d_qk + d_v); backward 2·B·Hq·Tq·Tkv·(3·d_qk + 2·d_v)
@@ -236,12 +237,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true", help="time block-size candidates, print table rows")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes in interpret mode (CPU)")
     parser.add_argument("--budget-s", type=float, default=math.inf, help="sweep: stop timing after this")
+    parser.add_argument("--lengths", help="sequence lengths, e.g. 1024,4096,16384: one row per shape and length")
     args = parser.parse_args(argv)
     dry = args.dry_run or (not has_gpu() and jax.default_backend() != "tpu")
     if dry and not args.dry_run:
         print(f"# no accelerator ({jax.default_backend()}): dry run with tiny shapes in interpret mode")
     table = DRY_SHAPES if dry else SHAPES
     shapes = {k: table[k] for k in args.shapes.split(",")}
+    if args.lengths:  # the same shapes at other lengths (TFLOP/s by length)
+        shapes = {f"{k}-T{t}": dataclasses.replace(s, name=f"{s.name} T{t}", t=int(t))
+                  for k, s in shapes.items() for t in args.lengths.split(",")}
     causal_modes = {"both": (True, False), "yes": (True,), "no": (False,)}[args.causal]
     reps = 1 if dry else args.reps
     if args.sweep:
