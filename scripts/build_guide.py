@@ -217,8 +217,10 @@ def write_output(page: pathlib.Path, index: int, output: str) -> None:
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 CODE_REF = re.compile(r"`([\w./-]+\.(?:py|md|yaml|yml|sh|sbatch))(?::\s?([\w.]+))?`")
 INLINE_CODE = re.compile(r"`[^`]*`")
-MEASURED = re.compile(r"(?<![\w.])(\d+\.\d+|\d{1,3}(?:,\d{3})+|\d+(?=\s?(?:MiB|GiB|KiB|MB|GB|KB|TB|ms|µs|us|s|%|x|×)"
-                      r"(?![\w])))")
+# A decimal, a number with thousands separators, or a number with a unit ("3x" and "3×" only unspaced:
+# "4 x 2" is a mesh shape, not a ratio).
+MEASURED = re.compile(r"(?<![\w.])(\d+\.\d+|\d{1,3}(?:,\d{3})+|\d+(?=(?:\s?(?:MiB|GiB|KiB|MB|GB|KB|TB|ms|µs|us|s|%)"
+                      r"|x|×)(?![\w])))")
 
 
 def prose_paragraphs(lines: list[str]) -> list[tuple[int, str]]:

@@ -31,6 +31,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import jax
 import numpy as np
 
+from benchmarks.step_cpu import random_batch
 from jaxinfra.config import Config, load_config
 from jaxinfra.metrics.table import Column, format_table
 from jaxinfra.runtime import Runtime, build_runtime
@@ -68,15 +69,8 @@ def abstract_inputs(rt: Runtime) -> tuple:
     return state, batch
 
 
-def random_batch(cfg: Config) -> dict[str, np.ndarray]:
-    b, t = cfg.train.batch_size, cfg.train.seq_len
-    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (b, t + 1), dtype=np.int32)
-    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": np.ones((b, t), np.int32),
-            "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy()}
-
-
 def median_step_s(rt: Runtime, steps: int) -> float:
-    state, batch = rt.init_state(), rt.to_global(random_batch(rt.cfg))
+    state, batch = rt.init_state(), rt.to_global(random_batch(rt.cfg, np.random.default_rng(0)))
     state, metrics = rt.train_step(state, batch)  # compile + warm up
     jax.block_until_ready(metrics)
     times = []

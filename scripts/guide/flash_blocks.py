@@ -32,6 +32,7 @@ import kernels
 from benchmarks.attention import Shape, attention_flops
 from jaxinfra.metrics.table import Column, format_table
 from kernels.masks import kv_block_range, make_band
+from scripts.guide.plotting import pyplot
 
 
 def block_rows(length: int, block: int, window: int) -> list[list]:
@@ -97,11 +98,7 @@ def memory_row(length: int) -> list:
 
 
 def plot(path: str, rows: list[list]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     lengths = [r[0] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
     a.plot(lengths, [r[1] for r in rows], "o-", label="xla (scores materialised)")

@@ -25,6 +25,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import numpy as np
 
 from jaxinfra.metrics.table import Column, format_table
+from scripts.guide.plotting import pyplot
 from sharding.pipeline import bubble_fraction, forward_tables, one_f_one_b_tables, stash_slots
 
 
@@ -54,11 +55,7 @@ def summary_rows(stages: int, micro: int, repeats: int) -> list[list]:
 
 
 def plot(path: str, stages: int, micro: int, repeats: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     tables = timetables(stages, micro, repeats)
     fig, axes = plt.subplots(len(tables), 1, figsize=(13, 2.0 + 1.1 * stages * len(tables)), squeeze=False)
     colours = plt.get_cmap("tab10")

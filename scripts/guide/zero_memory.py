@@ -24,6 +24,7 @@ import jax
 from jaxinfra.config import load_config, validate
 from jaxinfra.info import memory_table
 from jaxinfra.metrics.table import Column, format_table
+from scripts.guide.plotting import pyplot
 from sharding.mesh import make_mesh
 from sharding.rules import STRATEGIES
 
@@ -43,11 +44,7 @@ def per_device(config: str, overrides: list[str]) -> dict[str, dict[str, int]]:
 
 
 def plot(path: str, title: str, table: dict[str, dict[str, int]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4))
     bottom = [0.0] * len(table)
     for part in PARTS:
@@ -70,7 +67,8 @@ def main() -> None:
     parser.add_argument("--plot", metavar="PNG")
     args = parser.parse_args()
     table = per_device(args.config, args.overrides)
-    title = f"{args.config} {' '.join(args.overrides)} on {jax.device_count()} devices".replace("  ", " ")
+    n = jax.device_count()
+    title = f"{args.config} {' '.join(args.overrides)} on {n} device{'s' if n > 1 else ''}".replace("  ", " ")
     print(title)
     rows = [[s, *(table[s][p] / GIB for p in PARTS), sum(table[s].values()) / GIB] for s in table]
     columns = [Column("strategy"), *(Column(f"{p} GiB", ".2f", ">") for p in PARTS), Column("total GiB", ".2f", ">")]
