@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import re
-import statistics
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
@@ -31,7 +29,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import jax
 import numpy as np
 
-from benchmarks.step_cpu import random_batch
+from benchmarks.step_cpu import random_batch, time_runtime
 from jaxinfra.config import Config, load_config
 from jaxinfra.metrics.table import Column, format_table
 from jaxinfra.runtime import Runtime, build_runtime
@@ -70,16 +68,8 @@ def abstract_inputs(rt: Runtime) -> tuple:
 
 
 def median_step_s(rt: Runtime, steps: int) -> float:
-    state, batch = rt.init_state(), rt.to_global(random_batch(rt.cfg, np.random.default_rng(0)))
-    state, metrics = rt.train_step(state, batch)  # compile + warm up
-    jax.block_until_ready(metrics)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        state, metrics = rt.train_step(state, batch)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    batch = rt.to_global(random_batch(rt.cfg, np.random.default_rng(0)))
+    return time_runtime(rt, rt.init_state(), batch, steps)[1]
 
 
 def measure(cfg: Config, steps: int) -> dict:
