@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("config", nargs="?", default="llama3-8b")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     parser.add_argument("--context", type=int, default=32768, help="tokens of one sequence for the last column")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()  # KEY=VALUE overrides may follow the options
     base = load_config(args.config, args.overrides).model
     print(f"{args.config}: d_model {base.d_model}, {base.num_layers} layers, {base.num_heads} query heads, "
           f"cache dtype {base.dtype}")

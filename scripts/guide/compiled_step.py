@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     parser.add_argument("--vary", metavar="KEY=V1,V2", help="one row per value of this key")
     parser.add_argument("--time", type=int, default=0, metavar="STEPS", help="also time this many real steps")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()  # KEY=VALUE overrides may follow the options
     key, _, values = (args.vary or "=").partition("=")
     results = []
     for value in values.split(",") if args.vary else [""]:

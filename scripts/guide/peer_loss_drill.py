@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     parser.add_argument("--kill-after-checkpoint", type=int, default=10, metavar="STEP")
     parser.add_argument("--timeout", type=float, default=300)
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()  # KEY=VALUE overrides may follow the options
     port, outputs = free_port(), [[], []]
     command = [sys.executable, "-m", "jaxinfra", "train", "tiny", "--run-dir", args.run_dir, "mesh.data=2",
                *args.overrides]

@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     parser.add_argument("--plot", metavar="PNG")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()  # KEY=VALUE overrides may follow the options
     table = per_device(args.config, args.overrides)
     n = jax.device_count()
     title = f"{args.config} {' '.join(args.overrides)} on {n} device{'s' if n > 1 else ''}".replace("  ", " ")
