@@ -5,6 +5,7 @@
     python scripts/build_guide.py --check       # re-run the blocks marked `check`; fail when an output's
                                                 # shape changed (numbers are not compared); writes nothing
     python scripts/build_guide.py --list        # the runnable blocks, with their attributes
+    python scripts/build_guide.py --page 15 --match num_layerz   # only the blocks whose command contains this
 
 A runnable block is a fenced block whose info string starts with `bash run`, followed by a
 fenced `text` block holding its output (inserted when missing):
@@ -294,10 +295,12 @@ def pages(numbers: list[int] | None) -> list[pathlib.Path]:
     return found
 
 
-def build(selected: list[pathlib.Path]) -> None:
+def build(selected: list[pathlib.Path], match: str | None = None) -> None:
     total, timings = time.monotonic(), []
     for page in selected:
         for index, block in enumerate(parse_page(page)):
+            if match is not None and match not in block.command:
+                continue
             print(f"{block.label}: {block.command.splitlines()[0][:90]}", flush=True)
             output, seconds = run_block(block)
             write_output(page, index, output)
@@ -334,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--page", type=int, action="append", help="page number (repeatable); default all")
     parser.add_argument("--check", action="store_true", help="re-run the `check` blocks, compare shapes, write nothing")
     parser.add_argument("--list", action="store_true", help="list the runnable blocks")
+    parser.add_argument("--match", metavar="TEXT", help="build only the blocks whose command contains TEXT")
     args = parser.parse_args(argv)
     selected = pages(args.page)
     if args.list:
@@ -344,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.check:
         return check(selected)
-    build(selected)
+    build(selected, args.match)
     return check_static(selected)
 
 
