@@ -164,16 +164,18 @@ def run_block(block: Block) -> tuple[str, float]:
     figures = [REPO / f for spec in block.attrs.get("figure", []) for f in spec.split(",") if f]
     before = {f: f.stat().st_mtime if f.exists() else None for f in figures}
     t0 = time.monotonic()
-    proc = subprocess.Popen(["bash", "-e", "-c", block.command], cwd=REPO, env=child_env(block), text=True,
+    # bytes, not text=True: universal newlines would turn a progress bar's \r redraws into lines
+    proc = subprocess.Popen(["bash", "-e", "-c", block.command], cwd=REPO, env=child_env(block),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        stdout, _ = proc.communicate(timeout=timeout)
+        raw, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # the command's own children too (its own process group)
-        stdout, _ = proc.communicate()
-        raise SystemExit(f"build_guide: {block.label}: timed out after {timeout:g}s\n{clean(stdout)[-4000:]}") from None
+        raw, _ = proc.communicate()
+        text = clean(raw.decode("utf-8", "replace"))
+        raise SystemExit(f"build_guide: {block.label}: timed out after {timeout:g}s\n{text[-4000:]}") from None
     seconds = time.monotonic() - t0
-    output = clean(stdout)
+    output = clean(raw.decode("utf-8", "replace"))
     if proc.returncode != 0:
         raise SystemExit(f"build_guide: {block.label}: exit status {proc.returncode}\n{output[-4000:]}")
     stale = [str(f.relative_to(REPO)) for f in figures if not f.exists() or f.stat().st_mtime == before[f]]

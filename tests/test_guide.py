@@ -42,6 +42,7 @@ Prose that quotes 2.50 MiB from the output, and 1,024 bytes.
 ```bash run check timeout=30 env=GREETING=hi
 echo "$GREETING: $(python -c 'import os; print(os.environ["XLA_FLAGS"].split()[-1])')"
 printf 'a  b\\n2.50  1024\\n'
+printf '10%%|#  |\\r100%%|###|\\n' >&2
 ```
 
 ```bash
@@ -57,7 +58,8 @@ def test_a_block_runs_with_its_attributes_and_its_output_is_written(builder, tmp
     (block,) = builder.parse_page(page)
     assert block.flag("check") and block.value("devices", "") == "2" and block.out_start is None
     output, _ = builder.run_block(block)
-    assert output.splitlines() == ["hi: --xla_force_host_platform_device_count=2", "a  b", "2.50  1024"]
+    assert output.splitlines() == ["hi: --xla_force_host_platform_device_count=2", "a  b", "2.50  1024",
+                                   "100%|###|"]  # stderr too, a progress bar's redraws reduced to the last
     builder.write_output(page, 0, output)
     (block,) = builder.parse_page(page)
     assert block.output == output and "```text" in page.read_text()

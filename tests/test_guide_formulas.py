@@ -175,3 +175,75 @@ def test_isoflop_runs_train_budget_over_flops_per_token_tokens():
         fpt = flops_per_token(run.config.model, run.seq_len)
         assert run.flops_per_token == fpt
         assert abs(run.D - run.C_budget / fpt) <= step_tokens / 2  # rounded to whole steps
+
+
+def _int8_weight_bytes(model, group_size: int) -> int:
+    """Page 11's `1 + 4 / K` bytes per weight (K: the inputs one output sums, or the group size), float32
+    norm scales, from the float model's shapes and a hand list of each dense weight's contracted dims."""
+    contracted = {"embed": model.d_model, "wq": model.d_model, "wk": model.d_model, "wv": model.d_model,
+                  "wo": model.num_heads * model.resolved_head_dim, "w_gate": model.d_model, "w_up": model.d_model,
+                  "w_down": model.mlp_dim}
+    total = 0
+    for path, var in nnx.to_flat_state(abstract_params(model)):
+        n = math.prod(var.shape)
+        k = group_size or contracted.get(path[-1])
+        total += 4 * n if path[-1] == "scale" else n + 4 * n // k
+    return total
+
+
+@pytest.mark.parametrize("group_size", [0, 32])
+def test_int8_bytes_per_weight_formula_matches_the_quantized_params(group_size):
+    assert "s = max|w| / 127" in page(11) and "bytes per weight = 1 + 4 / K" in page(11)
+    cfg = load_config("tiny", ["quant.weights=int8", f"quant.group_size={group_size}"])
+    assert cfg.model.tie_embeddings and not cfg.model.is_moe  # the hand list above is a tied dense model's
+    total, _ = memory_table(cfg, make_mesh(cfg.mesh, jax.devices()))["params"]
+    want = _int8_weight_bytes(cfg.model, group_size)
+    assert total == want
+    # ... and the ratio `jaxinfra quantize` printed on the page is this one
+    float_bytes = 4 * param_counts(cfg.model)["total"]
+    assert f"{want / float_bytes:.3f})" in page(11)
+
+
+def test_int8_scale_is_max_abs_over_127_per_output_channel():
+    from models.quant import quantize_int8
+
+    w = np.random.default_rng(0).standard_normal((48, 5)).astype(np.float32)
+    q, s = jax.jit(lambda w: quantize_int8(w, axis=0))(jnp.asarray(w))
+    np.testing.assert_allclose(np.asarray(s).ravel(), np.abs(w).max(axis=0) / 127, rtol=1e-6)
+    assert np.all(np.abs(np.asarray(q, np.float32) * np.asarray(s) - w) <= np.asarray(s) / 2 + 1e-7)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "llama3-8b"])
+def test_int8_kv_cache_bytes_per_token_formula_matches_models_cache(preset):
+    assert "2 L h_kv (d_h + 4)" in page(11)
+    m = load_config(preset).model
+    assert cache.bytes_per_token(m, quantized=True) == 2 * m.num_layers * m.kv_heads * (m.resolved_head_dim + 4)
+
+
+def test_distillation_loss_formula_matches_jaxinfra_distill():
+    from jaxinfra.distill.loss import mix, soft_loss_sum
+
+    assert "loss = alpha · T² · KL(softmax(t / T) ‖ softmax(s / T)) + (1 - alpha) · CE(s, label)" in page(12)
+    assert "T · (softmax(s / T) - softmax(t / T))" in page(12)
+    rng = np.random.default_rng(1)
+    s, t = rng.standard_normal((2, 6, 11)) * 3  # [tokens, vocab] student / teacher logits, float64 reference
+    temp, alpha, ce = 2.0, 0.3, 1.7
+
+    def log_softmax(x):
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    p, log_q = np.exp(log_softmax(t / temp)), log_softmax(s / temp)
+    want = temp**2 * np.sum(p * (log_softmax(t / temp) - log_q))
+
+    @jax.jit  # one program: eager dispatch would compile every op on its own
+    def soft_mixed_and_grad(s, t):
+        soft, grad = jax.value_and_grad(lambda x: soft_loss_sum(x, t, jnp.ones((6,), bool), temp))(s)
+        sums = {"ce_sum": jnp.float32(ce), "soft_sum": soft, "loss_sum": jnp.float32(ce), "teacher_ce_sum": 0.0}
+        return soft, mix(sums, jnp.float32(alpha))["means"]["loss"], grad
+
+    soft, mixed, grad = soft_mixed_and_grad(jnp.asarray(s, jnp.float32), jnp.asarray(t, jnp.float32))
+    assert float(soft) == pytest.approx(want, rel=1e-5)
+    assert float(mixed) == pytest.approx(alpha * want + (1 - alpha) * ce, rel=1e-5)
+    # the soft term's gradient in the student's logits is T (q_T - p_T): on the hard term's scale
+    np.testing.assert_allclose(np.asarray(grad), temp * (np.exp(log_q) - p), rtol=1e-4, atol=1e-6)
