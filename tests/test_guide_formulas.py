@@ -3,7 +3,8 @@
 Each test states one page's formula as the page prints it (and checks that the page still
 prints it), then compares it with the stack's own figure: `jaxinfra info`'s memory table,
 the pipeline's schedule tables, the cache layout, the model's parameter shapes, the ring
-attention's token order, the sweep planner. No training, no compilation.
+attention's token order, the sweep planner, the quantized params and the distillation loss. No
+training; a few small jitted functions.
 """
 
 from __future__ import annotations
