@@ -172,11 +172,10 @@ def _operands(names: tuple | None, out_dtype: Any, x: jax.Array, w: jax.Array, m
 
 
 def lookup(table: Weight, tokens: jax.Array, dtype: Any) -> jax.Array:
-    """Embedding rows table[tokens] in `dtype` (an int8 table: its rows times their scales, one per row
-    or, group-wise, one per group of consecutive features)."""
+    """Embedding rows table[tokens] in `dtype` (an int8 table: its rows times their per-row scales)."""
     if isinstance(table, Int8Weight):
-        rows, scales = jnp.take(table.values, tokens, axis=0), jnp.take(table.scale, tokens, axis=0)
-        return dequantize_grouped(rows, scales, axis=-1, dtype=dtype)
+        return (jnp.take(table.values, tokens, axis=0).astype(jnp.float32)
+                * jnp.take(table.scale, tokens, axis=0)).astype(dtype)
     return jnp.take(table, tokens, axis=0).astype(dtype)
 
 

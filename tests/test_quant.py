@@ -18,7 +18,7 @@ from flax import nnx
 from models import qdot
 from models.attention import decode_attention
 from models.cache import quantize_entries
-from models.project import AmaxHistory, Int8Weight, lookup, project, project_ragged, roll_histories, zero_histories
+from models.project import AmaxHistory, Int8Weight, project, project_ragged, roll_histories, zero_histories
 from models.quant import dequantize, quantize_int8, quantize_int8_grouped
 from models.quant_config import MatmulQuant
 
@@ -185,16 +185,6 @@ def test_weight_only_int8_equals_the_dequantized_weight(spec, xs, ws, contract, 
     got = jax.jit(lambda x, qw: project(spec, x, qw, MatmulQuant("t"), dtype=jnp.float32))(x, qw)
     np.testing.assert_allclose(np.asarray(got), np.einsum(spec, np.asarray(x, np.float64), back), rtol=1e-5,
                                atol=1e-6)
-
-
-@pytest.mark.parametrize("group", [0, 4])
-def test_int8_embedding_lookup_equals_the_dequantized_table_rows(group):
-    """An int8 table's rows, per-row or group-wise scales (`quantize --group-size` quantizes the tied table)."""
-    table = _a(10, 8, scale=0.1)
-    qt, back = _stored(table, (-1,), group)
-    tokens = jnp.asarray([[3, 0, 9], [3, 5, 1]])
-    got = jax.jit(lambda qt, t: lookup(qt, t, jnp.float32))(qt, tokens)
-    np.testing.assert_allclose(np.asarray(got), back[np.asarray(tokens)], rtol=1e-6)
 
 
 def test_weight_only_int8_ragged_per_channel_scales_each_rows_expert():
