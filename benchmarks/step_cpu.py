@@ -21,7 +21,8 @@ import numpy as np
 from jaxinfra.config import Config, load_config
 from jaxinfra.metrics import flops_per_token, measure_matmul_flops
 from jaxinfra.metrics.table import Column, format_table
-from jaxinfra.runtime import build_runtime
+from jaxinfra.runtime import Runtime, build_runtime
+from jaxinfra.state import TrainState
 
 
 def random_batch(cfg: Config, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -41,7 +42,11 @@ def build_step(cfg: Config):
 def time_steps(cfg: Config, steps: int) -> tuple[float, float]:
     """(compile+first step seconds, median steady-state step seconds)."""
     rt, state = build_step(cfg)
-    batch = rt.to_global(random_batch(cfg, np.random.default_rng(0)))
+    return time_runtime(rt, state, rt.to_global(random_batch(cfg, np.random.default_rng(0))), steps)
+
+
+def time_runtime(rt: Runtime, state: TrainState, batch: dict, steps: int) -> tuple[float, float]:
+    """(first step seconds, compile included; median of `steps` more) for a built runtime."""
     t0 = time.perf_counter()
     state, metrics = rt.train_step(state, batch)
     jax.block_until_ready(metrics)

@@ -220,8 +220,10 @@ class Checkpointer:
 
 
 def _checkpoints_dir(directory: str | pathlib.Path) -> tuple[pathlib.Path, int | None]:
-    """(checkpoints directory, one step or None) for a run dir, its checkpoints/, or one step dir."""
-    directory = pathlib.Path(directory)
+    """(checkpoints directory, one step or None) for a run dir, its checkpoints/, or one step dir.
+
+    Absolute: Orbax refuses relative paths (`jaxinfra generate runs/x` read none and called them unreadable)."""
+    directory = pathlib.Path(directory).absolute()
     if (directory / "checkpoints").is_dir():
         return directory / "checkpoints", None
     if directory.name.isdigit() and (directory / "state").is_dir():  # RUN/checkpoints/N

@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import pathlib
 import sys
 
 from jaxinfra.config import ConfigError, load_config, preset_names
-from jaxinfra.exits import EXIT_BAD_INPUT, EXIT_INTERRUPTED
+from jaxinfra.exits import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_INTERRUPTED
 
 
 def _config_stem(source: str) -> str:
@@ -217,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("jaxinfra: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `jaxinfra info | head`: the reader left; no traceback, and none at exit either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 def main_exit() -> None:

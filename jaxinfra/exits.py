@@ -6,6 +6,7 @@
     70  hung, or a peer process lost (the watchdog, a failed collective)
     75  preempted: SIGTERM/SIGINT, a checkpoint committed; rerun the same command to resume
     130 interrupted outside training (Ctrl-C)
+    141 the reader of stdout went away (`jaxinfra info | head`), as a death by SIGPIPE reads in a shell
 
 A multi-process run gives every process the same meaning: a bad config or checkpoint is
 exit 2 in each of them, and 70 is kept for real hangs and dead peers.
@@ -19,6 +20,7 @@ EXIT_DIVERGED = 3
 EXIT_HUNG = 70  # EX_SOFTWARE
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: try again
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE
 
 
 def bad_input_errors() -> tuple[type[Exception], ...]:

@@ -289,3 +289,13 @@ def test_two_processes_with_a_mismatched_checkpoint_both_exit_2(run_copy):
         assert proc.returncode == EXIT_BAD_INPUT, err[-2000:]
         assert len(lines) == 1 and "model.num_layers: 2 -> 3" in lines[0], err[-2000:]
     assert snapshot(run_copy) == before
+
+
+def test_cli_output_into_a_closed_pipe_is_quiet():
+    """`jaxinfra info | head`: the reader leaves early; no traceback, status 141 (as SIGPIPE in a shell)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "jaxinfra", "info"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    proc.stdout.close()  # the reader is gone before anything is printed
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141 and b"Traceback" not in err, err.decode()[-2000:]

@@ -337,6 +337,16 @@ def test_cli_eval_prints_one_json_line(trained_run, tmp_path):
     np.testing.assert_allclose(result["eval_loss"], loss, rtol=1e-5)
 
 
+def test_load_model_takes_a_relative_run_dir(trained_run, monkeypatch, capsys):
+    """`jaxinfra generate runs/x`: Orbax wants absolute paths; a relative run dir loads (it was
+    reported unreadable, every checkpoint of it)."""
+    monkeypatch.chdir(trained_run.parent)
+    _, relative = load_model(trained_run.name)
+    _, absolute = load_model(trained_run)
+    assert "unreadable" not in capsys.readouterr().out
+    jax.tree.map(np.testing.assert_array_equal, relative, absolute)
+
+
 def test_cli_bad_input_is_one_line_exit_2(trained_run, tmp_path):
     np.save(tmp_path / "f.npy", np.zeros((2, 5), np.float32))
     for args in (["eval", str(trained_run), "--tokens", str(tmp_path / "f.npy")],
