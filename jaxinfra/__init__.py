@@ -19,6 +19,7 @@ Modules of `jaxinfra/` (see docs/architecture.md for how one run goes through th
     launch.py      `jaxinfra launch`: N local processes that act as N hosts (multi-host tests)
     info.py        `jaxinfra info`: devices, versions, mesh, per-parameter sharding and memory
     bench.py       `jaxinfra bench collectives`: collective timings per mesh axis
+    plan/          `jaxinfra plan`: analytic memory per device, step time, bottleneck, layout search
     data/          grain input pipeline: text, token files or synthetic, packed into batches
     metrics/       FLOP counts, device peaks, MFU, JSONL/TensorBoard writers, table formatting
     scaling/       scaling-law sweeps: spec -> runs -> results table -> Chinchilla fits -> plots
