@@ -41,7 +41,11 @@ def build_step(cfg: Config):
 def time_steps(cfg: Config, steps: int) -> tuple[float, float]:
     """(compile+first step seconds, median steady-state step seconds)."""
     rt, state = build_step(cfg)
-    batch = rt.to_global(random_batch(cfg, np.random.default_rng(0)))
+    return step_seconds(rt, state, rt.to_global(random_batch(cfg, np.random.default_rng(0))), steps)
+
+
+def step_seconds(rt, state, batch, steps: int) -> tuple[float, float]:
+    """(first step seconds, compile included; median of the next `steps`) of a runtime's train step."""
     t0 = time.perf_counter()
     state, metrics = rt.train_step(state, batch)
     jax.block_until_ready(metrics)

@@ -53,6 +53,23 @@ GPU_OVERRIDES = ["model.d_model=2048", "model.num_layers=16", "model.num_heads=1
 DRY_OVERRIDES = ["model.num_layers=2", "train.seq_len=64", "train.batch_size=2", "data.source=synthetic"]
 
 
+def plan_check(cfg, device, step_s: float) -> str:
+    """`jaxinfra plan`'s prediction for this row beside the measurement: analytic memory vs the
+    device's peak_bytes_in_use (GPU/TPU; CPU has no allocator statistics) and predicted vs
+    measured step time. Targets (docs/plan.md): memory within 10%, step time within 25%."""
+    from jaxinfra.plan.devices import device_spec, kind_of
+    from jaxinfra.plan.estimate import make_plan
+
+    kind = kind_of(device)
+    probe = measure_matmul_flops() if kind == "cpu" else None
+    plan = make_plan(cfg, 1, device_spec(kind, 1, matmul_flops=probe))
+    peak_bytes = (device.memory_stats() or {}).get("peak_bytes_in_use")
+    memory = (f"peak_bytes_in_use {peak_bytes / 2**30:.2f} GiB, analytic/measured {plan.memory.total / peak_bytes:.3f}"
+              if peak_bytes else "no peak_bytes_in_use on this platform")
+    return (f"    plan ({kind}): analytic memory {plan.memory.total / 2**30:.2f} GiB ({memory}); step "
+            f"{plan.time.step_s:.3f} s predicted vs {step_s:.3f} s measured, ratio {plan.time.step_s / step_s:.3f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--impls", default="xla,cudnn,pallas_triton")
@@ -109,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             achieved = tps * fpt  # one device
             print(_row(impl, policy, compile_s, step_s, tps, achieved / 1e12, achieved / peak,
                        tps * fpt_causal / peak, achieved / matmul, temp) + f"  (loss {loss:.3f})")
+            print(plan_check(cfg, device, step_s))
     print(f"total {time.monotonic() - start:.0f} s")
     return 0
 

@@ -61,7 +61,7 @@ def resolve_spec(args: argparse.Namespace, cfg: Config) -> tuple[int, DeviceSpec
         from jaxinfra.metrics.peak import peak_flops_per_device
 
         probe = peak_flops_per_device(jax.devices("cpu")[0], cfg.model.dtype)[0]
-    return count, device_spec(kind, count, args.hbm_gib, args.efficiency, probe)
+    return count, device_spec(kind, count, args.hbm_gib, args.efficiency, probe)  # CPU: + the bandwidth probe
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -138,11 +138,11 @@ def preflight(cfg: Config, force: bool) -> None:
     from jaxinfra.plan.estimate import make_plan
     from jaxinfra.plan.report import one_line, size
 
-    devices = jax.devices()
-    kind = kind_of(devices[0])
-    probe = peak_flops_per_device(devices[0], cfg.model.dtype)[0] if kind == "cpu" else None
+    devices, local = jax.devices(), jax.local_devices()[0]  # measure and ask only this process's devices
+    kind = kind_of(local)
+    probe = peak_flops_per_device(local, cfg.model.dtype)[0] if kind == "cpu" else None
     spec = device_spec(kind, jax.local_device_count(), None, None, probe)
-    limit = (devices[0].memory_stats() or {}).get("bytes_limit") if kind != "cpu" else None
+    limit = (local.memory_stats() or {}).get("bytes_limit") if kind != "cpu" else None
     if limit:
         spec = device_spec(kind, jax.local_device_count(), limit / 2**30, None, probe)
     plan = make_plan(cfg, len(devices), spec)

@@ -96,7 +96,7 @@ def main(argv: list[str]) -> int:
     count = int(argv[1])
     devices = _devices(count)
     if devices is None:
-        print(f"jaxinfra: error: only fewer than {count} devices here", file=sys.stderr)
+        print(f"jaxinfra: error: fewer than {count} devices here, even with fake CPU devices", file=sys.stderr)
         return 2
     print(json.dumps(analyse(cfg, devices)))
     return 0

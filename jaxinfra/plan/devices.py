@@ -5,17 +5,19 @@ Peak FLOP/s come from jaxinfra/metrics/peak.py (the table MFU uses); memory and 
 the vendors' datasheets. `efficiency` is the fraction of the dense peak a well-shaped
 training step's matmuls reach, stated rather than measured: 0.45 for GPUs (our 1.1B step on
 an H200 reached MFU 0.41, benchmarks/RESULTS.md; large published runs report 0.38-0.45),
-0.55 for TPUs (MaxText's reported MFUs on v5p), 0.6 for CPU (the `small` step reaches 0.6 of
-a same-process matmul, benchmarks/RESULTS.md). `--efficiency` overrides it.
+0.55 for TPUs (MaxText's reported MFUs on v5p), 0.8 for CPU (the `small` step's matmul work
+runs at ~0.8 of the same-process 2048^2 matmul probe, benchmarks/RESULTS.md). `--efficiency`
+overrides it. The memory bandwidth prices the optimizer update, which is memory-bound.
 
 On CPU the "device" is a share of the host: fake devices (--xla_force_host_platform_device_count)
-split the host's cores and RAM, so the matmul probe (which uses every core) and the RAM are
-divided by the number of devices in the process.
+split the host's cores, memory bandwidth and RAM, so the matmul and bandwidth probes (which use
+the whole host) and the RAM are divided by the number of devices in the process.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 from jaxinfra.config import ConfigError
@@ -84,20 +86,49 @@ def host_memory_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def cpu_spec(devices_on_host: int, matmul_flops: float | None = None) -> DeviceSpec:
-    """This host as `devices_on_host` fake CPU devices; the peak is the matmul probe (measured now
-    unless given), shared by the devices like the RAM."""
+@functools.lru_cache(maxsize=4)  # once per process, as the matmul probe
+def measure_memory_bandwidth(mib: int = 32, repeats: int = 5) -> float:
+    """Bytes/s of an AdamW-like fused elementwise update (4 arrays read, 3 written, `mib` MiB each),
+    jitted on the default device; the best of `repeats` runs after a warm-up (as the matmul probe)."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    n = mib * 2**18
+    p, g, m, v = (jnp.full((n,), 0.5 + i, jnp.float32) for i in range(4))
+
+    @jax.jit
+    def update(p, g, m, v):
+        m, v = 0.9 * m + 0.1 * g, 0.95 * v + 0.05 * g * g
+        return p - 1e-3 * (m / (jnp.sqrt(v) + 1e-8) + 0.1 * p), m, v
+
+    jax.block_until_ready(update(p, g, m, v))
+    best = float("inf")
+    for _ in range(max(1, repeats)):
+        start = time.perf_counter()
+        jax.block_until_ready(update(p, g, m, v))
+        best = min(best, time.perf_counter() - start)
+    return 7 * 4 * n / best
+
+
+def cpu_spec(devices_on_host: int, matmul_flops: float | None = None, bandwidth: float | None = None) -> DeviceSpec:
+    """This host as `devices_on_host` fake CPU devices; the peak is the matmul probe and the memory
+    bandwidth an elementwise probe (measured now unless given), shared by the devices like the RAM."""
     flops = matmul_flops if matmul_flops is not None else measure_matmul_flops()
+    bandwidth = bandwidth if bandwidth is not None else measure_memory_bandwidth()
     return DeviceSpec("cpu", "CPU (matmul probe)", host_memory_bytes(), {"float32": flops, "bfloat16": flops},
-                      20e9, devices_on_host, "host", "host", 0.6, shared_host=devices_on_host)
+                      bandwidth / devices_on_host, devices_on_host, "host", "host", 0.8, shared_host=devices_on_host)
 
 
 def device_spec(kind: str, devices_on_host: int = 1, memory_gib: float | None = None,
-                efficiency: float | None = None, matmul_flops: float | None = None) -> DeviceSpec:
-    """The spec of a --device-kind, with --hbm-gib / --efficiency overrides; bad values are a ConfigError."""
+                efficiency: float | None = None, matmul_flops: float | None = None,
+                bandwidth: float | None = None) -> DeviceSpec:
+    """The spec of a --device-kind, with --hbm-gib / --efficiency overrides; bad values are a ConfigError.
+    CPU: `matmul_flops` and `bandwidth` are the host's probes (measured when not given)."""
     if kind not in DEVICE_KINDS:
         raise ConfigError(f"--device-kind={kind!r} is unknown: choose one of {list(DEVICE_KINDS)}")
-    spec = cpu_spec(devices_on_host, matmul_flops) if kind == "cpu" else DEVICES[kind]
+    spec = cpu_spec(devices_on_host, matmul_flops, bandwidth) if kind == "cpu" else DEVICES[kind]
     if kind == "cpu":  # the RAM is shared, like the cores
         spec = dataclasses.replace(spec, memory_bytes=spec.memory_bytes / devices_on_host)
     if memory_gib is not None:

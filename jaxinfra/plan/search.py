@@ -1,7 +1,7 @@
 """`jaxinfra plan --search`: every layout of the devices that fits, ranked by predicted step time.
 
 Enumerated: mesh factorisations of the device count over (data, stage, fsdp, expert, context,
-tensor) x strategy (dp, zero1, fsdp) x remat policy x gradient-accumulation microbatches, and
+tensor) x strategy (dp, zero1, fsdp) x remat policy x gradient-accumulation microbatches (1 to 32), and
 with stage > 1 the pipeline schedule (gpipe, 1f1b, circular with 2 repeats) and its
 microbatches. A candidate is kept when the config validation accepts it (Layout.of, the same
 checks as `jaxinfra train`) and its analytic memory fits the device. Pruned: dp and zero1 only
@@ -26,6 +26,7 @@ from sharding.mesh import MESH_AXES, MeshConfig
 
 REMAT = ("none", "save_dots_no_batch", "save_dots", "full")
 SCHEDULES = ("gpipe", "1f1b", "circular")
+ACCUMULATION = (1, 2, 4, 8, 16, 32)
 
 
 def divisors(n: int) -> list[int]:
@@ -54,7 +55,7 @@ def variants(cfg: Config, sizes: dict[str, int]) -> Iterator[Config]:
     fsdp = sizes["fsdp"] * cfg.mesh.dcn_fsdp
     strategies = ("fsdp",) if fsdp > 1 else ("dp", "zero1")
     models = [dataclasses.replace(cfg.model, remat_policy=r) for r in dict.fromkeys((*REMAT, cfg.model.remat_policy))]
-    trains = [dataclasses.replace(cfg.train, grad_accum_steps=a) for a in (1, 2, 4, 8) if cfg.train.batch_size % a == 0]
+    trains = [dataclasses.replace(cfg.train, grad_accum_steps=a) for a in ACCUMULATION if cfg.train.batch_size % a == 0]
     pipelines = [(cfg.parallelism.pipeline_schedule, cfg.parallelism.microbatches, cfg.parallelism.pipeline_repeats)]
     if sizes["stage"] > 1:
         s = sizes["stage"]
@@ -67,7 +68,7 @@ def variants(cfg: Config, sizes: dict[str, int]) -> Iterator[Config]:
 
 
 def search(cfg: Config, devices: int, spec: DeviceSpec, measured: Measured | None = None) -> list[Plan]:
-    """Every accepted layout that fits, fastest first (ties: less memory)."""
+    """Every accepted layout that fits, fastest first (ties: fewer mesh axes, then less memory)."""
     validate(cfg)  # the rest of the config once; each candidate then gets the layout checks
     found = []
     for sizes in meshes(cfg, devices, spec.domain):
@@ -79,7 +80,8 @@ def search(cfg: Config, devices: int, spec: DeviceSpec, measured: Measured | Non
             memory = estimate(lay)
             if memory.total <= spec.memory_bytes:  # price only what fits
                 found.append(plan_layout(lay, spec, measured, memory=memory))
-    found.sort(key=lambda p: (p.time.step_s, p.memory.total))
+    # Ties (same predicted time) go to the simpler layout (fewer mesh axes in use), then less memory.
+    found.sort(key=lambda p: (round(p.time.step_s, 9), sum(s > 1 for s in p.layout.sizes.values()), p.memory.total))
     return found
 
 

@@ -3,8 +3,9 @@ the pipeline bubble, and the bottleneck.
 
     compute   = executed FLOPs per device / (peak x efficiency)        (jaxinfra/plan/devices.py)
     comm      = sum over collectives of calls x (latency + bytes x f / bandwidth)   (links.py)
-    step      = max(compute + bubble, overlapped comm) + exposed comm  (accelerators)
-    step      = compute + bubble + all comm                           (CPU: fake devices share cores)
+    update    = optimizer traffic per device / memory bandwidth            (memory-bound, after the backward)
+    step      = max(compute + bubble, overlapped comm) + exposed comm + update  (accelerators)
+    step      = compute + bubble + all comm + update                           (CPU: fake devices share cores)
 
 Executed FLOPs are the model's (jaxinfra/metrics/flops.py: matmuls and attention, x3 for the
 backward) plus what the step really runs on top: the forward work the remat policy recomputes,
@@ -281,6 +282,7 @@ class StepTime:
     bottleneck: str
     flops: Flops
     peak: float  # per-device peak MFU divides by
+    update_s: float = 0.0  # the optimizer update, memory-bound
 
     @property
     def exposed_s(self) -> float:
@@ -306,26 +308,36 @@ def _link(lay: Layout, spec: DeviceSpec, axis: str, op: str, measured: Measured 
     return LINKS[axis_link(axis, lay.sizes, dcn, spec.domain, spec.fast_link, spec.slow_link)]
 
 
+# Bytes the optimizer step moves per byte of one params-shaped tree in the optimizer's sharding:
+# AdamW reads params, gradients and both moments and writes params and moments (7), the gradient
+# norm and the NaN guard's all-finite check read the gradients and new params once more (2), and
+# the clip scales the gradients (1).
+UPDATE_TRAFFIC = 10
+
+
 def step_time(lay: Layout, state: StateBytes, spec: DeviceSpec, measured: Measured | None = None) -> StepTime:
     flops = step_flops(lay)
     rate = spec.throughput(lay.model.dtype)
     compute, bubble = (flops.executed - flops.bubble) / rate, flops.bubble / rate
+    update = UPDATE_TRAFFIC * state.opt_params / spec.memory_bandwidth
     priced = tuple(price(c, lay, spec, measured) for c in collectives(lay, state))
     overlapped = sum(c.seconds for c in priced if c.overlapped)
     exposed = sum(c.seconds for c in priced if not c.overlapped)
     if spec.platform == "cpu":  # fake devices: collectives are memcpys on the same cores as the compute
-        step = compute + bubble + overlapped + exposed
+        step = compute + bubble + overlapped + exposed + update
     else:
-        step = max(compute + bubble, overlapped) + exposed
-    return StepTime(compute, bubble, priced, step, _bottleneck(compute, bubble, priced, spec), flops,
-                    spec.peak(lay.model.dtype))
+        step = max(compute + bubble, overlapped) + exposed + update
+    return StepTime(compute, bubble, priced, step, _bottleneck(compute, bubble, update, priced, spec), flops,
+                    spec.peak(lay.model.dtype), update)
 
 
-def _bottleneck(compute: float, bubble: float, priced: tuple[Collective, ...], spec: DeviceSpec) -> str:
-    """The largest share of the step: compute, the bubble, one exposed collective, or the
-    overlapped collectives when they outlast the compute they hide under (named by the largest)."""
+def _bottleneck(compute: float, bubble: float, update: float, priced: tuple[Collective, ...],
+                spec: DeviceSpec) -> str:
+    """The largest share of the step: compute, the bubble, the optimizer update, one exposed
+    collective, or the overlapped collectives when they outlast the compute they hide under (named
+    by the largest)."""
     cpu = spec.platform == "cpu"
-    candidates = {"compute": compute, "pipeline bubble": bubble}
+    candidates = {"compute": compute, "pipeline bubble": bubble, "optimizer update (memory bandwidth)": update}
     for c in priced:
         if cpu or not c.overlapped:
             candidates[c.label] = candidates.get(c.label, 0.0) + c.seconds
