@@ -1,15 +1,18 @@
 """Attention throughput per implementation, and a block-size sweep for the kernel table.
 
-    python benchmarks/attention.py [--impls pallas_triton,cudnn,xla] [--shapes h16d128,gqa32-8]
+    python benchmarks/attention.py [--impls pallas_triton,pallas_mosaic_gpu,cudnn,xla]
+                                   [--shapes h16d128,gqa32-8] [--seq-lens 1024,4096,16384]
                                    [--causal both|yes|no] [--dtype bfloat16] [--reps 10]
-    python benchmarks/attention.py --sweep [--impls pallas_triton] [--shapes h16d128]
+    python benchmarks/attention.py --sweep [--impls pallas_triton,pallas_mosaic_gpu] [--shapes h16d128]
     python benchmarks/attention.py --dry-run     # tiny shapes, interpret mode on CPU
 
 Prints forward and forward+backward time and TFLOP/s. FLOPs count the matmuls only, at
 2 per multiply-add: forward 2·B·Hq·Tq·Tkv·(d_qk + d_v); backward 2·B·Hq·Tq·Tkv·(3·d_qk + 2·d_v)
 (recomputed QKᵀ, dV, dP, dQ, dK); causal counts half (the FlashAttention convention), so
-causal and full TFLOP/s compare directly. `--sweep` times forward+backward for candidate
-block sizes and prints the fastest as rows to paste into `kernels/block_sizes.py` TABLE.
+causal and full TFLOP/s compare directly. Each sequence length runs at 16384 tokens per
+call (B4 at T4096, B16 at T1024, B1 at T16384). `--sweep` times forward+backward for
+candidate block sizes (tiles, then warps and stages per kernel) and prints the fastest as
+rows to paste into `kernels/block_sizes.py` (TABLE, or MOSAIC_GPU_TABLE).
 Without an accelerator use `--dry-run`: it exercises the same code path, not the speed.
 """
 
@@ -63,7 +66,14 @@ DRY_SHAPES = {
     "gqa32-8": Shape("GQA 32/8 D128", 1, 64, 4, 1, 128, 128),
     "mla192-128": Shape("MLA 192/128", 1, 64, 2, 2, 192, 128),
 }
-IMPLS = ("pallas_triton", "cudnn", "xla")
+IMPLS = ("pallas_triton", "pallas_mosaic_gpu", "cudnn", "xla")
+TOKENS_PER_CALL = 16384
+XLA_MAX_T = 8192  # above this, xla's dense [B, H, T, T] scores only measure the memory system
+
+
+def at_length(shape: Shape, t: int) -> Shape:
+    """The same heads at sequence length t, batch chosen for TOKENS_PER_CALL tokens."""
+    return dataclasses.replace(shape, name=f"{shape.name} T{t}", t=t, b=max(1, TOKENS_PER_CALL // t))
 
 
 def has_gpu() -> bool:
@@ -99,6 +109,17 @@ def unsupported(impl: str, shape: Shape, dtype: str) -> str | None:
             return dtype
     if impl == "pallas_mosaic_tpu" and jax.default_backend() not in ("tpu", "cpu"):
         return "TPU kernel"
+    if impl == "pallas_mosaic_gpu":
+        from kernels import flash_mosaic_gpu
+
+        if not has_gpu():
+            return "no GPU (the GPU interpreter is for tests, not timing)"
+        cc = getattr(jax.devices()[0], "compute_capability", None)
+        reason = flash_mosaic_gpu.unsupported(jnp.dtype(dtype), shape.dqk, shape.dv, "gpu", cc)
+        if reason:
+            return f"falls back to pallas_triton: {reason}"
+    if impl == "xla" and shape.t > XLA_MAX_T:
+        return f"T > {XLA_MAX_T}: dense scores"
     if impl == "pallas_triton" and jax.default_backend() not in ("gpu", "cuda", "rocm", "cpu"):
         return "GPU kernel"
     return None
@@ -177,7 +198,7 @@ def measure(shape: Shape, causal: bool, impl: str, dtype: str, reps: int,
     return row
 
 
-COLUMNS = (table.Column("shape", width=14), table.Column("causal", width=6), table.Column("impl", width=17),
+COLUMNS = (table.Column("shape", width=20), table.Column("causal", width=6), table.Column("impl", width=17),
            table.Column("fwd ms", ".3f", ">", 9), table.Column("fwd TF/s", ".3g", ">", 9),
            table.Column("f+b ms", ".3f", ">", 9), table.Column("f+b TF/s", ".3g", ">", 9),
            table.Column("bwd TF/s", ".3g", ">", 9), table.Column("note"))
@@ -188,54 +209,90 @@ def format_table(rows: list[Row]) -> str:
                                 r.bwd_tflops, r.bwd_only_tflops, r.note) for r in rows], COLUMNS, sep=" ", rule=True)
 
 
+def _spec(bs: BlockSizes) -> str:
+    """BlockSizes as Python, set fields only (a row to paste into the table)."""
+    fields = (f"{f.name}={getattr(bs, f.name)}" for f in dataclasses.fields(bs) if getattr(bs, f.name) is not None)
+    return f"BlockSizes({', '.join(fields)})"
+
+
+def _candidates(impl: str, dry_run: bool):
+    """(forward candidates, backward variations of a chosen forward) for a sweep."""
+    if impl == "pallas_mosaic_gpu":  # block_q is fixed (one 64-row wgmma tile per warpgroup)
+        fwd = [BlockSizes(64, bk, 64, 64, 64, 64, num_stages=st) for bk in (64, 128) for st in (2, 3)]
+        bwd = [dict(block_kv_dq=a, block_kv_dkv=b) for a, b in ((64, 64), (128, 64), (64, 128), (128, 128))]
+        return fwd, bwd
+    tiles = [(16, 16), (32, 16)] if dry_run else [(64, 32), (64, 64), (128, 32), (128, 64), (128, 128)]
+    knobs = [(None, None)] if dry_run else [(4, 2), (8, 2), (8, 3), (4, 3)]
+    fwd = [BlockSizes(bq, bk, num_warps=w, num_stages=st) for (bq, bk), (w, st) in itertools.product(tiles, knobs)]
+    bwd_tiles = [(16, 16), (16, 32)] if dry_run else [(64, 64), (128, 64), (64, 128), (128, 128), (32, 64)]
+    bwd = [dict(block_q_dq=max(a, b), block_kv_dq=min(a, b), block_q_dkv=min(a, b), block_kv_dkv=max(a, b))
+           for a, b in bwd_tiles]
+    if not dry_run:  # then warps / stages per backward kernel
+        bwd += [dict(num_warps_dq=wq, num_stages_dq=sq, num_warps_dkv=wk, num_stages_dkv=sk)
+                for wq, sq, wk, sk in ((8, 2, 8, 2), (4, 2, 4, 2), (8, 3, 8, 3), (4, 2, 8, 2), (8, 2, 4, 3))]
+    return fwd, bwd
+
+
 def sweep(shapes: dict[str, Shape], impl: str, dtype: str, reps: int, dry_run: bool, causal_modes,
           deadline: float = math.inf) -> None:
-    """Two stages per (shape, mask): forward tiles (and warps) by forward time, then the
-    backward tiles by forward+backward time with the best forward tiles."""
+    """Stages per (shape, mask): forward tiles, warps and stages by forward time; then the
+    backward tiles (and, for Triton, warps / stages per backward kernel) by forward+backward
+    time on top of the best forward choice; each stage keeps its winner."""
     device_kind = "cpu" if dry_run else jax.devices()[0].device_kind
-    fwd_tiles = [(16, 16), (32, 16)] if dry_run else [(64, 32), (64, 64), (128, 32), (128, 64), (128, 128)]
-    bwd_tiles = [(16, 16), (16, 32)] if dry_run else [(32, 32), (64, 32), (64, 64), (128, 64), (64, 128)]
-    warps = (None,) if dry_run else (4, 8)
-    stages = (None,) if dry_run else (2, 3)
+    fwd_candidates, bwd_changes = _candidates(impl, dry_run)
     for shape, causal in itertools.product(shapes.values(), causal_modes):
-        def best(candidates, backward):
-            timed = []
-            for bs in candidates:
-                row = measure(shape, causal, impl, dtype, reps, block_sizes=bs, deadline=deadline)
-                ms = row.bwd_ms if backward else row.fwd_ms
-                tf = row.bwd_tflops if backward else row.fwd_tflops
-                print(f"#   {'f+b' if backward else 'fwd'} {bs!r}: "
-                      + (f"{ms:.3f} ms, {tf:.0f} TFLOP/s" if ms is not None else row.note or "-"), flush=True)
-                if ms is not None:
-                    timed.append((ms, bs))
-            return min(timed, key=lambda x: x[0]) if timed else None
+        def timed(bs, backward):
+            row = measure(shape, causal, impl, dtype, reps, block_sizes=bs, deadline=deadline)
+            ms = row.bwd_ms if backward else row.fwd_ms
+            tf = row.bwd_tflops if backward else row.fwd_tflops
+            print(f"#   {'f+b' if backward else 'fwd'} {_spec(bs)}: "
+                  + (f"{ms:.3f} ms, {tf:.0f} TFLOP/s" if ms is not None else row.note or "-"), flush=True)
+            return ms
 
-        first = best([BlockSizes(bq, bk, num_warps=w, num_stages=st)
-                      for (bq, bk), w, st in itertools.product(fwd_tiles, warps, stages)], backward=False)
-        if first is None:
+        results = [(ms, bs) for bs in fwd_candidates if (ms := timed(bs, False)) is not None]
+        if not results:
             print(f"# {shape.name} causal={causal}: no candidate ran")
             continue
-        fwd = first[1]
-        second = best([dataclasses.replace(fwd, block_q_dq=bq, block_kv_dq=bk, block_q_dkv=bq, block_kv_dkv=bk)
-                       for bq, bk in bwd_tiles], backward=True)
-        chosen = fwd if second is None else second[1]
+        fwd_ms, chosen = min(results, key=lambda x: x[0])
+        best_bwd = None
+        for change in bwd_changes:
+            bs = dataclasses.replace(chosen if best_bwd is None else best_bwd[1], **change)
+            ms = timed(bs, True)
+            if ms is not None and (best_bwd is None or ms < best_bwd[0]):
+                best_bwd = (ms, bs)
+        if best_bwd is not None:
+            chosen = best_bwd[1]
         band = make_band(causal, None, shape.t, shape.t)
         bucket = head_dim_bucket(shape.dqk, shape.dv)
-        print(f'    ("{device_kind}", "{dtype}", {bucket}, "{band.kind}"): {chosen!r},'
-              f"  # measured {time.strftime('%Y-%m-%d')}: {shape.name} T{shape.t} fwd {first[0]:.3f} ms"
-              + ("" if second is None else f", fwd+bwd {second[0]:.3f} ms"))
+        table_name = "MOSAIC_GPU_TABLE" if impl == "pallas_mosaic_gpu" else "TABLE"
+        print(f'    ("{device_kind}", "{dtype}", {bucket}, "{band.kind}"): {_spec(chosen)},'
+              f"  # {table_name}, measured {time.strftime('%Y-%m-%d')}: {shape.name} T{shape.t} fwd {fwd_ms:.3f} ms"
+              + ("" if best_bwd is None else f", fwd+bwd {best_bwd[0]:.3f} ms"))
+
+
+def rows_for(shapes: dict[str, Shape], seq_lens, causal_modes, impls) -> list[tuple[Shape, bool, str]]:
+    """(shape at length, causal, impl) in priority order, for a time budget: every shape at the
+    first length, then the first shape at the other lengths, then the rest.
+    seq_lens None: the shapes as they are (the dry run's tiny ones)."""
+    if seq_lens is None:
+        return [(s, c, impl) for s in shapes.values() for c in causal_modes for impl in impls]
+    first = next(iter(shapes.values()))
+    pairs = sorted(((s, t) for t in seq_lens for s in shapes.values()),
+                   key=lambda st: (st[1] != seq_lens[0], st[0] is not first))  # stable: keeps the given order
+    return [(at_length(s, t), c, impl) for s, t in pairs for c in causal_modes for impl in impls]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--impls", default=",".join(IMPLS))
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--seq-lens", default="4096", help="comma list; batch keeps 16384 tokens per call")
     parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--sweep", action="store_true", help="time block-size candidates, print table rows")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes in interpret mode (CPU)")
-    parser.add_argument("--budget-s", type=float, default=math.inf, help="sweep: stop timing after this")
+    parser.add_argument("--budget-s", type=float, default=math.inf, help="stop timing after this")
     args = parser.parse_args(argv)
     dry = args.dry_run or (not has_gpu() and jax.default_backend() != "tpu")
     if dry and not args.dry_run:
@@ -244,13 +301,15 @@ def main(argv: list[str] | None = None) -> int:
     shapes = {k: table[k] for k in args.shapes.split(",")}
     causal_modes = {"both": (True, False), "yes": (True,), "no": (False,)}[args.causal]
     reps = 1 if dry else args.reps
+    deadline = time.monotonic() + args.budget_s
     if args.sweep:
         for impl in args.impls.split(","):
             if impl.startswith("pallas"):
-                sweep(shapes, impl, args.dtype, reps, dry, causal_modes, time.monotonic() + args.budget_s)
+                sweep(shapes, impl, args.dtype, reps, dry, causal_modes, deadline)
         return 0
-    rows = [measure(s, c, impl, args.dtype, reps) for s in shapes.values() for c in causal_modes
-            for impl in args.impls.split(",")]
+    seq_lens = None if dry else [int(t) for t in args.seq_lens.split(",")]
+    rows = [measure(s, c, impl, args.dtype, reps, deadline=deadline)
+            for s, c, impl in rows_for(shapes, seq_lens, causal_modes, args.impls.split(","))]
     print(format_table(rows))
     return 0
 

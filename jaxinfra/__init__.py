@@ -18,13 +18,16 @@ Modules of `jaxinfra/` (see docs/architecture.md for how one run goes through th
     distributed.py jax.distributed start-up from flags, environment or a detected cluster
     launch.py      `jaxinfra launch`: N local processes that act as N hosts (multi-host tests)
     info.py        `jaxinfra info`: devices, versions, mesh, per-parameter sharding and memory
+    quantize.py    `jaxinfra quantize`: weight-only int8 checkpoints; the quant checks that need devices
     bench.py       `jaxinfra bench collectives`: collective timings per mesh axis
     plan/          `jaxinfra plan`: analytic memory per device, step time, bottleneck, layout search
-    data/          grain input pipeline: text, token files or synthetic, packed into batches
+    data/          grain input pipeline (text, token files, prepared dirs, jsonl/parquet, synthetic,
+                   mixtures) packed into batches; `data prepare` / `data inspect`
     metrics/       FLOP counts, device peaks, MFU, JSONL/TensorBoard writers, table formatting
     scaling/       scaling-law sweeps: spec -> runs -> results table -> Chinchilla fits -> plots
     hf/            Hugging Face interop: import safetensors checkpoints as runs, export runs back
     infer/         inference: checkpoint loading, generation with a KV cache, eval of token files
+    distill/       knowledge distillation: online teacher or saved top-k logits, `distill save-logits`
 
 Sibling top-level packages (importable without jaxinfra; each imports only the ones after it):
 

@@ -254,6 +254,7 @@ def restore_params(directory: str | pathlib.Path, target_params: Any, step: int 
     differing keys of `config`, the current resolved config as a dict); an unreadable checkpoint is
     reported and the previous one tried (left in place: this path only reads)."""
     directory, only_step = _checkpoints_dir(directory)
+    directory = directory.absolute()  # Orbax refuses relative paths (`jaxinfra generate runs/x` gives one)
     step = only_step if step is None else step
     if not directory.is_dir():
         raise CheckpointError(f"no checkpoint directory at {directory}")
@@ -301,7 +302,7 @@ def export_params(run_dir: str | pathlib.Path, out: str | pathlib.Path, dtype: s
     if not cfg_path.is_file():
         raise CheckpointError(f"{run_dir} has no config.yaml: is it a jaxinfra run directory?")
     cfg = load_config(str(cfg_path))
-    target = abstract_params(cfg.model, make_mesh(MeshConfig(), jax.local_devices()[:1]))
+    target = abstract_params(cfg.model, make_mesh(MeshConfig(), jax.local_devices()[:1]), quant=cfg.quant)
     _, params = restore_params(run_dir, target)
     if dtype is not None:
         params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), params)
@@ -310,3 +311,28 @@ def export_params(run_dir: str | pathlib.Path, out: str | pathlib.Path, dtype: s
     checkpointer.save(out, params)
     checkpointer.wait_until_finished()
     return out
+
+
+def save_params_only(out: str | pathlib.Path, cfg: Any, params: Any, meta: dict[str, Any], step: int = 0
+                     ) -> pathlib.Path:
+    """OUT/config.yaml and OUT/checkpoints/<step>: a params-only run directory (an HF import, a
+    `jaxinfra quantize` output) in this module's item layout; `meta` should say params_only."""
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt_dir = (out / "checkpoints").absolute()
+    if ckpt_dir.exists() and any(ckpt_dir.iterdir()):
+        raise CheckpointError(f"{ckpt_dir} already holds checkpoints; write into a new directory")
+    (out / "config.yaml").write_text(cfg.to_yaml())
+    # Orbax copies arrays to the host before writing them; by default all at once (a full host copy
+    # of the model). Bounding the copies in flight to the largest parameter (at least 256 MiB) keeps
+    # the host to about one tensor at a time. Same PyTree format as StandardSave.
+    largest = max(x.nbytes for x in jax.tree.leaves(params))
+    budget = (max(largest, 2**28) + 2**20) / 10**9  # the limiter refuses a single array above its budget
+    handler = ocp.PyTreeCheckpointHandler(save_device_host_concurrent_gb=budget, save_concurrent_gb=budget)
+    manager = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(create=True),
+                                    item_names=("state", "data", "meta"), item_handlers={"state": handler})
+    manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave({"params": params}),
+                                               meta=ocp.args.JsonSave({**meta, "config": cfg.to_yaml()})))
+    manager.wait_until_finished()
+    manager.close()
+    return ckpt_dir / str(step)

@@ -20,6 +20,11 @@ train, info and bench also take --coordinator HOST:PORT --num-processes N --proc
     jaxinfra generate CKPT (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N] [--temperature T]
                       [--top-k K] [--top-p P] [--stop-ids ...]   sampling with a KV cache
     jaxinfra eval CKPT --tokens FILE.npy [--batch-size B]   mean next-token loss, one JSON line
+    jaxinfra data prepare INPUT... --out DIR (--tokenizer PATH | --bytes) [--workers N] [--shard-tokens N]
+    jaxinfra data inspect DIR [CONFIG] [KEY=VALUE ...]   counts, lengths, a decoded sample, checks
+    jaxinfra quantize RUN_OR_CKPT OUT --weights int8 [--group-size N]   weight-only int8 checkpoint for inference
+    jaxinfra distill save-logits TEACHER --out DIR --top-k K --steps N [--data KEY=VALUE ...]
+                                                    a teacher's top-k logits for offline distillation
 
 Bad input (config, mesh, data, checkpoint) exits with status 2 and one line on stderr, no
 traceback; the statuses are in jaxinfra/exits.py.
@@ -96,6 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="cast the params (default: as trained)")
     p.set_defaults(func=cmd_export_params)
 
+    p = sub.add_parser("quantize", help="a run's params -> a weight-only int8 checkpoint (generate / eval load it)")
+    p.add_argument("source", metavar="RUN_OR_CKPT", help="run directory (newest checkpoint) or RUN/checkpoints/N")
+    p.add_argument("out", help="output run directory: config.yaml (quant.weights=int8) + checkpoints/0")
+    p.add_argument("--weights", required=True, metavar="MODE", help="int8")
+    p.add_argument("--group-size", type=int, default=0, metavar="N",
+                   help="one scale per N consecutive inputs (must divide each input dimension); 0: per output channel")
+    p.set_defaults(func=cmd_quantize)
+
     p = sub.add_parser("bench", help="micro-benchmarks: `bench collectives` times each collective per mesh axis")
     p.add_argument("what", choices=["collectives"])
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="mesh sizes, e.g. mesh.fsdp=4 mesh.tensor=2")
@@ -122,6 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxinfra.plan.cli import add_subcommands as add_plan  # plan
 
     add_plan(sub)
+    from jaxinfra.data.cli import add_subcommands as add_data  # data {prepare,inspect}
+
+    add_data(sub)
+    from jaxinfra.distill.cli import add_subcommands as add_distill  # distill save-logits
+
+    add_distill(sub)
     return parser
 
 
@@ -136,6 +155,17 @@ def cmd_export_params(args: argparse.Namespace) -> int:
     from jaxinfra.checkpoint import export_params
 
     print(export_params(args.run_dir, args.out, args.dtype))
+    return 0
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    if getattr(args, "overrides", None):
+        raise ConfigError(f"quantize takes no KEY=VALUE overrides: {' '.join(args.overrides)}")
+    from jaxinfra.quantize import quantize_checkpoint
+
+    report = quantize_checkpoint(args.source, args.out, args.weights, args.group_size)
+    print(f"quantized step {report['source_step']} -> {report['checkpoint']}: params {report['bytes'] / 2**20:.2f} MiB "
+          f"(float {report['float_bytes'] / 2**20:.2f} MiB, {report['bytes'] / report['float_bytes']:.3f})")
     return 0
 
 

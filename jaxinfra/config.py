@@ -20,7 +20,9 @@ from typing import Any, Literal
 import yaml
 
 from jaxinfra.data.config import DataConfig
+from jaxinfra.distill.config import DistillConfig
 from models.config import REMAT_POLICIES, ModelConfig
+from models.quant_config import QuantConfig, group_size_problem
 from sharding.mesh import MESH_AXES, MeshConfig, MeshError, resolve_mesh_sizes
 from sharding.pipeline import PipelineSettings, Schedule
 from sharding.rules import ContextImpl, Strategy
@@ -127,6 +129,8 @@ class Config:
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
+    quant: QuantConfig = QuantConfig()  # matmul, weight and KV-cache quantization (docs/quantization.md)
+    distill: DistillConfig = DistillConfig()  # off unless distill.teacher or distill.logits
 
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(dataclasses.asdict(self))
@@ -316,7 +320,9 @@ def validate(cfg: Config, device_count: int | None = None) -> None:
     bad = _non_finite(cfg.to_dict())  # every section, new ones included: NaN or inf is never a setting
     if bad:
         raise ConfigError(f"{bad[0]} is invalid: numbers in the config must be finite")
-    for section, problems in (("model", cfg.model.problems()), ("data", cfg.data.problems())):
+    for section, problems in (("model", cfg.model.problems()), ("data", cfg.data.problems()),
+                              ("quant", cfg.quant.problems() + group_size_problem(cfg.model, cfg.quant)),
+                              ("distill", cfg.distill.problems(cfg.model.vocab_size))):
         for key, value, allowed in problems:
             raise ConfigError(f"{section}.{key}={value!r} is invalid: must be {allowed}")
     t = cfg.train
@@ -373,6 +379,9 @@ def validate_mesh(cfg: Config, device_count: int | None) -> None:
     except MeshError as e:
         raise ConfigError(str(e)) from None
     _validate_pipeline(cfg, sizes["stage"], sizes["context"])
+    if sizes["stage"] > 1 and cfg.quant.train == "fp8" and cfg.quant.scaling == "delayed":
+        raise ConfigError(f"quant.scaling=delayed with mesh.stage={sizes['stage']} is not supported (the pipeline "
+                          f"sums each microbatch's amax observation); use quant.scaling=current")
     ep = sizes["expert"]
     if cfg.model.is_moe and cfg.model.moe_num_experts % ep:
         raise ConfigError(f"model.moe_num_experts={cfg.model.moe_num_experts} is not divisible by mesh.expert={ep}")

@@ -46,10 +46,30 @@ def memory_table(cfg: Config, mesh: jax.sharding.Mesh) -> dict[str, tuple[int, i
     """{params, grads, optimizer state}: (total bytes, bytes per device), from shapes and shardings."""
     rules = sharding_rules(cfg.parallelism)
     tx = make_optimizer(cfg.optimizer, make_schedule(cfg.schedule, cfg.optimizer.lr, cfg.train.steps))
-    state = abstract_state(cfg.model, tx)
+    state = abstract_state(cfg.model, tx, cfg.quant)
     shardings = shardings_for(state, mesh, rules)
     params = _tree_bytes(state.params, shardings.params)
+    if cfg.quant.weights != "none":  # an inference checkpoint: no gradients, no optimizer
+        return {"params": params}
     return {"params": params, "grads": params, "optimizer state": _tree_bytes(state.opt_state, shardings.opt_state)}
+
+
+def quant_lines(cfg: Config) -> list[str]:
+    """The quant section in words, and the KV cache's bytes per token in the cache's dtypes."""
+    from models import cache as kv_cache
+
+    q, lines = cfg.quant, []
+    if q.train != "none":
+        scaling = f", {q.scaling} scaling" + (f" over {q.amax_history} steps" if q.scaling == "delayed" else "")
+        lines.append(f"quant: train={q.train}{scaling if q.train == 'fp8' else ''}, excluded: {', '.join(q.exclude)}")
+    if q.weights != "none":
+        per = f"groups of {q.group_size} inputs" if q.group_size else "output channel"
+        lines.append(f"quant: weights stored {q.weights} with float32 scales per {per}")
+    float_kv = kv_cache.bytes_per_token(cfg.model)
+    kv = kv_cache.bytes_per_token(cfg.model, q.kv_cache == "int8")
+    lines.append(f"kv cache: {kv:,} bytes/token ({q.kv_cache if q.kv_cache != 'none' else cfg.model.dtype}"
+                 + (f"; {kv / float_kv:.3f} of {cfg.model.dtype})" if kv != float_kv else ")"))
+    return lines
 
 
 def pipeline_line(cfg: Config, stages: int) -> str:
@@ -88,15 +108,17 @@ def describe(cfg: Config | None = None) -> str:
     lines.append(f"params: {counts['total']:,} ({counts['non_embedding']:,} non-embedding{active}); "
                  f"train FLOPs/token at seq {cfg.train.seq_len}: {flops_per_token(cfg.model, cfg.train.seq_len):.4g}")
     tx = make_optimizer(cfg.optimizer, make_schedule(cfg.schedule, cfg.optimizer.lr, cfg.train.steps))
-    state = abstract_state(cfg.model, tx)
+    state = abstract_state(cfg.model, tx, cfg.quant)
     shardings = shardings_for(state, mesh, rules)
+    lines += quant_lines(cfg)
     rows = []
     flat_shardings = dict(nnx.to_flat_state(shardings.params))
     for path, var in nnx.to_flat_state(state.params):
         sharding = flat_shardings[path].get_raw_value()
-        rows.append(("/".join(map(str, path)), str(tuple(var.shape)), str(tuple(var.get_metadata()["out_sharding"])),
-                     str(tuple(sharding.spec)), f"{_bytes_per_device(var.shape, var.dtype, sharding):,}"))
-    lines.append(format_table(rows, ["parameter", "shape", "logical axes", "mesh sharding", "bytes/device"]))
+        rows.append(("/".join(map(str, path)), str(tuple(var.shape)), str(np.dtype(var.dtype)),
+                     str(tuple(var.get_metadata()["out_sharding"])), str(tuple(sharding.spec)),
+                     f"{_bytes_per_device(var.shape, var.dtype, sharding):,}"))
+    lines.append(format_table(rows, ["parameter", "shape", "dtype", "logical axes", "mesh sharding", "bytes/device"]))
     for name, (total, per_device) in memory_table(cfg, mesh).items():
         lines.append(f"{name:>16}: {per_device / 2**20:10.2f} MiB per device of {total / 2**20:10.2f} MiB "
                      f"({per_device / total:.3f})")

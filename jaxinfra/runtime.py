@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfra.config import Config, pipeline_settings, validate
 from jaxinfra.optim import make_optimizer, make_schedule
+from jaxinfra.quantize import check_trainable
 from jaxinfra.state import TrainState, abstract_state, create_train_state, model_graphdef, sharding_rules, shardings_for
 from jaxinfra.step import make_eval_step, make_train_step
 from sharding.context import balanced_order
@@ -43,10 +44,12 @@ class Runtime:
     sequence_order: np.ndarray | None  # ring attention's load-balanced token order
     _train_step: Any
     _eval_step: Any
+    distill: Any = None  # jaxinfra.distill.step.DistillParts when the distill section is on
+    step_inputs: tuple = ()  # the train step's arguments after the batch (distillation: jaxinfra/distill/step.py)
 
     def init_state(self) -> TrainState:
         state, _ = create_train_state(self.cfg.model, self.tx, jax.random.key(self.cfg.train.seed),
-                                      self.mesh, self.rules)
+                                      self.mesh, self.rules, self.cfg.quant)
         return state
 
     def to_global(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -62,16 +65,18 @@ class Runtime:
     def train_step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
         """One optimizer step; `state` is donated."""
         with jax.set_mesh(self.mesh), activation_sharding(self.mesh, self.rules):
-            return self._train_step(state, batch)
+            return self._train_step(state, batch, *self.step_inputs)
 
     def lower_train_step(self, state: TrainState, batch: dict[str, jax.Array]):
         with jax.set_mesh(self.mesh), activation_sharding(self.mesh, self.rules):
-            return self._train_step.lower(state, batch)
+            return self._train_step.lower(state, batch, *self.step_inputs)
 
-    def eval_sums(self, params: nnx.State, batches: list[dict[str, np.ndarray]]) -> tuple[float, float]:
-        """(summed cross-entropy, token count) over host batches."""
+    def eval_sums(self, params: nnx.State, batches: list[dict[str, np.ndarray]],
+                  eval_step: Any = None) -> tuple[float, float]:
+        """(summed cross-entropy, token count) over host batches (of another model with its `eval_step`)."""
+        eval_step = eval_step or self._eval_step
         with jax.set_mesh(self.mesh), activation_sharding(self.mesh, self.rules):
-            outs = [self._eval_step(params, self.to_global(b)) for b in batches]
+            outs = [eval_step(params, self.to_global(b)) for b in batches]
         outs = jax.device_get(outs)
         return sum(float(o["ce_sum"]) for o in outs), sum(float(o["tokens"]) for o in outs)
 
@@ -80,6 +85,7 @@ def build_runtime(cfg: Config, devices: Sequence[jax.Device] | None = None) -> R
     """Validate against the devices, then build the mesh, rules and jitted steps."""
     devices = list(devices) if devices is not None else jax.devices()
     validate(cfg, len(devices))
+    check_trainable(cfg.quant, devices)
     t = cfg.train
     mesh = make_mesh(cfg.mesh, devices)
     rules = sharding_rules(cfg.parallelism)
@@ -87,12 +93,18 @@ def build_runtime(cfg: Config, devices: Sequence[jax.Device] | None = None) -> R
         rules = dataclasses.replace(rules, pipeline=pipeline_settings(cfg.parallelism))
     schedule = make_schedule(cfg.schedule, cfg.optimizer.lr, t.steps)
     tx = make_optimizer(cfg.optimizer, schedule)
-    graphdef = model_graphdef(cfg.model)
-    state_shardings = shardings_for(abstract_state(cfg.model, tx), mesh, rules)
+    graphdef = model_graphdef(cfg.model, cfg.quant)
+    state_shardings = shardings_for(abstract_state(cfg.model, tx, cfg.quant), mesh, rules)
     data_sharding = batch_sharding(mesh, rules)
     replicated = NamedSharding(mesh, PartitionSpec())
-    train_step = jax.jit(make_train_step(graphdef, cfg.model, tx, schedule, t.grad_accum_steps, t.nan_steps),
-                         in_shardings=(state_shardings, data_sharding),
+    distill = None
+    if cfg.distill.enabled:  # the teacher's logits join the loss (jaxinfra/distill/)
+        from jaxinfra.distill.step import distill_parts
+
+        distill = distill_parts(cfg, mesh, rules, graphdef)
+    train_step = jax.jit(make_train_step(graphdef, cfg.model, tx, schedule, t.grad_accum_steps, t.nan_steps,
+                                         loss_sums=distill.loss_sums if distill else None),
+                         in_shardings=(state_shardings, data_sharding, *(distill.input_shardings if distill else ())),
                          out_shardings=(state_shardings, replicated), donate_argnums=0)
     eval_step = jax.jit(make_eval_step(graphdef, cfg.model), in_shardings=(state_shardings.params, data_sharding),
                         out_shardings=replicated)
@@ -100,4 +112,4 @@ def build_runtime(cfg: Config, devices: Sequence[jax.Device] | None = None) -> R
     order = (balanced_order(t.seq_len, ring)
              if ring > 1 and rules.context_impl == "ring" and rules.load_balance else None)
     return Runtime(cfg, mesh, rules, schedule, tx, graphdef, state_shardings, data_sharding, order,
-                   train_step, eval_step)
+                   train_step, eval_step, distill, distill.step_inputs() if distill else ())

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfra.config import ParallelismConfig
 from models import ModelConfig, Transformer
+from models.quant_config import NO_QUANT, QuantConfig
 from sharding.rules import ShardingRules, Table, logical_to_mesh, rules_for
 
 
@@ -33,30 +34,30 @@ def _is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def model_graphdef(cfg: ModelConfig) -> nnx.GraphDef:
-    """The model's static structure, from an abstract (shape-only) construction."""
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+def model_graphdef(cfg: ModelConfig, quant: QuantConfig = NO_QUANT) -> nnx.GraphDef:
+    """The model's static structure (with how its projections quantize), from an abstract construction."""
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0), quant))
     graphdef, _ = nnx.split(abstract, nnx.Param)
     return graphdef
 
 
-def init_params(cfg: ModelConfig, rng: jax.Array) -> nnx.State:
-    model = Transformer(cfg, nnx.Rngs(params=rng))
+def init_params(cfg: ModelConfig, rng: jax.Array, quant: QuantConfig = NO_QUANT) -> nnx.State:
+    model = Transformer(cfg, nnx.Rngs(params=rng), quant)
     _, params, rest = nnx.split(model, nnx.Param, ...)
     if jax.tree.leaves(rest):  # the step function only carries Params
         raise ValueError(f"model has non-Param state that training would drop: {rest}")
     return params
 
 
-def abstract_params(model_cfg: ModelConfig, mesh: Mesh | None = None,
-                    rules: ShardingRules | None = None) -> nnx.State:
+def abstract_params(model_cfg: ModelConfig, mesh: Mesh | None = None, rules: ShardingRules | None = None,
+                    quant: QuantConfig = NO_QUANT) -> nnx.State:
     """The params' shapes, dtypes and logical metadata, without allocating them.
 
     With a mesh every leaf is a ShapeDtypeStruct carrying its sharding on that mesh (by
     `rules.params`, replicated without rules): the target that Orbax restores into and that
     `jax.make_array_from_callback` builds. A 1-device mesh gives a single-device target.
     """
-    abstract = jax.eval_shape(lambda: init_params(model_cfg, jax.random.key(0)))
+    abstract = jax.eval_shape(lambda: init_params(model_cfg, jax.random.key(0), quant))
     if mesh is None:
         return abstract
     if rules is None:
@@ -92,26 +93,27 @@ def shardings_for(state: TrainState, mesh: Mesh, rules: ShardingRules) -> TrainS
                       opt_state=tree_shardings(state.opt_state, mesh, rules.opt_state))
 
 
-def _init_fn(model_cfg: ModelConfig, tx: optax.GradientTransformation):
+def _init_fn(model_cfg: ModelConfig, tx: optax.GradientTransformation, quant: QuantConfig = NO_QUANT):
     def init(rng: jax.Array) -> TrainState:
-        params = init_params(model_cfg, rng)
+        params = init_params(model_cfg, rng, quant)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
     return init
 
 
-def abstract_state(model_cfg: ModelConfig, tx: optax.GradientTransformation) -> TrainState:
+def abstract_state(model_cfg: ModelConfig, tx: optax.GradientTransformation,
+                   quant: QuantConfig = NO_QUANT) -> TrainState:
     """Shapes, dtypes and logical metadata of the TrainState, without allocating it."""
-    return jax.eval_shape(_init_fn(model_cfg, tx), jax.random.key(0))
+    return jax.eval_shape(_init_fn(model_cfg, tx, quant), jax.random.key(0))
 
 
 def create_train_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, rng: jax.Array,
-                       mesh: Mesh, rules: ShardingRules) -> tuple[TrainState, Any]:
+                       mesh: Mesh, rules: ShardingRules, quant: QuantConfig = NO_QUANT) -> tuple[TrainState, Any]:
     """Initialise params + optimizer state under jit, each shard created on its own device.
 
     Returns (state, state_shardings); the shardings are reused as the step's in/out shardings.
     """
-    init = _init_fn(model_cfg, tx)
+    init = _init_fn(model_cfg, tx, quant)
     state_shardings = shardings_for(jax.eval_shape(init, rng), mesh, rules)
     with jax.set_mesh(mesh):
         state = jax.jit(init, out_shardings=state_shardings)(rng)

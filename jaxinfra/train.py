@@ -36,7 +36,7 @@ from jaxinfra.checkpoint import (
     restore_params,
 )
 from jaxinfra.config import Config
-from jaxinfra.data import make_eval_batches, make_train_iterator, row_states, set_row_states
+from jaxinfra.data import make_eval_sets, make_train_iterator, row_states, set_row_states
 from jaxinfra.exits import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_HUNG, EXIT_OK, EXIT_PREEMPTED, bad_input_errors
 from jaxinfra.metrics import (
     MetricsLogger,
@@ -117,7 +117,13 @@ class Trainer:
         data_args = dict(seq_len=t.seq_len, global_batch_size=t.batch_size, vocab_size=cfg.model.vocab_size,
                          seed=t.seed, process_index=jax.process_index(), process_count=jax.process_count())
         self.train_iter = make_train_iterator(cfg.data, **data_args)
-        self.eval_batches = make_eval_batches(cfg.data, **data_args)
+        self.eval_sets = make_eval_sets(cfg.data, **data_args)  # per mixture source ("": the one source)
+        self.eval_batches = [b for batches in self.eval_sets.values() for b in batches]
+        self.distill = None
+        if cfg.distill.enabled:  # jaxinfra/distill/run.py: teacher params or saved logits, teacher eval
+            from jaxinfra.distill.run import DistillRun
+
+            self.distill = DistillRun(self.rt, self.eval_batches, self.first_row, self.local_rows)
         self.ckpt = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint) if cfg.checkpoint.enabled else None
         self.state: TrainState | None = None
         self._signal: int | None = None
@@ -125,18 +131,28 @@ class Trainer:
 
     # ------------------------------------------------------------ pieces
 
-    def batches(self) -> Iterator[dict[str, jax.Array]]:
-        """Global batches, forever."""
-        for local in self.train_iter:
+    def batches(self, first_step: int = 1) -> Iterator[dict[str, jax.Array]]:
+        """Global batches of steps first_step, first_step + 1, ..., forever."""
+        for step, local in enumerate(self.train_iter, first_step):
+            if self.distill is not None:  # offline distillation: the step's saved teacher logits
+                local = self.distill.host_batch(local, step)
             yield self.rt.to_global(local)
 
     def evaluate(self, state: TrainState) -> float:
         """Token-weighted mean cross-entropy over the held-out batches."""
-        ce, tokens = self.rt.eval_sums(state.params, self.eval_batches)
-        return ce / max(tokens, 1.0)
+        return self.eval_metrics(state)["eval_loss"]
+
+    def eval_metrics(self, state: TrainState) -> dict[str, float]:
+        """`eval_loss` over all held-out batches, and with a mixture `eval_loss/<name>` per source."""
+        sums = {name: self.rt.eval_sums(state.params, batches) for name, batches in self.eval_sets.items()}
+        ce, tokens = sum(c for c, _ in sums.values()), sum(n for _, n in sums.values())
+        line = {"eval_loss": ce / max(tokens, 1.0)}
+        line.update({f"eval_loss/{name}": c / max(n, 1.0) for name, (c, n) in sums.items() if name})
+        return line
 
     def _target(self) -> TrainState:
-        return abstract_with_shardings(abstract_state(self.cfg.model, self.rt.tx), self.rt.state_shardings)
+        return abstract_with_shardings(abstract_state(self.cfg.model, self.rt.tx, self.cfg.quant),
+                                       self.rt.state_shardings)
 
     def initial_state(self) -> tuple[int, TrainState, dict[str, Any]]:
         """(completed steps, state, saved meta): resume this run, restore from elsewhere, or start fresh."""
@@ -193,6 +209,8 @@ class Trainer:
             return None
         meta = {**meta, "step": step, "global_batch": self.cfg.train.batch_size, "seq_len": self.cfg.train.seq_len,
                 "process_count": jax.process_count(), "config": self.cfg.to_yaml()}
+        if self.distill is not None:  # which teacher (and step), never its params
+            meta["distill"] = self.distill.checkpoint_meta()
         self.ckpt.save(step, state, row_states(self.train_iter, self.first_row), meta, metrics)
         return time.perf_counter() - start
 
@@ -238,13 +256,16 @@ class Trainer:
 
     def _run(self) -> dict[str, Any]:
         start_step, state, meta = self.initial_state()  # before anything is written: a refusal changes nothing
+        notes = self.distill.start(meta) if self.distill is not None else []
         self._open_outputs(start_step)
         loop = _Loop(start_step=start_step, step=start_step, state=state)
         self._header(start_step)
+        for note in notes:
+            self._say(note)
         self._first_eval(loop, meta)
         self._install_signal_handlers()
         self.watchdog = Watchdog(self.cfg.train.step_timeout_s, process_index=jax.process_index())
-        batches = self.batches()
+        batches = self.batches(start_step + 1)
         loop.started = time.perf_counter()
         for step in range(start_step + 1, self.cfg.train.steps + 1):
             loop.step = step
@@ -287,10 +308,12 @@ class Trainer:
         loop.first_eval = meta.get("first_eval_loss", loop.evals[0][1] if loop.evals else None)
 
     def _record_eval(self, loop: _Loop, step: int) -> None:
-        eval_loss = self.evaluate(loop.state)
+        line = self.eval_metrics(loop.state)
+        eval_loss = line["eval_loss"]
         loop.evals.append((step, eval_loss))
-        self._log(step, {"eval_loss": eval_loss})
-        self._say(f"step {step}: eval_loss {eval_loss:.4f}")
+        self._log(step, {**line, **(self.distill.eval_fields() if self.distill else {})})
+        per_source = "".join(f", {k.split('/', 1)[1]} {v:.4f}" for k, v in line.items() if "/" in k)
+        self._say(f"step {step}: eval_loss {eval_loss:.4f}{per_source}")
 
     def _train_one_step(self, loop: _Loop, step: int, batches: Iterator[dict[str, jax.Array]]) -> bool:
         """Dispatch one step, then its log point, evaluation and checkpoint; False ends the loop."""
@@ -348,7 +371,8 @@ class Trainer:
         }
         if self.cfg.model.z_loss_weight:
             line["z_loss"] = float(host["z_loss"])
-        line.update({k: float(v) for k, v in host.items() if k.startswith("moe_")})  # MoE router stats
+        line.update({k: float(v) for k, v in host.items()
+                     if k.startswith(("moe_", "distill_", "teacher_"))})  # MoE router stats, distillation losses
         return line
 
     def _checkpoint_or_stop(self, loop: _Loop, step: int, sync: bool) -> bool:

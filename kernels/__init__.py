@@ -2,7 +2,8 @@
 
 Modules: `attention` (public entry, validation, dispatch), `masks` (visibility and block
 skipping shared by every implementation), `reference` (dense jnp reference / XLA fallback),
-`flash` (the custom_vjp), `flash_triton` (GPU), `flash_tpu` (TPU), `block_sizes`.
+`flash` (the custom_vjp), `flash_triton` (GPU), `flash_mosaic_gpu` (Hopper), `flash_tpu` (TPU),
+`cudnn_packing` (cuDNN on packed batches), `block_sizes` (tiles, and what `auto` prefers).
 """
 
 from kernels.attention import (

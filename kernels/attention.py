@@ -21,10 +21,19 @@ Implementations (`impl`):
   (softcap, d_qk != d_v, the log-sum-exp output).
 * ``pallas_triton``: Pallas flash attention, Triton lowering (GPU). Interpret mode on CPU.
 * ``pallas_mosaic_tpu``: Pallas flash attention, Mosaic lowering (TPU). Interpret mode on CPU.
-* ``cudnn``: jax.nn.dot_product_attention(implementation="cudnn"), GPU only, for the cases
-  cuDNN supports (bf16/fp16, d_qk == d_v, no softcap, no segment ids); others raise.
-* ``auto``: GPU -> pallas_triton, TPU -> pallas_mosaic_tpu, else xla; falls back to xla
-  (logging once per reason) where the chosen kernel does not support the problem.
+* ``pallas_mosaic_gpu``: Pallas flash attention, Mosaic GPU lowering (Hopper: wgmma, TMA,
+  warp specialisation; `kernels/flash_mosaic_gpu.py`). On CPU jax's GPU interpreter runs it.
+  Where it cannot run a call (float32, head dims not multiples of 64 or above 192, a
+  non-Hopper GPU) it logs the reason once and runs ``pallas_triton``.
+* ``cudnn``: cuDNN's fused attention, GPU only, for the cases cuDNN supports (bf16/fp16,
+  d_qk == d_v, no softcap, causal or full, left windows); others raise. Segment ids (one
+  shared array) go through cuDNN's packed layout (`kernels/cudnn_packing.py`: at most
+  `MAX_SEGMENTS` runs per row, each id one contiguous run; rows that break that are NaN).
+* ``auto``: GPU -> the implementation `block_sizes.IMPL_TABLE` measured fastest for the
+  device, dtype, head dim and mask (cuDNN on the H200's bf16 D64/D128 rows) where it supports
+  the call, else pallas_triton; TPU -> pallas_mosaic_tpu; else xla. Falls back to xla
+  (logging once per reason) where the chosen kernel does not support the problem. `auto`
+  never picks cuDNN's packed layout (bounded segments per row).
 """
 
 from __future__ import annotations
@@ -39,6 +48,8 @@ import jax
 import jax.numpy as jnp
 
 from kernels import block_sizes as block_table
+from kernels import cudnn_packing
+from kernels import flash_mosaic_gpu as mosaic_gpu
 from kernels.block_sizes import BlockSizes
 from kernels.flash import FlashParams, flash_attention
 from kernels.logs import log_once
@@ -48,7 +59,7 @@ from kernels.reference import dense_attention, reference_attention
 __all__ = ["IMPLEMENTATIONS", "AttentionImpl", "attention", "attention_with_lse", "reference_attention", "resolve_impl",
            "validate_attention_args"]
 
-AttentionImpl = Literal["xla", "auto", "pallas_triton", "pallas_mosaic_tpu", "cudnn"]
+AttentionImpl = Literal["xla", "auto", "pallas_triton", "pallas_mosaic_tpu", "pallas_mosaic_gpu", "cudnn"]
 IMPLEMENTATIONS: tuple[str, ...] = get_args(AttentionImpl)
 MAX_PALLAS_HEAD_DIM = 256  # larger tiles do not fit GPU shared memory / TPU VMEM at useful blocks
 
@@ -135,21 +146,34 @@ def _platform() -> str:
     return "gpu" if backend in ("gpu", "cuda", "rocm") else backend
 
 
+def _device_kind() -> str:
+    return "cpu" if _platform() == "cpu" else jax.devices()[0].device_kind
+
+
+def _compute_capability() -> str | None:
+    return getattr(jax.devices()[0], "compute_capability", None)
+
+
 def _pallas_unsupported(q: jax.Array, v: jax.Array) -> str | None:
     if max(q.shape[-1], v.shape[-1]) > MAX_PALLAS_HEAD_DIM:
         return f"head dim {max(q.shape[-1], v.shape[-1])} > {MAX_PALLAS_HEAD_DIM}"
     return None
 
 
-def _cudnn_unsupported(q, v, band: Band, has_segments: bool, softcap, need_lse: bool) -> str | None:
+def _mosaic_gpu_unsupported(q: jax.Array, v: jax.Array) -> str | None:
+    return mosaic_gpu.unsupported(q.dtype, q.shape[-1], v.shape[-1], _platform(),
+                                  _compute_capability() if _platform() == "gpu" else None)
+
+
+def _cudnn_unsupported(q, v, band: Band, q_seg, kv_seg, softcap, need_lse: bool) -> str | None:
     if _platform() != "gpu":
         return f"cudnn needs a GPU (platform is {_platform()})"
     if need_lse:
         return "cudnn does not return the log-sum-exp here"
     if softcap is not None:
         return "cudnn has no softcap"
-    if has_segments:
-        return "cudnn path takes no segment ids"
+    if q_seg is not kv_seg:
+        return "cudnn's packed layout takes one shared segment_ids array (the same ids for q and kv)"
     if q.shape[-1] != v.shape[-1]:
         return "cudnn path needs d_qk == d_v"
     if q.dtype not in (jnp.bfloat16, jnp.float16):
@@ -161,13 +185,16 @@ def _cudnn_unsupported(q, v, band: Band, has_segments: bool, softcap, need_lse: 
     return None
 
 
-def resolve_impl(impl: str, q: jax.Array, v: jax.Array) -> str:
-    """The implementation `impl` runs as on this platform (auto resolved, fallbacks logged)."""
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"attention: impl={impl!r}; choose one of {IMPLEMENTATIONS}")
-    if impl != "auto":
-        return impl
+def _auto(q, v, band: Band, q_seg, kv_seg, softcap, need_lse: bool) -> str:
     platform = _platform()
+    if platform == "gpu":
+        preferred = block_table.preferred_impl(_device_kind(), jnp.dtype(q.dtype).name, q.shape[-1], v.shape[-1],
+                                               band.kind)
+        if (preferred == "cudnn" and q_seg is None
+                and _cudnn_unsupported(q, v, band, q_seg, kv_seg, softcap, need_lse) is None):
+            return "cudnn"
+        if preferred == "pallas_mosaic_gpu" and _mosaic_gpu_unsupported(q, v) is None:
+            return "pallas_mosaic_gpu"
     chosen = {"gpu": "pallas_triton", "tpu": "pallas_mosaic_tpu"}.get(platform, "xla")
     if chosen != "xla":
         reason = _pallas_unsupported(q, v)
@@ -178,18 +205,47 @@ def resolve_impl(impl: str, q: jax.Array, v: jax.Array) -> str:
     return chosen
 
 
+def _resolve(impl: str, q, v, band: Band, q_seg, kv_seg, softcap, need_lse: bool) -> str:
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"attention: impl={impl!r}; choose one of {IMPLEMENTATIONS}")
+    if impl == "auto":
+        return _auto(q, v, band, q_seg, kv_seg, softcap, need_lse)
+    if impl == "pallas_mosaic_gpu":
+        reason = _mosaic_gpu_unsupported(q, v)
+        if reason is not None:
+            log_once(logger, _logged, f"attention(impl='pallas_mosaic_gpu'): {reason}; using pallas_triton")
+            return "pallas_triton"
+    return impl
+
+
+def resolve_impl(impl: str, q: jax.Array, v: jax.Array, *, causal: bool = True, segment_ids: SegmentIds = None,
+                 window: Window = None, softcap: float | None = None, need_lse: bool = False) -> str:
+    """The implementation `impl` runs as for this call on this platform (auto resolved,
+    fallbacks logged). The keyword arguments are those of `attention` (unvalidated here)."""
+    q_seg, kv_seg = (segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids, segment_ids))
+    band = make_band(bool(causal), None if window is None else tuple(window), q.shape[1], v.shape[1])
+    return _resolve(impl, q, v, band, q_seg, kv_seg, softcap, need_lse)
+
+
 def _flash_params(impl: str, q, v, band: Band, scale: float, softcap, block_sizes: BlockSizes | None) -> FlashParams:
     platform = _platform()
-    native = {"pallas_triton": "gpu", "pallas_mosaic_tpu": "tpu"}[impl]
+    native = {"pallas_triton": "gpu", "pallas_mosaic_tpu": "tpu", "pallas_mosaic_gpu": "gpu"}[impl]
     if platform not in (native, "cpu"):
         raise ValueError(f"attention: impl={impl!r} runs on {native} (or CPU, interpreted), not on {platform}")
     reason = _pallas_unsupported(q, v)
     if reason is not None:
         raise ValueError(f"attention: impl={impl!r} does not support this call: {reason}")
     interpret = platform == "cpu"
-    device_kind = "cpu" if interpret else jax.devices()[0].device_kind
+    key = (_device_kind(), jnp.dtype(q.dtype).name, q.shape[-1], v.shape[-1], band.kind)
+    if impl == "pallas_mosaic_gpu":
+        if block_sizes is None:
+            block_sizes = block_table.lookup(*key, table=block_table.MOSAIC_GPU_TABLE,
+                                             default=block_table.MOSAIC_GPU_DEFAULT)
+        mosaic_gpu.check_blocks(block_sizes)
+        return FlashParams(backend="mosaic_gpu", band=band, scale=scale, softcap=softcap,
+                           blocks=mosaic_gpu.clamped(block_sizes, band), interpret=interpret)
     if block_sizes is None:
-        block_sizes = block_table.lookup(device_kind, jnp.dtype(q.dtype).name, q.shape[-1], v.shape[-1], band.kind)
+        block_sizes = block_table.lookup(*key)
     blocks = block_sizes.clamped(band.q_len, band.kv_len)
     if impl == "pallas_mosaic_tpu":
         from kernels.flash_tpu import tpu_blocks
@@ -218,8 +274,11 @@ def _xla(q, k, v, band: Band, q_seg, kv_seg, causal: bool, scale: float, softcap
     return out, None
 
 
-def _cudnn(q, k, v, band: Band, scale: float):
+def _cudnn(q, k, v, band: Band, scale: float, segment_ids):
     causal = band.right == 0
+    if segment_ids is not None:
+        return cudnn_packing.packed_attention(q, k, v, segment_ids, causal=causal, scale=scale,
+                                              left_window=band.left, fused=cudnn_packing.cudnn_fused)
     local = None if band.left is None else (band.left, 0)
     return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, local_window_size=local,
                                         implementation="cudnn")
@@ -227,17 +286,17 @@ def _cudnn(q, k, v, band: Band, scale: float):
 
 def _attention(q, k, v, *, causal, segment_ids, window, scale, softcap, impl, block_sizes, need_lse):
     q_seg, kv_seg = validate_attention_args(q, k, v, segment_ids, window, scale, softcap, causal)
-    impl = resolve_impl(impl, q, v)
     band = make_band(bool(causal), None if window is None else tuple(window), q.shape[1], k.shape[1])
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     softcap = None if softcap is None else float(softcap)
+    impl = _resolve(impl, q, v, band, q_seg, kv_seg, softcap, need_lse)
     if impl == "xla":
         return _xla(q, k, v, band, q_seg, kv_seg, bool(causal), scale, softcap, need_lse)
     if impl == "cudnn":
-        reason = _cudnn_unsupported(q, v, band, q_seg is not None, softcap, need_lse)
+        reason = _cudnn_unsupported(q, v, band, q_seg, kv_seg, softcap, need_lse)
         if reason is not None:
             raise ValueError(f"attention: impl='cudnn' does not support this call: {reason}")
-        return _cudnn(q, k, v, band, scale), None
+        return _cudnn(q, k, v, band, scale, q_seg), None
     params = _flash_params(impl, q, v, band, scale, softcap, block_sizes)
     return flash_attention(params, q, k, v, q_seg, kv_seg)
 

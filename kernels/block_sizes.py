@@ -1,10 +1,14 @@
-"""Block sizes for the flash-attention kernels: a small table keyed by device kind, dtype,
-head dim and mask kind, with sane defaults. `benchmarks/attention.py --sweep` measures
-candidates on the current device and prints rows to paste into `TABLE`.
+"""Block sizes for the flash-attention kernels, and which implementation `auto` prefers: small
+tables keyed by device kind, dtype, head dim and mask kind, with sane defaults.
+`benchmarks/attention.py --sweep` measures candidates on the current device and prints rows
+to paste into `TABLE`; `benchmarks/attention.py` (or `scripts/device_check.py`) gives the
+per-implementation TFLOP/s that justify an `IMPL_TABLE` row.
 
 Blocks are powers of two and >= 16 (Triton needs every matmul dim >= 16 and every loaded
 tile a power of two). On real TPUs the Mosaic wrapper raises kv blocks to multiples of 128
-(the lane width); in interpret mode any of these sizes runs.
+(the lane width); in interpret mode any of these sizes runs. The Mosaic GPU kernel has its
+own table (`MOSAIC_GPU_TABLE`): there block_q is the rows of one compute warpgroup (64: one
+wgmma M tile), kv blocks are multiples of 64, and num_stages is the depth of the TMA ring.
 """
 
 from __future__ import annotations
@@ -22,8 +26,12 @@ class BlockSizes:
     block_kv_dq: int = 64
     block_q_dkv: int = 64
     block_kv_dkv: int = 64
-    num_warps: int | None = None  # Triton only; None: 4 for head dims <= 64, else 8
-    num_stages: int | None = None  # Triton only; None: 2
+    num_warps: int | None = None  # Triton forward; None: 4 for head dims <= 64, else 8
+    num_stages: int | None = None  # Triton forward (Mosaic GPU: TMA ring depth); None: 2
+    num_warps_dq: int | None = None  # Triton dq kernel; None: as the forward
+    num_stages_dq: int | None = None
+    num_warps_dkv: int | None = None  # Triton dk/dv kernel; None: as the forward
+    num_stages_dkv: int | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -39,6 +47,12 @@ class BlockSizes:
     @property
     def kv_multiple(self) -> int:
         return max(self.block_kv, self.block_kv_dq, self.block_kv_dkv)
+
+    def warps_stages(self, kernel: str, head_dim: int) -> tuple[int, int]:
+        """(num_warps, num_stages) of one Triton kernel: "fwd", "dq" or "dkv"."""
+        warps = {"dq": self.num_warps_dq, "dkv": self.num_warps_dkv}.get(kernel) or self.num_warps
+        stages = {"dq": self.num_stages_dq, "dkv": self.num_stages_dkv}.get(kernel) or self.num_stages
+        return warps or (4 if head_dim <= 64 else 8), stages or 2
 
     def clamped(self, q_len: int, kv_len: int) -> BlockSizes:
         """Shrink blocks that exceed the (power-of-two rounded) sequence lengths, so a short
@@ -56,9 +70,16 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-_GPU_BF16_D128 = BlockSizes(128, 64, 64, 64, 64, 64, num_warps=8, num_stages=2)
-_GPU_BF16_D64 = BlockSizes(128, 64, 64, 64, 64, 64, num_warps=4, num_stages=2)
+# Starting points, not yet measured (the 2026-11-29 H200 run used 128x64 / 64x64 at 8 warps,
+# 2 stages: 203 / 137 TFLOP/s forward / backward on bf16 D128 causal): larger tiles and one
+# more pipeline stage for the forward (FlashAttention-2's Hopper setting), and the backward
+# kernels tiled along the dimension they accumulate over (dq: long q tile, dk/dv: long kv tile).
+_GPU_BF16_D128 = BlockSizes(128, 64, 128, 64, 64, 128, num_warps=8, num_stages=3,
+                            num_warps_dq=8, num_stages_dq=2, num_warps_dkv=8, num_stages_dkv=2)
+_GPU_BF16_D64 = BlockSizes(128, 64, 128, 64, 64, 128, num_warps=4, num_stages=3,
+                           num_warps_dq=4, num_stages_dq=2, num_warps_dkv=4, num_stages_dkv=2)
 _GPU_LARGE_D = BlockSizes(64, 32, 32, 32, 32, 32, num_warps=8, num_stages=2)
+_GPU_F32_D128 = BlockSizes(64, 32, 32, 32, 32, 32, num_warps=8, num_stages=2)  # f32 tiles: twice the bytes
 _TPU = BlockSizes(128, 128, 128, 128, 128, 128)
 _TPU_LARGE = BlockSizes(256, 512, 256, 256, 256, 256)
 # Interpret mode on CPU: fewer, larger blocks interpret faster.
@@ -69,10 +90,10 @@ _CPU = BlockSizes(128, 128, 128, 128, 128, 128)
 # Rows for a device are starting points until `benchmarks/attention.py --sweep` has been run
 # on it; measured rows say so in their comment.
 TABLE: dict[tuple[str, str, int | str, str], BlockSizes] = {
-    ("NVIDIA", "*", 64, "*"): _GPU_BF16_D64,
-    ("NVIDIA", "*", 128, "*"): _GPU_BF16_D128,
+    ("NVIDIA", "*", 64, "*"): _GPU_BF16_D64,  # unmeasured starting point
+    ("NVIDIA", "*", 128, "*"): _GPU_BF16_D128,  # unmeasured starting point
     ("NVIDIA", "*", 256, "*"): _GPU_LARGE_D,
-    ("NVIDIA", "float32", 128, "*"): _GPU_LARGE_D,  # f32 tiles are twice the shared memory
+    ("NVIDIA", "float32", 128, "*"): _GPU_F32_D128,
     ("TPU", "*", "*", "*"): _TPU,
     ("TPU v5", "bfloat16", 128, "causal"): _TPU_LARGE,
     ("TPU v6", "bfloat16", 128, "causal"): _TPU_LARGE,
@@ -80,22 +101,62 @@ TABLE: dict[tuple[str, str, int | str, str], BlockSizes] = {
 }
 DEFAULT = BlockSizes()
 
+# The Mosaic GPU kernel (kernels/flash_mosaic_gpu.py): block_q = rows per compute warpgroup
+# (two compute warpgroups per program), kv blocks multiples of 64, num_stages = TMA ring depth.
+# Unmeasured starting points (FlashAttention-3's Hopper tiles at 64 rows per warpgroup; the dq
+# kernel keeps two [64, block_kv_dq] float32 tiles (s, dP) live beside dq, so 64 there).
+_MOSAIC_D128 = BlockSizes(64, 128, 64, 64, 64, 64, num_stages=2)
+_MOSAIC_D192 = BlockSizes(64, 64, 64, 64, 64, 64, num_stages=2)  # bucket 256: the kernel takes up to 192
+MOSAIC_GPU_TABLE: dict[tuple[str, str, int | str, str], BlockSizes] = {
+    ("NVIDIA", "*", 64, "*"): _MOSAIC_D128,  # unmeasured starting point
+    ("NVIDIA", "*", 128, "*"): _MOSAIC_D128,  # unmeasured starting point
+    ("NVIDIA", "*", 256, "*"): _MOSAIC_D192,  # unmeasured starting point (MLA 192/128)
+    ("cpu", "*", "*", "*"): BlockSizes(64, 64, 64, 64, 64, 64, num_stages=2),  # GPU interpret mode
+}
+MOSAIC_GPU_DEFAULT = _MOSAIC_D128
+
+# What `impl="auto"` prefers where it was measured faster than the Pallas kernel of the
+# platform, same keys; no row = keep that kernel. A preferred implementation is used only
+# where it supports the call (else the Pallas kernel runs), and never for packed segment
+# ids through cuDNN (its packed layout holds a bounded number of segments per row).
+IMPL_TABLE: dict[tuple[str, str, int | str, str], str] = {
+    # Measured 2026-11-29, one H200, B4 T4096 bf16 (benchmarks/RESULTS.md): cuDNN vs our Triton kernel,
+    # forward / backward TFLOP/s. D128 causal: 368 / 429 vs 203 / 137 (GQA 32/8: 428 / 435 vs 254 / 135);
+    # D128 full: 488 / 528 vs 262 / 136; D64 causal: 307 / 349 vs 204 / 219.
+    ("NVIDIA H200", "bfloat16", 128, "causal"): "cudnn",
+    ("NVIDIA H200", "bfloat16", 128, "full"): "cudnn",
+    ("NVIDIA H200", "bfloat16", 64, "causal"): "cudnn",
+    # pallas_mosaic_gpu: no measured row yet (scripts/device_all.sh numerics attention fills it).
+}
+
 
 def head_dim_bucket(d_qk: int, d_v: int) -> int:
     d = max(d_qk, d_v)
     return 64 if d <= 64 else 128 if d <= 128 else 256
 
 
-def lookup(device_kind: str, dtype: str, d_qk: int, d_v: int, mask_kind: str) -> BlockSizes:
-    """The most specific table row matching the key (longest device prefix first)."""
+def _best_row(table: dict, device_kind: str, dtype: str, d_qk: int, d_v: int, mask_kind: str):
+    """The value of the most specific row matching the key (longest device prefix first), or None."""
     bucket = head_dim_bucket(d_qk, d_v)
-    best: tuple[tuple[int, ...], BlockSizes] | None = None
-    for (dev, dt, hd, mk), sizes in TABLE.items():
+    best = None
+    for (dev, dt, hd, mk), value in table.items():
         if not device_kind.lower().startswith(dev.lower()):
             continue
         if dt not in ("*", dtype) or hd not in ("*", bucket) or mk not in ("*", mask_kind):
             continue
         score = (len(dev), dt != "*", hd != "*", mk != "*")
         if best is None or score > best[0]:
-            best = (score, sizes)
-    return DEFAULT if best is None else best[1]
+            best = (score, value)
+    return None if best is None else best[1]
+
+
+def lookup(device_kind: str, dtype: str, d_qk: int, d_v: int, mask_kind: str, *,
+           table: dict | None = None, default: BlockSizes = DEFAULT) -> BlockSizes:
+    """Block sizes for a call: the most specific row of `table` (default `TABLE`)."""
+    found = _best_row(TABLE if table is None else table, device_kind, dtype, d_qk, d_v, mask_kind)
+    return default if found is None else found
+
+
+def preferred_impl(device_kind: str, dtype: str, d_qk: int, d_v: int, mask_kind: str) -> str | None:
+    """The implementation `auto` should try first here (an `IMPL_TABLE` row), or None."""
+    return _best_row(IMPL_TABLE, device_kind, dtype, d_qk, d_v, mask_kind)

@@ -1,6 +1,6 @@
 """The custom_vjp that ties a flash-attention forward kernel to its backward kernels.
 
-Both Pallas backends (`flash_triton`, `flash_tpu`) expose the same two functions:
+The Pallas backends (`flash_triton`, `flash_tpu`, `flash_mosaic_gpu`) expose the same two functions:
 
 * ``forward(params, q, k, v, q_seg, kv_seg) -> (out, lse)``
 * ``backward(params, q, k, v, q_seg, kv_seg, do, lse, delta) -> (dq, dk, dv)``
@@ -30,12 +30,12 @@ from kernels.masks import Band
 class FlashParams:
     """Everything static about one call (hashable: it is a nondiff custom_vjp argument)."""
 
-    backend: str  # "triton" | "tpu"
+    backend: str  # "triton" | "tpu" | "mosaic_gpu"
     band: Band
     scale: float
     softcap: float | None
     blocks: BlockSizes
-    interpret: Any  # False, True (HLO interpreter) or pltpu.InterpretParams()
+    interpret: Any  # False, True (HLO / GPU interpreter) or pltpu.InterpretParams()
 
 
 def _module(backend: str):
@@ -45,6 +45,9 @@ def _module(backend: str):
     if backend == "tpu":
         from kernels import flash_tpu
         return flash_tpu
+    if backend == "mosaic_gpu":
+        from kernels import flash_mosaic_gpu
+        return flash_mosaic_gpu
     raise ValueError(f"unknown flash backend {backend!r}")
 
 

@@ -20,11 +20,16 @@ Layout stays [batch, length, heads, head_dim]: Triton loads strided tiles, so no
   96 = 64 + 32): no FLOPs are wasted on zero padding, unlike padding 96 to 128.
 * Lengths are padded to a block multiple in XLA; appended keys are masked (`j < kv_len`),
   appended query rows are computed and sliced away.
+* Softmax in base 2: log2(e) is folded into the score scale (one multiply per score fewer,
+  and `exp2` is the GPU's native instruction); the running max and the backward's
+  log-sum-exp are kept in log2 units inside, natural log at the API.
+* Compiler settings per kernel: `BlockSizes.warps_stages("fwd" | "dq" | "dkv", head_dim)`.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +53,8 @@ from kernels.masks import (
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _NN = (((1,), (0,)), ((), ()))  # a @ b
 _TN = (((0,), (0,)), ((), ()))  # a.T @ b
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
 
 
 def _dot(a: jax.Array, b: jax.Array, dims) -> jax.Array:
@@ -69,18 +76,19 @@ def column_chunks(d: int) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-def _compiler_params(params: FlashParams, d: int) -> plgpu.CompilerParams:
-    warps = params.blocks.num_warps or (4 if d <= 64 else 8)
-    return plgpu.CompilerParams(num_warps=warps, num_stages=params.blocks.num_stages or 2)
+def _compiler_params(params: FlashParams, d: int, kernel: str) -> plgpu.CompilerParams:
+    warps, stages = params.blocks.warps_stages(kernel, d)
+    return plgpu.CompilerParams(num_warps=warps, num_stages=stages)
 
 
 def _scores(params: FlashParams, q_chunks, k_chunks):
-    """Scaled (and soft-capped) scores in float32; also tanh(s / cap) for the backward."""
-    s = sum(_dot(qc, kc, _NT) for qc, kc in zip(q_chunks, k_chunks)) * params.scale
+    """Scaled (and soft-capped) scores in float32 and log2 units (natural scores x log2(e));
+    also tanh(s / cap) for the backward."""
+    dots = sum(_dot(qc, kc, _NT) for qc, kc in zip(q_chunks, k_chunks))
     if params.softcap is None:
-        return s, None
-    t = jnp.tanh(s / params.softcap)
-    return params.softcap * t, t
+        return dots * (params.scale * LOG2E), None
+    t = jnp.tanh(dots * (params.scale / params.softcap))
+    return t * (params.softcap * LOG2E), t
 
 
 def _mask(params: FlashParams, s, q_pos, kv_pos, q_seg, kv_seg):
@@ -134,10 +142,10 @@ def _fwd_kernel(*refs, params: FlashParams, has_seg: bool, qk_chunks, v_chunks):
             kv_seg = kvseg_ref[rows] if has_seg else None
             s = _mask(params, s, q_pos, j * bk + jnp.arange(bk, dtype=jnp.int32), q_seg, kv_seg)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-        # All keys so far masked: shift by 0, so exp(-inf) = 0 rather than exp(-inf + inf) = NaN.
+        # All keys so far masked: shift by 0, so exp2(-inf) = 0 rather than exp2(-inf + inf) = NaN.
         m_use = jnp.where(m_next == -jnp.inf, 0.0, m_next) if masked else m_next
-        alpha = jnp.exp(m_prev - m_use)
-        p = jnp.exp(s - m_use[:, None])
+        alpha = jnp.exp2(m_prev - m_use)
+        p = jnp.exp2(s - m_use[:, None])
         l_next = alpha * l_prev + jnp.sum(p, axis=1)
         p = p.astype(v_ref.dtype)
         acc = tuple(a * alpha[:, None] + _dot(p, v_ref[rows, pl.ds(off, n)], _NN)
@@ -155,7 +163,7 @@ def _fwd_kernel(*refs, params: FlashParams, has_seg: bool, qk_chunks, v_chunks):
     inv_l = 1.0 / jnp.where(empty, 1.0, l)
     for a, (off, n) in zip(acc, v_chunks):
         o_ref[:, pl.ds(off, n)] = (a * inv_l[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+    lse_ref[...] = jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(jnp.where(empty, 1.0, l)))
 
 
 class _Prepared:
@@ -220,7 +228,7 @@ def forward(params: FlashParams, q, k, v, q_seg, kv_seg) -> tuple[jax.Array, jax
         ],
         out_shape=[jax.ShapeDtypeStruct((x.b, x.tq_p, x.hq, x.dv_p), q.dtype),
                    jax.ShapeDtypeStruct((x.b, x.hq, x.tq_p), jnp.float32)],
-        compiler_params=_compiler_params(params, max(x.dqk_p, x.dv_p)),
+        compiler_params=_compiler_params(params, max(x.dqk_p, x.dv_p), "fwd"),
         interpret=params.interpret,
         name="flash_attention_fwd",
     )(x.q, x.k, x.v, *seg_arrays)
@@ -251,7 +259,7 @@ def _dq_kernel(*refs, params: FlashParams, has_seg: bool, qk_chunks, v_chunks):
         if masked:
             kv_seg = kvseg_ref[rows] if has_seg else None
             s = _mask(params, s, q_pos, j * bk + jnp.arange(bk, dtype=jnp.int32), q_seg, kv_seg)
-        p = jnp.exp(s - lse[:, None])
+        p = jnp.exp2(s - lse[:, None])
         dp = sum(_dot(dc, v_ref[rows, pl.ds(off, n)], _NT) for dc, (off, n) in zip(do_chunks, v_chunks))
         ds = p * (dp - delta[:, None])
         if t is not None:
@@ -300,7 +308,7 @@ def _dkv_kernel(*refs, params: FlashParams, has_seg: bool, group: int, qk_chunks
             if masked:
                 q_seg = qseg_ref[rows] if has_seg else None
                 s = _mask(params, s, i * bq + jnp.arange(bq, dtype=jnp.int32), kv_pos, q_seg, kv_seg)
-            p = jnp.exp(s - lse_ref[gi, rows][:, None])
+            p = jnp.exp2(s - lse_ref[gi, rows][:, None])
             pt = p.astype(do_ref.dtype)
             dv = tuple(a + _dot(pt, dc, _TN) for a, dc in zip(dv, do_chunks))
             dp = sum(_dot(dc, vc, _NT) for dc, vc in zip(do_chunks, v_chunks_val))
@@ -326,10 +334,11 @@ def backward(params: FlashParams, q, k, v, q_seg, kv_seg, do, lse, delta):
     x = _Prepared(params, q, k, v, q_seg, kv_seg)
     blocks, g = params.blocks, x.group
     do_p = pad_axis(pad_axis(do, 1, x.tq_p), 3, x.dv_p)
-    # Appended query rows: lse +inf makes their p exactly 0.
-    lse_p = pad_axis(lse, 2, x.tq_p, jnp.inf)
+    # Appended query rows: lse +inf makes their p exactly 0. The kernels take it in log2 units
+    # (one multiply here, not one per score there).
+    lse_p = pad_axis(lse * LOG2E, 2, x.tq_p, jnp.inf)
     delta_p = pad_axis(delta, 2, x.tq_p)
-    cparams = _compiler_params(params, max(x.dqk_p, x.dv_p))
+    d_max = max(x.dqk_p, x.dv_p)
 
     bq, bk = blocks.block_q_dq, blocks.block_kv_dq
     seg_arrays, seg_specs = x.seg_inputs(bq, bk, q_whole=False, kv_whole=True)
@@ -345,7 +354,7 @@ def backward(params: FlashParams, q, k, v, q_seg, kv_seg, do, lse, delta):
                   *seg_specs],
         out_specs=q_tile(x.dqk_p),
         out_shape=jax.ShapeDtypeStruct(x.q.shape, q.dtype),
-        compiler_params=cparams,
+        compiler_params=_compiler_params(params, d_max, "dq"),
         interpret=params.interpret,
         name="flash_attention_dq",
     )(x.q, x.k, x.v, do_p, lse_p, delta_p, *seg_arrays)
@@ -363,7 +372,7 @@ def backward(params: FlashParams, q, k, v, q_seg, kv_seg, do, lse, delta):
                   *seg_specs],
         out_specs=[kv_tile(x.dqk_p), kv_tile(x.dv_p)],
         out_shape=[jax.ShapeDtypeStruct(x.k.shape, k.dtype), jax.ShapeDtypeStruct(x.v.shape, v.dtype)],
-        compiler_params=cparams,
+        compiler_params=_compiler_params(params, d_max, "dkv"),
         interpret=params.interpret,
         name="flash_attention_dkv",
     )(x.q, x.k, x.v, do_p, lse_p, delta_p, *seg_arrays)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.config import ModelConfig
 from models.layers import DTYPES, apply_rope, ones_param, param, rms_norm, zeros_bias
+from models.project import Projections, prepare_weights, project_attr
+from models.quant_config import NO_QUANT, QuantConfig
 from sharding.context import attention as context_attention
 from sharding.rules import constrain
 
@@ -19,7 +22,12 @@ Cache = dict[str, jax.Array]  # one layer's cache (or one step's new entries), b
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    # weight -> (projection name, contracted dims): models/project.py prepare_weights
+    PROJECTIONS: ClassVar[Projections] = {
+        "wq": ("attention.q", (-3,)), "wk": ("attention.k", (-3,)), "wv": ("attention.v", (-3,)),
+        "wo": ("attention.o", (-3, -2))}
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, quant: QuantConfig = NO_QUANT):
         d, h, kv, dh, std = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.resolved_head_dim, cfg.init_std
         self.wq = param(rngs, (d, h, dh), ("embed", "heads", "head_dim"), std, cfg.param_dtype)
         self.wk = param(rngs, (d, kv, dh), ("embed", "kv_heads", "head_dim"), std, cfg.param_dtype)
@@ -35,8 +43,8 @@ class Attention(nnx.Module):
             self.k_norm = ones_param((dh,), ("head_dim",), cfg.param_dtype)
         self.qk_norm = cfg.qk_norm
         self.eps = cfg.norm_eps
-        self.dtype = DTYPES[cfg.dtype]
         self.impl = cfg.attention_impl
+        prepare_weights(self, quant, self.PROJECTIONS, DTYPES[cfg.dtype])
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                  rope_freqs: jax.Array) -> jax.Array:
@@ -59,7 +67,7 @@ class Attention(nnx.Module):
         q, k, v = self._qkv(x, positions, rope_freqs)
         new = cache_entries(k, v)
         out = decode_attention([q], [cache["k"]], [new["k"]], cache["v"], new["v"], positions[:, 0],
-                               q.shape[-1] ** -0.5)
+                               q.shape[-1] ** -0.5, k_scales=[cache.get("k_scale")], v_scale=cache.get("v_scale"))
         return self._output(out), new
 
     def _qkv(self, x: jax.Array, positions: jax.Array,
@@ -68,12 +76,11 @@ class Attention(nnx.Module):
         b, t, d = x.shape
         rows = x.reshape(b * t, d)  # 2-D matmuls: see models/layers.py MLP for why
 
-        def project(w: nnx.Param, name: str) -> jax.Array:
-            _, heads, dh = w.shape
-            out = rows @ w[...].astype(dt).reshape(d, heads * dh)
-            return checkpoint_name(out.reshape(b, t, heads, dh), name)
+        def project(attr: str, name: str) -> jax.Array:
+            out = project_attr(self, "nd,dhk->nhk", rows, attr)
+            return checkpoint_name(out.reshape(b, t, *out.shape[1:]), name)
 
-        q, k, v = project(self.wq, "query_proj"), project(self.wk, "key_proj"), project(self.wv, "value_proj")
+        q, k, v = project("wq", "query_proj"), project("wk", "key_proj"), project("wv", "value_proj")
         if hasattr(self, "bq"):
             q, k, v = (x + b[...].astype(dt) for x, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
         if self.qk_norm:
@@ -86,9 +93,7 @@ class Attention(nnx.Module):
 
     def _output(self, out: jax.Array) -> jax.Array:
         b, t, heads, dh = out.shape
-        d = self.wo.shape[-1]
-        wo = self.wo[...].astype(self.dtype).reshape(heads * dh, d)
-        return (out.reshape(b * t, heads * dh) @ wo).reshape(b, t, d)
+        return project_attr(self, "nhk,hkd->nd", out.reshape(b * t, heads, dh), "wo").reshape(b, t, -1)
 
     def _attend(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                 rope_freqs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -106,7 +111,9 @@ def cache_entries(k: jax.Array, v: jax.Array) -> Cache:
 
 
 def decode_attention(qs: Sequence[jax.Array], ks: Sequence[jax.Array], k_news: Sequence[jax.Array],
-                     v_cache: jax.Array, v_new: jax.Array, positions: jax.Array, scale: float) -> jax.Array:
+                     v_cache: jax.Array, v_new: jax.Array, positions: jax.Array, scale: float,
+                     k_scales: Sequence[jax.Array | None] | None = None,
+                     v_scale: jax.Array | None = None) -> jax.Array:
     """Softmax attention of one query per row over its cached keys plus its own new key.
 
     Scores are sums over parts, q . k = sum_i q_i . k_i, so a key kept in pieces (MLA: latent
@@ -120,14 +127,22 @@ def decode_attention(qs: Sequence[jax.Array], ks: Sequence[jax.Array], k_news: S
 
     Heads-major caches make both products batched over (batch, heads) with no transpose: with
     a [B, S, heads, d] cache XLA:CPU copied the whole cache into that order every step.
+
+    An int8 cache (models/cache.py) passes its per-token-per-head scales: k_scales[i] [B, Hk_i, S, 1]
+    multiply part i's scores, v_scale [B, Hv, S, 1] the probabilities; the int8 values enter the
+    products converted, never dequantized as a whole.
     """
     b, _, hq, _ = qs[0].shape
+    dt = qs[0].dtype
     s_len, hv, dv = v_cache.shape[2], v_cache.shape[1], v_cache.shape[-1]
     s_old = s_new = jnp.zeros((), jnp.float32)
-    for q, k, k_new in zip(qs, ks, k_news):
+    for q, k, k_new, k_scale in zip(qs, ks, k_news, k_scales or [None] * len(qs)):
         hk = k.shape[1]
         qg = q.reshape(b, hk, hq // hk, q.shape[-1])
-        s_old = s_old + jnp.einsum("bkgd,bksd->bkgs", qg, k, preferred_element_type=jnp.float32).reshape(b, hq, s_len)
+        part = jnp.einsum("bkgd,bksd->bkgs", qg, k.astype(dt), preferred_element_type=jnp.float32)
+        if k_scale is not None:
+            part = part * k_scale[:, :, None, :, 0]
+        s_old = s_old + part.reshape(b, hq, s_len)
         s_new = s_new + jnp.einsum("bkgd,bkd->bkg", qg, k_new[:, :, 0],
                                    preferred_element_type=jnp.float32).reshape(b, hq)
     s_old, s_new = s_old * scale, s_new * scale
@@ -137,8 +152,10 @@ def decode_attention(qs: Sequence[jax.Array], ks: Sequence[jax.Array], k_news: S
     p_old = jnp.exp(s_old - m[..., None])
     p_new = jnp.exp(s_new - m)
     denom = jnp.sum(p_old, axis=-1) + p_new  # [B, Hq]
-    pg = p_old.reshape(b, hv, hq // hv, s_len).astype(v_cache.dtype)
-    o = jnp.einsum("bkgs,bksd->bkgd", pg, v_cache, preferred_element_type=jnp.float32)
+    pg = p_old.reshape(b, hv, hq // hv, s_len)
+    if v_scale is not None:
+        pg = pg * v_scale[:, :, None, :, 0]
+    o = jnp.einsum("bkgs,bksd->bkgd", pg.astype(dt), v_cache.astype(dt), preferred_element_type=jnp.float32)
     o = o + p_new.reshape(b, hv, hq // hv, 1) * v_new[:, :, None, 0, :].astype(jnp.float32)
     o = o.reshape(b, hq, dv) / denom[..., None]
     return o.reshape(b, 1, hq, dv).astype(qs[0].dtype)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from models.config import ModelConfig
+from models.project import Projections, prepare_weights, project_attr
+from models.quant_config import NO_QUANT, QuantConfig
 from sharding.rules import constrain
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -111,13 +114,17 @@ def apply_rope(x: jax.Array, positions: jax.Array, freqs: jax.Array) -> jax.Arra
 class MLP(nnx.Module):
     """SwiGLU: down(silu(x @ gate) * (x @ up)); `width` overrides cfg.mlp_dim (MoE shared experts)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, width: int | None = None):
+    # weight -> (projection name, contracted dims): models/project.py prepare_weights
+    PROJECTIONS: ClassVar[Projections] = {
+        "w_gate": ("mlp.gate", (-2,)), "w_up": ("mlp.up", (-2,)), "w_down": ("mlp.down", (-2,))}
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, width: int | None = None, quant: QuantConfig = NO_QUANT):
         d, f, std = cfg.d_model, cfg.mlp_dim if width is None else width, cfg.init_std
         self.w_gate = param(rngs, (d, f), ("embed", "mlp"), std, cfg.param_dtype)
         self.w_up = param(rngs, (d, f), ("embed", "mlp"), std, cfg.param_dtype)
         # Residual-branch outputs are scaled down with depth (GPT-2) so the stream's variance stays flat.
         self.w_down = param(rngs, (f, d), ("mlp", "embed"), std / math.sqrt(2 * cfg.num_layers), cfg.param_dtype)
-        self.dtype = DTYPES[cfg.dtype]
+        prepare_weights(self, quant, self.PROJECTIONS, DTYPES[cfg.dtype])
 
     def __call__(self, x: jax.Array) -> jax.Array:
         # Matmuls on [batch*length, features]: with one row dimension the backward's weight
@@ -125,8 +132,8 @@ class MLP(nnx.Module):
         # copy cost ~20% of the step; see benchmarks/RESULTS.md).
         b, t, d = x.shape
         rows = x.reshape(b * t, d)
-        gate = rows @ self.w_gate[...].astype(self.dtype)
-        up = rows @ self.w_up[...].astype(self.dtype)
+        gate = project_attr(self, "nd,df->nf", rows, "w_gate")
+        up = project_attr(self, "nd,df->nf", rows, "w_up")
         hidden = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")
         hidden = constrain(hidden, ("rows", "mlp"))
-        return (hidden @ self.w_down[...].astype(self.dtype)).reshape(b, t, d)
+        return project_attr(self, "nf,fd->nd", hidden, "w_down").reshape(b, t, d)

@@ -24,6 +24,7 @@ query and W_uv into the output (DeepSeek-V2 sec. 2.1.2; see docs/inference.md).
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -33,12 +34,20 @@ from jax.ad_checkpoint import checkpoint_name
 from models.attention import Cache, decode_attention
 from models.config import ModelConfig
 from models.layers import DTYPES, apply_rope, ones_param, param, rms_norm, yarn_softmax_scale
+from models.project import Projections, prepare_weights, project_attr, slice_weight, weight
+from models.quant import dequantize
+from models.quant_config import NO_QUANT, QuantConfig
 from sharding.context import attention as context_attention
 from sharding.rules import constrain
 
 
 class MLA(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    # weight -> (projection name, contracted dims): models/project.py prepare_weights
+    PROJECTIONS: ClassVar[Projections] = {
+        "wq": ("mla.q", (-3,)), "wq_a": ("mla.q_a", (-2,)), "wq_b": ("mla.q_b", (-3,)),
+        "wkv_a": ("mla.kv_a", (-2,)), "wkv_b": ("mla.kv_b", (-3,)), "wo": ("mla.o", (-3, -2))}
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, quant: QuantConfig = NO_QUANT):
         d, h, std, dtype = cfg.d_model, cfg.num_heads, cfg.init_std, cfg.param_dtype
         nope, rope, dv, rank = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         if cfg.q_lora_rank is None:
@@ -53,10 +62,10 @@ class MLA(nnx.Module):
         self.wo = param(rngs, (h, dv, d), ("heads", "head_dim", "embed"), std / math.sqrt(2 * cfg.num_layers), dtype)
         self.nope, self.rope, self.dv = nope, rope, dv
         self.eps = cfg.latent_norm_eps
-        self.dtype = DTYPES[cfg.dtype]
         self.impl = cfg.attention_impl
         # The attention entry scales by d_qk^-1/2; a different scale is folded into q.
         self.q_scale = yarn_softmax_scale(cfg)
+        prepare_weights(self, quant, self.PROJECTIONS, DTYPES[cfg.dtype])
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                  rope_freqs: jax.Array) -> jax.Array:
@@ -82,35 +91,39 @@ class MLA(nnx.Module):
         q, latent, k_rope = self._project(x, positions, rope_freqs)  # [B,1,H,nope+rope], [B,1,rank], [B,1,rope]
         new = self._entries(latent, k_rope)
         scale = (self.nope + self.rope) ** -0.5  # the training attention's default (q_scale is in q)
-        wkv_b = self.wkv_b[...].astype(self.dtype)
-        w_uk, w_uv = wkv_b[..., :self.nope], wkv_b[..., self.nope:]
+        wkv_b = weight(self, "wkv_b")
+        w_uk = slice_weight(wkv_b, (..., slice(None, self.nope)))
+        w_uv = slice_weight(wkv_b, (..., slice(self.nope, None)))
         q_nope, q_rope = q[..., :self.nope], q[..., self.nope:]
-        rope_parts = ([q_rope], [cache["k_rope"]], [new["k_rope"]]) if self.rope else ([], [], [])
+        # parts: (queries, cached keys, new keys, key scales of an int8 cache or None)
+        rope = ([q_rope], [cache["k_rope"]], [new["k_rope"]], [cache.get("k_rope_scale")]) if self.rope else [[]] * 4
+        latent_scale = cache.get("latent_scale")
         if absorb:
-            q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk)  # [B, 1, H, rank]
-            o_lat = decode_attention([q_lat, *rope_parts[0]], [cache["latent"], *rope_parts[1]],
-                                     [new["latent"], *rope_parts[2]], cache["latent"], new["latent"],
-                                     positions[:, 0], scale)  # [B, 1, H, rank]
-            out = jnp.einsum("bthr,rhv->bthv", o_lat, w_uv)
+            q_lat = project_attr(self, "bthn,rhn->bthr", q_nope, "wkv_b", w=w_uk)  # [B, 1, H, rank]
+            o_lat = decode_attention([q_lat, *rope[0]], [cache["latent"], *rope[1]], [new["latent"], *rope[2]],
+                                     cache["latent"], new["latent"], positions[:, 0], scale,
+                                     k_scales=[latent_scale, *rope[3]], v_scale=latent_scale)  # [B, 1, H, rank]
+            out = project_attr(self, "bthr,rhv->bthv", o_lat, "wkv_b", w=w_uv)
         else:  # K_nope and V of every cached token from the latent: [B, H, S, nope], [B, H, S, v]
-            up = lambda c, w: jnp.einsum("bsr,rhd->bhsd", c[:, 0], w)  # noqa: E731
-            out = decode_attention([q_nope, *rope_parts[0]], [up(cache["latent"], w_uk), *rope_parts[1]],
-                                   [up(new["latent"], w_uk), *rope_parts[2]], up(cache["latent"], w_uv),
-                                   up(new["latent"], w_uv), positions[:, 0], scale)
+            cached = cache["latent"] if latent_scale is None else dequantize(cache["latent"], latent_scale, q.dtype)
+            up = lambda c, w: project_attr(self, "bsr,rhd->bhsd", c[:, 0], "wkv_b", w=w)  # noqa: E731
+            out = decode_attention([q_nope, *rope[0]], [up(cached, w_uk), *rope[1]],
+                                   [up(new["latent"], w_uk), *rope[2]], up(cached, w_uv),
+                                   up(new["latent"], w_uv), positions[:, 0], scale, k_scales=[None, *rope[3]])
         return self._output(out), new
 
     def _project(self, x: jax.Array, positions: jax.Array,
                  rope_freqs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         """(q [B, T, H, nope + rope] with RoPE and the YaRN factor applied, c_kv [B, T, rank],
         k_rope [B, T, rope] with RoPE, or None without a rope part)."""
-        dt = self.dtype
         b, t, d = x.shape
         rows = x.reshape(b * t, d)  # 2-D matmuls: see models/layers.py MLP for why
         if hasattr(self, "wq"):
-            q = self._up(rows, self.wq, b, t)
+            q = self._up(rows, "wq", b, t)
         else:
-            q = self._up(rms_norm(rows @ self.wq_a[...].astype(dt), self.q_norm[...], self.eps), self.wq_b, b, t)
-        kv_a = rows @ self.wkv_a[...].astype(dt)
+            q_a = rms_norm(project_attr(self, "nd,dr->nr", rows, "wq_a"), self.q_norm[...], self.eps)
+            q = self._up(q_a, "wq_b", b, t)
+        kv_a = project_attr(self, "nd,dr->nr", rows, "wkv_a")
         latent = rms_norm(kv_a[:, :-self.rope] if self.rope else kv_a, self.kv_norm[...], self.eps)
         k_rope = None
         if self.rope:
@@ -121,16 +134,15 @@ class MLA(nnx.Module):
             q = q * jnp.asarray(self.q_scale, q.dtype)
         return q, latent.reshape(b, t, -1), k_rope
 
-    def _up(self, inputs: jax.Array, w: nnx.Param, b: int, t: int) -> jax.Array:
+    def _up(self, inputs: jax.Array, attr: str, b: int, t: int) -> jax.Array:
         """[N, r] @ [r, H, D] -> [B, T, H, D]."""
-        r, heads, dh = w.shape
-        return (inputs @ w[...].astype(self.dtype).reshape(r, heads * dh)).reshape(b, t, heads, dh)
+        out = project_attr(self, "nr,rhk->nhk", inputs, attr)
+        return out.reshape(b, t, *out.shape[1:])
 
-    def _keys_values(self, latent: jax.Array, k_rope: jax.Array | None, wkv_b: jax.Array, b: int, t: int,
+    def _keys_values(self, latent: jax.Array, k_rope: jax.Array | None, b: int, t: int,
                      heads: int) -> tuple[jax.Array, jax.Array]:
         """K [B, T, H, nope + rope] and V [B, T, H, v] up-projected from c_kv (the explicit form)."""
-        r = latent.shape[-1]
-        kv = (latent.reshape(b * t, r) @ wkv_b.reshape(r, -1)).reshape(b, t, heads, self.nope + self.dv)
+        kv = self._up(latent.reshape(b * t, -1), "wkv_b", b, t)
         k_nope, v = kv[..., :self.nope], kv[..., self.nope:]
         if k_rope is None:
             return k_nope, v
@@ -146,16 +158,14 @@ class MLA(nnx.Module):
 
     def _output(self, out: jax.Array) -> jax.Array:
         b, t, heads, dv = out.shape
-        d = self.wo.shape[-1]
-        wo = self.wo[...].astype(self.dtype).reshape(heads * dv, d)
-        return (out.reshape(b * t, heads * dv) @ wo).reshape(b, t, d)
+        return project_attr(self, "nhv,hvd->nd", out.reshape(b * t, heads, dv), "wo").reshape(b, t, -1)
 
     def _attend(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                 rope_freqs: jax.Array) -> tuple[jax.Array, Cache]:
         b, t, _ = x.shape
         q, latent, k_rope = self._project(x, positions, rope_freqs)
         heads = q.shape[2]
-        k, v = self._keys_values(latent, k_rope, self.wkv_b[...].astype(self.dtype), b, t, heads)
+        k, v = self._keys_values(latent, k_rope, b, t, heads)
         q = constrain(checkpoint_name(q, "query_proj"), ("batch", "length", "heads", "head_dim"))
         k = constrain(checkpoint_name(k, "key_proj"), ("batch", "length", "heads", "head_dim"))
         v = constrain(checkpoint_name(v, "value_proj"), ("batch", "length", "heads", "head_dim"))

@@ -28,6 +28,8 @@ real token's slot) and are left out of every statistic.
 from __future__ import annotations
 
 import math
+from functools import partial
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +38,17 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.config import ModelConfig
 from models.layers import DTYPES, MLP, param
+from models.project import (
+    Int8Weight,
+    Projections,
+    Weight,
+    matmul_of,
+    prepare_weights,
+    project,
+    project_ragged,
+    weight,
+)
+from models.quant_config import NO_QUANT, MatmulQuant, QuantConfig
 from models.router import Router, router_losses
 from sharding.expert import capacity_experts, dropless_experts
 
@@ -44,17 +57,21 @@ DOWN_NAMES = ("experts", "mlp", "embed")
 
 
 class MoE(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    # weight -> (projection name, contracted dims): models/project.py prepare_weights
+    PROJECTIONS: ClassVar[Projections] = {
+        "w_gate": ("experts.gate", (-2,)), "w_up": ("experts.up", (-2,)), "w_down": ("experts.down", (-2,))}
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, quant: QuantConfig = NO_QUANT):
         e, d, f, std = cfg.moe_num_experts, cfg.d_model, cfg.expert_dim, cfg.init_std
-        self.router = Router(cfg, rngs)
+        self.router = Router(cfg, rngs, quant)
         self.w_gate = param(rngs, (e, d, f), GATE_NAMES, std, cfg.param_dtype)
         self.w_up = param(rngs, (e, d, f), GATE_NAMES, std, cfg.param_dtype)
         # Residual-branch output scaled down with depth, as the dense MLP's w_down.
         self.w_down = param(rngs, (e, f, d), DOWN_NAMES, std / math.sqrt(2 * cfg.num_layers), cfg.param_dtype)
         if cfg.moe_shared_experts:
-            self.shared = MLP(cfg, rngs, width=cfg.moe_shared_experts * f)
+            self.shared = MLP(cfg, rngs, width=cfg.moe_shared_experts * f, quant=quant)
         self.cfg = cfg
-        self.dtype = DTYPES[cfg.dtype]
+        prepare_weights(self, quant, self.PROJECTIONS, DTYPES[cfg.dtype])
 
     def __call__(self, x: jax.Array, mask: jax.Array,
                  order: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -72,16 +89,23 @@ class MoE(nnx.Module):
         k = cfg.moe_top_k
         routing = self.router(x.reshape(b * t, d), mask.reshape(b * t))
         experts, gates = routing.experts.reshape(b, t, k), routing.weights.reshape(b, t, k)
-        weights = tuple(w[...].astype(dt) for w in (self.w_gate, self.w_up, self.w_down))
+        # Float weights enter the expert exchange in the compute dtype (gathers move half the bytes in
+        # bfloat16); int8-stored ones as they are. Flat leaves: an Int8Weight is two arrays.
+        weights = [w if isinstance(w, Int8Weight) else w.astype(dt) for w in map(partial(weight, self), ATTRS)]
+        leaves, treedef = jax.tree.flatten(weights)
+        matmuls = tuple(matmul_of(self, a) for a in ATTRS)
         if cfg.moe_dispatch == "capacity":
             capacity = expert_capacity(t, k, cfg.moe_num_experts, cfg.moe_capacity_factor)
             dispatch, combine, dropped = capacity_assignment(experts, gates, mask, cfg.moe_num_experts, capacity,
                                                              order)
             x_e = jnp.einsum("gsec,gsd->gecd", dispatch.astype(dt), x)
-            y_e = capacity_experts(x_e, weights, expert_swiglu)
+            y_e = capacity_experts(x_e, leaves, partial(_unflattened, expert_swiglu, treedef, matmuls, dt))
             y = jnp.einsum("gsec,gecd->gsd", combine.astype(dt), y_e)
         else:
-            y = dropless_experts(x, experts, gates, weights, (GATE_NAMES, GATE_NAMES, DOWN_NAMES), grouped_swiglu,
+            names = jax.tree.leaves([_names(w, n) for w, n in zip(weights, (GATE_NAMES, GATE_NAMES, DOWN_NAMES))],
+                                    is_leaf=lambda n: isinstance(n, tuple) and not isinstance(n, Int8Weight))
+            y = dropless_experts(x, experts, gates, leaves, names,
+                                 partial(_unflattened, grouped_swiglu, treedef, matmuls, dt, ragged=True),
                                  cfg.moe_num_experts)
             dropped = jnp.zeros((), jnp.float32)
         if cfg.moe_shared_experts:
@@ -138,20 +162,42 @@ def capacity_assignment(experts: jax.Array, gates: jax.Array, mask: jax.Array, n
     return dispatch, combine, dropped.astype(jnp.float32)
 
 
-def expert_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+ATTRS = ("w_gate", "w_up", "w_down")
+
+
+def _names(w: Weight, names: tuple[str, ...]) -> tuple | Int8Weight:
+    """Logical names of a weight's arrays: a scale has None where it is reduced (size 1)."""
+    if not isinstance(w, Int8Weight):
+        return names
+    return Int8Weight(names, tuple(n if s == v else None for n, s, v in zip(names, w.scale.shape, w.values.shape)))
+
+
+def _unflattened(ffn, treedef, matmuls: tuple[MatmulQuant, ...], dtype, x: jax.Array, *leaves: jax.Array,
+                 ragged: bool = False) -> jax.Array:
+    """The expert FFN on leaves flattened for the exchange (sharding/expert.py): rebuilds the weights."""
+    if ragged:
+        group_sizes, *leaves = leaves
+        return ffn(matmuls, dtype, x, group_sizes, *jax.tree.unflatten(treedef, leaves))
+    return ffn(matmuls, dtype, x, *jax.tree.unflatten(treedef, leaves))
+
+
+def expert_swiglu(matmuls: tuple[MatmulQuant, ...], dtype, x: jax.Array, w_gate: Weight, w_up: Weight,
+                  w_down: Weight) -> jax.Array:
     """Per-expert SwiGLU on slots x [..., E, C, d] with weights [E, d, f], [E, d, f], [E, f, d]."""
-    gate = jnp.einsum("...ecd,edf->...ecf", x, w_gate)
-    up = jnp.einsum("...ecd,edf->...ecf", x, w_up)
+    x_names = (None,) * (x.ndim - 3) + ("experts", None, "embed")
+    h_names = x_names[:-1] + ("mlp",)
+    gate = project("...ecd,edf->...ecf", x, w_gate, matmuls[0], dtype=dtype, names=(x_names, GATE_NAMES))
+    up = project("...ecd,edf->...ecf", x, w_up, matmuls[1], dtype=dtype, names=(x_names, GATE_NAMES))
     hidden = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")
-    return jnp.einsum("...ecf,efd->...ecd", hidden, w_down)
+    return project("...ecf,efd->...ecd", hidden, w_down, matmuls[2], dtype=dtype, names=(h_names, DOWN_NAMES))
 
 
-def grouped_swiglu(rows: jax.Array, group_sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                   w_down: jax.Array) -> jax.Array:
+def grouped_swiglu(matmuls: tuple[MatmulQuant, ...], dtype, rows: jax.Array, group_sizes: jax.Array,
+                   w_gate: Weight, w_up: Weight, w_down: Weight) -> jax.Array:
     """SwiGLU of rows sorted by expert [M, d]: rows of group e use expert e's weights.
 
     Grouped matmuls (`jax.lax.ragged_dot`); rows past sum(group_sizes) give 0."""
-    gate = jax.lax.ragged_dot(rows, w_gate, group_sizes)
-    up = jax.lax.ragged_dot(rows, w_up, group_sizes)
+    gate = project_ragged(rows, w_gate, group_sizes, matmuls[0], dtype=dtype, names=(("rows", "embed"), GATE_NAMES))
+    up = project_ragged(rows, w_up, group_sizes, matmuls[1], dtype=dtype, names=(("rows", "embed"), GATE_NAMES))
     hidden = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")
-    return jax.lax.ragged_dot(hidden, w_down, group_sizes)
+    return project_ragged(hidden, w_down, group_sizes, matmuls[2], dtype=dtype, names=(("rows", "mlp"), DOWN_NAMES))

@@ -21,6 +21,8 @@ Statistics (over real tokens only; padding is masked out):
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -28,6 +30,8 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.layers import param
+from models.project import Projections, prepare_weights, project_attr
+from models.quant_config import NO_QUANT, QuantConfig
 
 
 class RouterBias(nnx.Param):
@@ -51,18 +55,21 @@ class Routing:
 
 
 class Router(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    PROJECTIONS: ClassVar[Projections] = {"w": ("router", (-2,))}  # models/project.py prepare_weights
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, quant: QuantConfig = NO_QUANT):
         # The router matrix is tiny and read by every token: kept replicated over `expert`.
         self.w = param(rngs, (cfg.d_model, cfg.moe_num_experts), ("embed", None), cfg.init_std, cfg.param_dtype)
         if cfg.moe_bias_update_rate > 0 or cfg.moe_router_bias:
             self.bias = RouterBias(jnp.zeros((cfg.moe_num_experts,), jnp.float32), out_sharding=("experts",),
                                    eager_sharding=False)
         self.cfg = cfg
+        prepare_weights(self, quant, self.PROJECTIONS, jnp.float32)
 
     def __call__(self, rows: jax.Array, mask: jax.Array) -> Routing:
         """rows [N, d], mask [N] (True for real tokens)."""
         # Routing in float32: top-k decisions flip on bfloat16 rounding of near-equal logits.
-        logits = jnp.dot(rows.astype(jnp.float32), self.w[...].astype(jnp.float32))
+        logits = project_attr(self, "nd,de->ne", rows.astype(jnp.float32), "w")
         bias = jax.lax.stop_gradient(self.bias[...]) if hasattr(self, "bias") else None
         return route(logits, mask, self.cfg, bias)
 

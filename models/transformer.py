@@ -33,6 +33,8 @@ from models.config import ModelConfig
 from models.layers import DTYPES, MLP, RMSNorm, param, rope_frequencies
 from models.mla import MLA
 from models.moe import MOE_STATS, PARTIAL_STATS, MoE, merge_stats
+from models.project import lookup, prepare_weights, project_attr, weight
+from models.quant_config import NO_QUANT, QuantConfig
 from sharding import pipeline
 from sharding.rules import constrain
 
@@ -59,18 +61,18 @@ def remat_policy(name: str):
     raise ValueError(f"unknown remat policy {name!r}")
 
 
-def make_attention(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
-    return MLA(cfg, rngs) if cfg.is_mla else Attention(cfg, rngs)
+def make_attention(cfg: ModelConfig, rngs: nnx.Rngs, quant: QuantConfig = NO_QUANT) -> nnx.Module:
+    return MLA(cfg, rngs, quant) if cfg.is_mla else Attention(cfg, rngs, quant)
 
 
 class Block(nnx.Module):
     """Pre-norm residual block: attention then SwiGLU MLP."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, quant: QuantConfig = NO_QUANT):
         self.attn_norm = RMSNorm(cfg.d_model, cfg)
-        self.attn = make_attention(cfg, rngs)
+        self.attn = make_attention(cfg, rngs, quant)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = MLP(cfg, rngs, quant=quant)
 
     def __call__(self, h: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                  rope_freqs: jax.Array) -> jax.Array:
@@ -93,11 +95,11 @@ class Block(nnx.Module):
 class MoEBlock(nnx.Module):
     """Pre-norm residual block: attention then a Mixture-of-Experts feed-forward."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, quant: QuantConfig = NO_QUANT):
         self.attn_norm = RMSNorm(cfg.d_model, cfg)
-        self.attn = make_attention(cfg, rngs)
+        self.attn = make_attention(cfg, rngs, quant)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg)
-        self.moe = MoE(cfg, rngs)
+        self.moe = MoE(cfg, rngs, quant)
 
     def __call__(self, h: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                  rope_freqs: jax.Array, mask: jax.Array,
@@ -128,32 +130,37 @@ def sequence_order(positions: jax.Array, segment_ids: jax.Array | None) -> jax.A
     return jnp.lexsort((positions, segment_ids), axis=-1)
 
 
-def _stack(cfg: ModelConfig, rngs: nnx.Rngs, cls: type, count: int) -> nnx.Module:
+def _stack(cfg: ModelConfig, rngs: nnx.Rngs, cls: type, count: int, quant: QuantConfig) -> nnx.Module:
     """`count` layers of `cls` with parameters stacked on a leading `layers` axis."""
 
     @nnx.split_rngs(splits=count)
     @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def make(rngs: nnx.Rngs) -> nnx.Module:
-        return cls(cfg, rngs)
+        return cls(cfg, rngs, quant)
 
     return make(rngs)
 
 
 class Transformer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, quant: QuantConfig = NO_QUANT):
+        """`quant` (the run's `quant` section) decides how the projections compute and how weights are
+        stored; its default is plain float matmuls and weights."""
         self.cfg = cfg
         self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std, cfg.param_dtype)
 
         flags = cfg.moe_layer_flags()
         dense, sparse = flags.count(False), flags.count(True)
         if dense:
-            self.layers = _stack(cfg, rngs, Block, dense)
+            self.layers = _stack(cfg, rngs, Block, dense, quant)
         if sparse:
-            self.moe_layers = _stack(cfg, rngs, MoEBlock, sparse)
+            self.moe_layers = _stack(cfg, rngs, MoEBlock, sparse, quant)
         self.final_norm = RMSNorm(cfg.d_model, cfg)
         if not cfg.tie_embeddings:
             self.unembed = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std,
                                  cfg.param_dtype)
+        # The table's rows are contracted with h by the unembedding when tied; untied, it is only looked up.
+        prepare_weights(self, quant, {"embed": ("unembed" if cfg.tie_embeddings else "embed", (-1,)),
+                                      "unembed": ("unembed", (-2,))}, DTYPES[cfg.dtype])
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None) -> jax.Array:
@@ -193,11 +200,11 @@ class Transformer(nnx.Module):
     def logits(self, h: jax.Array) -> jax.Array:
         """Final-normed hidden states [B, T, d] (or a chunk of T) -> float32 logits [B, T, vocab],
         soft-capped when configured."""
-        cfg, dt = self.cfg, DTYPES[self.cfg.dtype]
+        cfg = self.cfg
         if cfg.tie_embeddings:
-            logits = jnp.einsum("btd,vd->btv", h, self.embed[...].astype(dt), preferred_element_type=jnp.float32)
+            logits = project_attr(self, "btd,vd->btv", h, "embed", out_dtype=jnp.float32)
         else:
-            logits = jnp.einsum("btd,dv->btv", h, self.unembed[...].astype(dt), preferred_element_type=jnp.float32)
+            logits = project_attr(self, "btd,dv->btv", h, "unembed", out_dtype=jnp.float32)
         if cfg.logit_softcap is not None:
             logits = cfg.logit_softcap * jnp.tanh(logits / cfg.logit_softcap)
         return constrain(logits, ("batch", "length", "vocab"))
@@ -240,8 +247,8 @@ class Transformer(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         # Gather the FSDP-sharded table first (as for any weight): a lookup straight into a
         # table sharded on `embed` makes GSPMD replicate the activations instead under data x fsdp.
-        table = constrain(self.embed[...], ("vocab", None))
-        h = jnp.take(table, tokens, axis=0).astype(dt)
+        table = jax.tree.map(lambda a: constrain(a, ("vocab", None)), weight(self, "embed"))
+        h = lookup(table, tokens, dt)
         h = constrain(h, ("batch", "residual_length", "embed"))
         return h, positions, rope_frequencies(cfg)
 

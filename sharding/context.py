@@ -86,9 +86,14 @@ def _ring_attention_local(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Arr
     return out.transpose(0, 3, 1, 2, 4).reshape(b, tl, h, v.shape[-1]).astype(q.dtype)
 
 
+# Custom kernels XLA cannot partition (cuDNN's packed layout: its per-row segment tables are
+# built from the local batch, so each shard must build its own).
+PER_SHARD_IMPLS = ("pallas_triton", "pallas_mosaic_tpu", "pallas_mosaic_gpu", "cudnn")
+
+
 def _per_shard_kernel(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, impl: str,
                       mesh, rules) -> jax.Array:
-    """Run a Pallas kernel on each device's (batch, heads) shard.
+    """Run a custom kernel (Pallas, cuDNN) on each device's (batch, heads) shard.
 
     XLA cannot partition a custom kernel, so without this it would gather the full batch
     onto every device. Heads are split over their mesh axes only when the K/V heads split
@@ -104,13 +109,14 @@ def _per_shard_kernel(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
     used = {a for axes in (batch, heads) if axes for a in (axes if isinstance(axes, tuple) else (axes,))}
     if not used:
         return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl)
-    if segment_ids is None:
-        segment_ids = jnp.ones(q.shape[:2], jnp.int32)
+    args, specs = (q, k, v), (spec, spec, spec)
+    if segment_ids is not None:
+        args, specs = (*args, segment_ids), (*specs, seg_spec)
     body = jax.shard_map(
-        lambda q, k, v, s: kernels.attention(q, k, v, causal=True, segment_ids=s, impl=impl),
-        mesh=mesh, axis_names=used, in_specs=(spec, spec, spec, seg_spec), out_specs=spec,
-        check_vma=False)  # pallas_call outputs carry no varying-axes annotation
-    return body(q, k, v, segment_ids)
+        lambda q, k, v, *s: kernels.attention(q, k, v, causal=True, segment_ids=s[0] if s else None, impl=impl),
+        mesh=mesh, axis_names=used, in_specs=specs, out_specs=spec,
+        check_vma=False)  # custom-call outputs carry no varying-axes annotation
+    return body(*args)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Array | None,
@@ -121,7 +127,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Arra
         return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl)
     mesh, rules = current
     if mesh.shape[CONTEXT] == 1:
-        if kernels.resolve_impl(impl, q, v).startswith("pallas") and mesh.size > 1:
+        if kernels.resolve_impl(impl, q, v, segment_ids=segment_ids) in PER_SHARD_IMPLS and mesh.size > 1:
             return _per_shard_kernel(q, k, v, segment_ids, impl, mesh, rules)
         return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl)
     if rules.context_impl == "allgather":

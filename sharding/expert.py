@@ -42,6 +42,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from kernels.logs import log_once
+from sharding.reductions import manual_reductions
 from sharding.rules import active, logical_to_mesh
 
 EXPERT = "expert"
@@ -155,7 +156,8 @@ def capacity_experts(x_e: jax.Array, weights: Sequence[jax.Array],
 
     def body(x, *local_weights):
         x = jax.lax.all_to_all(x, EXPERT, split_axis=e_dim, concat_axis=1, tiled=True)  # [o, ep, i, E/ep, C, d]
-        y = ffn(x, *local_weights)
+        with manual_reductions({"experts": (EXPERT,)}):  # quantization scales over all experts (models/qdot.py)
+            y = ffn(x, *local_weights)
         return jax.lax.all_to_all(y, EXPERT, split_axis=1, concat_axis=e_dim, tiled=True)  # [o, 1, i, E, C, d]
 
     # Inside the pipeline (sharding/pipeline.py) this runs under a vmap with spmd_axis_name
@@ -189,15 +191,20 @@ def dropless_experts(x: jax.Array, experts: jax.Array, gates: jax.Array, weights
     token_spec, weight_specs, gathers, tp = plan
     ep = mesh.shape[EXPERT] if any(EXPERT in s[0] for s in weight_specs) else 1
     exchange = _ragged_exchange(mesh.devices.flat[0].platform) if ep > 1 else None
+    # Which manual axes split the body's dims, for quantization scales (sharding/reductions.py): rows
+    # (all the assignments) over the token axes, the expert hidden dim over `tensor`, experts over `expert`.
+    splits = {"rows": tuple(sorted({a for e in token_spec for a in _axes(e)})), "mlp": (TENSOR,) if tp else (),
+              "experts": (EXPERT,) if ep > 1 else ()}
 
     def body(x, experts, gates, *local):
         local = [_gather(w, axes) for w, axes in zip(local, gathers)]
         b, t, d = x.shape
         rows, ids, g = x.reshape(b * t, d), experts.reshape(b * t, -1), gates.reshape(b * t, -1)
-        if ep == 1:
-            y = _dropless_local_rows(rows, ids, g, local, grouped_ffn, num_experts)
-        else:
-            y = _dropless_exchange(rows, ids, g, local, grouped_ffn, num_experts, ep, exchange)
+        with manual_reductions(splits):
+            if ep == 1:
+                y = _dropless_local_rows(rows, ids, g, local, grouped_ffn, num_experts)
+            else:
+                y = _dropless_exchange(rows, ids, g, local, grouped_ffn, num_experts, ep, exchange)
         if tp:  # each tensor shard holds a slice of the hidden dim: partial sums
             y = jax.lax.psum(y, TENSOR)
         return y.reshape(b, t, d)

@@ -7,14 +7,14 @@ a test file's table. Used by test_parallel, test_pipeline, test_expert_parallel,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 
 from jaxinfra.config import Config, OptimizerConfig, ParallelismConfig, ScheduleConfig, TrainConfig
 from jaxinfra.data import DataConfig
-from jaxinfra.runtime import build_runtime
+from jaxinfra.runtime import Runtime, build_runtime
 from models import ModelConfig
 from sharding.mesh import MeshConfig
 
@@ -51,9 +51,13 @@ def packed_batches(batch: int, seq: int, vocab: int, steps: int, seed: int = 1) 
     return [one] * steps
 
 
-def run_steps(cfg: Config, devices: Sequence, batches: list[dict[str, np.ndarray]]) -> dict:
-    """Build the runtime the way jaxinfra/train.py does and take one step per batch."""
+def run_steps(cfg: Config, devices: Sequence, batches: list[dict[str, np.ndarray]],
+              setup: Callable[[Runtime], None] | None = None) -> dict:
+    """Build the runtime the way jaxinfra/train.py does and take one step per batch; `setup(rt)`
+    runs first (e.g. loading a distillation teacher's params)."""
     rt = build_runtime(cfg, devices)
+    if setup is not None:
+        setup(rt)
     state = rt.init_state()
     initial = jax.device_get(state.params)
     metrics = []

@@ -404,7 +404,7 @@ def _z(*shape, dtype=jnp.float32):
          "one-segment-array-lengths", "segment-shape-q", "segment-shape-kv", "segment-dtype", "window-negative",
          "window-int", "softcap", "scale", "impl", "cudnn-on-cpu"],
 )
-@pytest.mark.parametrize("impl", ["pallas_triton", "pallas_mosaic_tpu", "xla"])
+@pytest.mark.parametrize("impl", ["pallas_triton", "pallas_mosaic_tpu", "pallas_mosaic_gpu", "xla"])
 def test_bad_arguments_raise_before_any_kernel(args, kwargs, pattern, impl, monkeypatch):
     def no_kernel(*a, **k):
         raise AssertionError("a kernel ran before validation")
@@ -442,6 +442,9 @@ def test_pallas_impl_on_the_wrong_accelerator_raises(monkeypatch):
 def test_block_size_table():
     bs = block_table.lookup("NVIDIA H100 80GB HBM3", "bfloat16", 128, 128, "causal")
     assert bs.num_warps == 8 and bs.block_q == 128
+    assert bs.warps_stages("fwd", 128) == (8, 3) and bs.warps_stages("dkv", 128) == (8, 2)
+    assert BlockSizes().warps_stages("dq", 64) == (4, 2)  # unset: 4 warps up to D64, 2 stages
+    assert BlockSizes(num_warps=8, num_stages_dq=4).warps_stages("dq", 64) == (8, 4)
     assert block_table.lookup("NVIDIA H100", "float32", 128, 128, "causal").block_q == 64  # dtype row wins
     assert block_table.lookup("TPU v5 lite", "bfloat16", 128, 128, "causal").block_kv == 512
     assert block_table.lookup("TPU v4", "bfloat16", 64, 64, "full") == block_table.TABLE[("TPU", "*", "*", "*")]
@@ -452,6 +455,20 @@ def test_block_size_table():
 
 
 # ---------------------------------------------------------------- the shared block logic, brute force
+
+
+def _random_bands(seed: int, n: int = 300):
+    """(band, bq, bk, tq_p, tkv_p, visibility over the padded lengths) for random bands, lengths
+    and blocks (lengths padded to 64, the largest block)."""
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        tq, tkv = (int(x) for x in rng.integers(1, 90, 2))
+        bq, bk = (int(x) for x in rng.choice([16, 32, 64], 2))
+        left = None if rng.random() < 0.4 else int(rng.integers(0, 40))
+        right = None if rng.random() < 0.4 else int(rng.integers(0, 40))
+        band = masks.make_band(bool(rng.random() < 0.5), (left, right), tq, tkv)
+        tq_p, tkv_p = -(-tq // 64) * 64, -(-tkv // 64) * 64
+        yield band, bq, bk, tq_p, tkv_p, _dense_visibility(band, tq_p, tkv_p)
 
 
 def _dense_visibility(band: masks.Band, tq_p: int, tkv_p: int) -> np.ndarray:
@@ -468,15 +485,8 @@ def _dense_visibility(band: masks.Band, tq_p: int, tkv_p: int) -> np.ndarray:
 def test_block_ranges_are_sound_and_full_blocks_are_full():
     """For random bands, lengths and blocks: every visible (query, key) pair lies in a visited
     block, and blocks visited without an element mask are entirely visible."""
-    rng = np.random.default_rng(0)
-    for _ in range(300):
-        tq, tkv = (int(x) for x in rng.integers(1, 90, 2))
-        bq, bk = (int(x) for x in rng.choice([16, 32, 64], 2))
-        left = None if rng.random() < 0.4 else int(rng.integers(0, 40))
-        right = None if rng.random() < 0.4 else int(rng.integers(0, 40))
-        band = masks.make_band(bool(rng.random() < 0.5), (left, right), tq, tkv)
-        tq_p, tkv_p = -(-tq // 64) * 64, -(-tkv // 64) * 64
-        vis = _dense_visibility(band, tq_p, tkv_p)
+    for band, bq, bk, tq_p, tkv_p, vis in _random_bands(seed=0):
+        tq = band.q_len
         for qi in range(tq_p // bq):
             lo, flo, fhi, hi = masks.kv_block_range(qi, bq, bk, band)
             assert 0 <= lo <= flo <= fhi <= hi <= tkv_p // bk
@@ -497,6 +507,61 @@ def test_block_ranges_are_sound_and_full_blocks_are_full():
                     assert not cols[i * bq:(i + 1) * bq].any(), (band, bq, bk, kj, i)
                 if flo <= i < fhi:
                     assert vis[i * bq:(i + 1) * bq, kj * bk:(kj + 1) * bk].all(), (band, bq, bk, kj, i)
+
+
+def test_every_fully_visible_block_is_in_the_unmasked_range():
+    """The converse of the test above: a block whose tile is entirely visible (and holds no
+    appended key) is never visited with an element mask, so the unmasked fast path covers
+    every block strictly inside the band."""
+    for band, bq, bk, tq_p, tkv_p, vis in _random_bands(seed=2):
+        tq, tkv = band.q_len, band.kv_len
+        tile = lambda i, j: vis[i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]  # noqa: E731
+        for qi in range(tq_p // bq):
+            _, flo, fhi, _ = masks.kv_block_range(qi, bq, bk, band)
+            full = [j for j in range(tkv_p // bk) if (j + 1) * bk <= tkv and tile(qi, j).all()]
+            assert full == list(range(flo, fhi)), (band, bq, bk, qi)
+        for kj in range(tkv_p // bk):
+            _, flo, fhi, _ = masks.q_block_range(kj, bq, bk, band)
+            full = [i for i in range(-(-tq // bq)) if (kj + 1) * bk <= tkv and tile(i, kj).all()]
+            assert full == list(range(flo, fhi)), (band, bq, bk, kj)
+
+
+def test_triton_kernels_mask_only_the_blocks_on_the_band_edge(monkeypatch):
+    """Counted at run time (interpret mode): causal T=64 in 16-blocks visits 10 blocks per
+    kernel (forward, dq, dk/dv) and applies the element mask on the 4 diagonal blocks only."""
+    from kernels import flash_triton
+
+    counts = {"visits": 0, "masked": 0}
+
+    def counting(name, fn):
+        def wrapped(*a, **k):
+            jax.debug.callback(lambda: counts.__setitem__(name, counts[name] + 1))
+            return fn(*a, **k)
+        return wrapped
+
+    monkeypatch.setattr(flash_triton, "_scores", counting("visits", flash_triton._scores))
+    monkeypatch.setattr(flash_triton, "_mask", counting("masked", flash_triton._mask))
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 64, 1, 16)), jnp.float32)
+
+    def loss(q):
+        return jnp.sum(kernels.attention(q, q, q, causal=True, impl="pallas_triton", block_sizes=SMALL))
+
+    jax.block_until_ready(jax.jit(jax.grad(loss))(q))
+    assert counts == {"visits": 3 * 10, "masked": 3 * 4}
+
+
+def test_float32_inputs_use_ieee_dots_in_the_triton_kernel():
+    """Triton's default for float32 dots is TF32 (~1e-3 relative error, measured on an H200):
+    float32 operands must ask for HIGHEST (IEEE), 16-bit ones keep the default."""
+    from kernels import flash_triton
+
+    def precision(dtype):
+        x = jnp.zeros((16, 16), dtype)
+        eqn = jax.make_jaxpr(lambda a, b: flash_triton._dot(a, b, flash_triton._NT))(x, x).eqns[0]
+        return eqn.params["precision"]
+
+    assert precision(jnp.float32) == (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+    assert precision(jnp.bfloat16) is None
 
 
 def test_block_ranges_traced_equal_static():
@@ -526,12 +591,18 @@ def test_segment_block_kind_brute_force():
 
 
 def _lower(backend: str, device_kind: str, *, t=256, hq=4, hkv=2, dqk=128, dv=128, dtype=jnp.bfloat16,
-           causal=True, window=None, softcap=None, segments=False) -> str:
+           causal=True, window=None, softcap=None, segments=False, blocks=None) -> str:
+    """Forward + backward of one backend ("triton", "tpu", "mosaic_gpu") lowered for its real
+    compiler (CUDA or TPU) on this CPU machine; `blocks` overrides the device's table row."""
+    from kernels import flash_mosaic_gpu
     from kernels.flash import FlashParams, flash_attention
     from kernels.flash_tpu import tpu_blocks
 
     band = masks.make_band(causal, window, t, t)
-    blocks = block_table.lookup(device_kind, jnp.dtype(dtype).name, dqk, dv, band.kind).clamped(t, t)
+    table = block_table.MOSAIC_GPU_TABLE if backend == "mosaic_gpu" else block_table.TABLE
+    if blocks is None:
+        blocks = block_table.lookup(device_kind, jnp.dtype(dtype).name, dqk, dv, band.kind, table=table)
+    blocks = flash_mosaic_gpu.clamped(blocks, band) if backend == "mosaic_gpu" else blocks.clamped(t, t)
     if backend == "tpu":
         blocks = tpu_blocks(blocks, band, interpret=False)
     params = FlashParams(backend, band, dqk ** -0.5, softcap, blocks, interpret=False)
@@ -546,7 +617,7 @@ def _lower(backend: str, device_kind: str, *, t=256, hq=4, hkv=2, dqk=128, dv=12
             return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
-    platform = {"triton": "cuda", "tpu": "tpu"}[backend]
+    platform = {"triton": "cuda", "tpu": "tpu", "mosaic_gpu": "cuda"}[backend]
     return jax.jit(fwd_bwd).trace(q, k, v, seg).lower(lowering_platforms=(platform,)).as_text()
 
 
@@ -568,3 +639,29 @@ def test_lowers_to_triton_for_gpu(name):
 def test_lowers_to_mosaic_for_tpu(name):
     text = _lower("tpu", "TPU v5 lite", **LOWERING[name])
     assert text.count("custom_call @tpu_custom_call") == 3
+
+
+# The Hopper kernel (kernels/flash_mosaic_gpu.py): Mosaic GPU's lowering checks layouts, wgmma
+# operand shapes and the 227 KB shared-memory limit on CPU too.
+MOSAIC_GPU_LOWERING = {
+    "causal-d128-gqa2": {},
+    "len200-window-both-d64-gqa4-f16": dict(t=200, hq=8, hkv=2, dqk=64, dv=64, causal=False, window=(40, 17),
+                                            dtype=jnp.float16),
+    "mla192-128-mqa-segments-window-softcap": dict(dqk=192, dv=128, hkv=1, segments=True, window=(64, 0),
+                                                  softcap=30.0),
+}
+
+
+@pytest.mark.parametrize("name", list(MOSAIC_GPU_LOWERING))
+def test_lowers_to_mosaic_gpu_for_cuda(name):
+    text = _lower("mosaic_gpu", "NVIDIA H100 80GB HBM3", **MOSAIC_GPU_LOWERING[name])
+    assert text.count("custom_call @mosaic_gpu") == 3  # forward, dq, dk/dv
+
+
+def test_mosaic_gpu_head_dim_256_is_refused_because_it_does_not_fit_shared_memory():
+    """The stated limit is real: at 256 the backward's tiles exceed Hopper's 227 KB."""
+    from kernels import flash_mosaic_gpu
+
+    assert "up to 192" in flash_mosaic_gpu.unsupported(jnp.bfloat16, 256, 256, "gpu", "9.0")
+    with pytest.raises(ValueError, match="exceeds available shared memory"):
+        _lower("mosaic_gpu", "NVIDIA H100", dqk=256, dv=256, blocks=BlockSizes(64, 64, 64, 64, 64, 64, num_stages=2))

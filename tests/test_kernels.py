@@ -180,3 +180,45 @@ def test_log_once_warns_once_per_message_on_the_callers_logger(caplog):
     assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == [
         (logger.name, logging.WARNING, "fallback a"), (logger.name, logging.WARNING, "fallback b")]
     assert seen == {"fallback a", "fallback b"}
+
+
+# ---------------------------------------------------------------- the device script, dry run
+
+
+def _device_check():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if "device_check" not in sys.modules:  # scripts/ is not a package
+        path = Path(__file__).resolve().parents[1] / "scripts" / "device_check.py"
+        spec = importlib.util.spec_from_file_location("device_check", path)
+        sys.modules["device_check"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["device_check"])
+    return sys.modules["device_check"]
+
+
+def test_device_check_dry_run(tmp_path, capsys):
+    """scripts/device_check.py on CPU: one numerics case (xla runs it, twice; cuDNN and Mosaic GPU
+    say why not; the Triton kernel takes the same path and is left out to save its interpreted
+    compiles), the timing table, the JSON rows under --out, and a spent budget skipping rows."""
+    import json
+
+    from benchmarks import attention as bench
+
+    check = _device_check()
+    impls = "xla,pallas_mosaic_gpu,cudnn"
+    assert check.main(["--dry-run", "--cases", "packed causal GQA2", "--impls", impls, "--shapes", "h16d128",
+                       "--causal", "yes", "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    numerics = json.loads((tmp_path / "attention_numerics.json").read_text())["numerics"]
+    verdicts = {r["impl"]: (r.get("ok"), r["note"]) for r in numerics}
+    assert verdicts["xla"][0]
+    assert verdicts["cudnn"][1] == "n/a (no GPU)" and verdicts["pallas_mosaic_gpu"][1].startswith("n/a (dry run")
+    timing = json.loads((tmp_path / "attention_timing.json").read_text())["timing"]
+    assert [r["impl"] for r in timing] == impls.split(",")
+    assert timing[0]["fwd_ms"] > 0 and "numerics passed" in text
+    assert check.main(["--dry-run", "--skip-numerics", "--budget-s", "0", "--shapes", "h32d64,mla192-128"]) == 0
+    assert capsys.readouterr().out.count("skipped (time budget)") == 2 * 2 * 2  # shapes x masks x (triton, xla)
+    bench.main(["--sweep", "--dry-run", "--budget-s", "0", "--shapes", "h16d128", "--causal", "yes"])
+    assert "no candidate ran" in capsys.readouterr().out

@@ -1,4 +1,5 @@
-"""Training data: text, token files or a synthetic language, packed into fixed-size batches.
+"""Training data: text, JSONL/Parquet, token files (prepared or not), a synthetic language, or a
+weighted mixture of them, packed into fixed-size batches.
 
     it = make_train_iterator(cfg, seq_len=..., global_batch_size=..., vocab_size=..., seed=...)
     batch = next(it)  # inputs, targets, segment_ids, positions: int32 [local_batch, seq_len]
@@ -7,9 +8,9 @@
 from typing import Any
 
 from jaxinfra.data.config import DataConfig, DataError
-from jaxinfra.data.tokenizer import vocab_size_of
+from jaxinfra.data.vocab import vocab_size_of
 
-_PIPELINE = ("make_eval_batches", "make_train_iterator", "row_states", "set_row_states")
+_PIPELINE = ("make_eval_batches", "make_eval_sets", "make_train_iterator", "row_states", "set_row_states")
 __all__ = ["DataConfig", "DataError", "vocab_size_of", *_PIPELINE]
 
 

@@ -3,16 +3,57 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import re
 from typing import Literal, get_args
 
-Source = Literal["text", "tokens", "synthetic"]
+Source = Literal["text", "tokens", "synthetic", "jsonl", "parquet"]
 TokenDtype = Literal["uint16", "uint32"]
 SOURCES: tuple[str, ...] = get_args(Source)
 TOKEN_DTYPES: tuple[str, ...] = get_args(TokenDtype)
+_TOKENIZED_SOURCES = ("text", "tokens", "jsonl", "parquet")  # sources that take data.tokenizer
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")  # mixture names become metric names (eval_loss/<name>)
 
 
 class DataError(ValueError):
     """A problem with the data: one line that names the key, the file and the value."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MixtureConfig:
+    """One source of a weighted mixture (`data.mixture.<name>`)."""
+
+    paths: tuple[str, ...] = ()
+    weight: float = 1.0  # relative share of training sequences (normalised over the sources)
+    # Staged weights: [[step, weight], ...], the first at step 0; [S, w] applies from the batch
+    # after S completed steps. Replaces `weight` when given.
+    weights: tuple[tuple[float, ...], ...] = ()
+    source: Source | None = None  # None: data.source
+
+    def problems(self, name: str) -> list[tuple[str, object, str]]:
+        key = f"mixture.{name}"
+        out: list[tuple[str, object, str]] = []
+        if not _NAME.match(name):
+            out.append((key, name, "a name of letters, digits, '_', '.' or '-' (it names eval_loss/<name>)"))
+        if not self.paths or not all(isinstance(p, str) and p for p in self.paths):
+            out.append((f"{key}.paths", self.paths, "a non-empty list of files, globs or prepared directories"))
+        if self.source is not None and self.source not in SOURCES:
+            out.append((f"{key}.source", self.source, f"null or one of {list(SOURCES)}"))
+        if self.source == "synthetic":
+            out.append((f"{key}.source", self.source, "a source that reads files (not synthetic)"))
+        if not _is_number(self.weight) or self.weight < 0:
+            out.append((f"{key}.weight", self.weight, "a number >= 0"))
+        steps = [s[0] for s in self.weights if len(s) == 2]
+        if any(len(s) != 2 or s[0] < 0 or s[0] != int(s[0]) or s[1] < 0 for s in self.weights):
+            out.append((f"{key}.weights", self.weights, "a list of [step, weight] pairs, integer steps >= 0, "
+                                                        "weights >= 0"))
+        elif self.weights and (steps[0] != 0 or any(b <= a for a, b in itertools.pairwise(steps))):
+            out.append((f"{key}.weights", self.weights, "stages in increasing step order, the first at step 0"))
+        return out
+
+    def stages(self) -> list[tuple[int, float]]:
+        """[(first batch index, weight)], at least one stage, starting at 0."""
+        return [(int(s), float(w)) for s, w in self.weights] if self.weights else [(0, float(self.weight))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,20 +62,26 @@ class DataConfig:
 
     source: Source = "text"
     # Files or globs. text: empty = the Python standard library's own .py files.
-    # tokens: required (.bin raw token ids, or .npy).
+    # tokens: required (.bin raw token ids, .npy, or directories made by `jaxinfra data prepare`).
+    # jsonl / parquet: .jsonl(.gz) / .parquet files, tokenized on the fly.
     paths: tuple[str, ...] = ()
-    # text only: path to a HF tokenizer.json; None = byte-level (ids 0..255).
+    # Path to a HF tokenizer.json; None = byte-level (ids 0..255). For prepared directories
+    # (tokens): when given, it must be the tokenizer the directory was prepared with.
     tokenizer: str | None = None
-    # Dtype of raw nanoGPT-style .bin files; .npy files carry their own dtype.
+    # Dtype of raw nanoGPT-style .bin files; .npy files and prepared directories carry their own.
     token_dtype: TokenDtype = "uint16"
-    # Share of documents (text) / of each file's tokens (tokens) / of sequences
-    # (synthetic) held out for evaluation.
+    # jsonl / parquet: the field (column) that holds each document's text.
+    text_key: str = "text"
+    # Share of documents (text, jsonl, parquet, prepared directories) / of each file's tokens
+    # (.bin, .npy) / of sequences (synthetic) held out for evaluation.
     eval_fraction: float = 0.05
-    eval_batches: int = 4  # held-out batches evaluated each time
+    eval_batches: int = 4  # held-out batches evaluated each time (per mixture source)
     shuffle: bool = True
     worker_count: int = 0  # grain worker processes (0 = in-process)
     # synthetic only: how many token ids the generated language uses.
     synthetic_vocab: int = 64
+    # Weighted sources (`data.mixture.<name>.paths/weight/weights/source`); replaces data.paths.
+    mixture: dict[str, MixtureConfig] = dataclasses.field(default_factory=dict)
 
     def problems(self) -> list[tuple[str, object, str]]:
         """Inconsistent values as (key, value, what is allowed); empty when valid."""
@@ -43,15 +90,21 @@ class DataConfig:
             out.append(("source", self.source, f"one of {list(SOURCES)}"))
         if not isinstance(self.paths, (tuple, list)) or not all(isinstance(p, str) and p for p in self.paths):
             out.append(("paths", self.paths, "a list of non-empty file paths or globs"))
-        elif self.source == "tokens" and not self.paths:
-            out.append(("paths", self.paths, "at least one .bin or .npy file or glob when data.source is 'tokens'"))
+        elif self.mixture and self.paths:
+            out.append(("paths", self.paths, "empty when data.mixture is set (each source has its own paths)"))
+        elif self.source in ("tokens", "jsonl", "parquet") and not self.paths and not self.mixture:
+            out.append(("paths", self.paths, f"at least one file, glob or directory when data.source is "
+                                             f"'{self.source}'"))
         if self.tokenizer is not None:
             if not isinstance(self.tokenizer, str) or not self.tokenizer:
                 out.append(("tokenizer", self.tokenizer, "null or the path of a tokenizer.json"))
-            elif self.source != "text":
-                out.append(("tokenizer", self.tokenizer, "null unless data.source is 'text'"))
+            elif self.source not in _TOKENIZED_SOURCES:
+                out.append(("tokenizer", self.tokenizer,
+                            f"null unless data.source is one of {list(_TOKENIZED_SOURCES)}"))
         if self.token_dtype not in TOKEN_DTYPES:
             out.append(("token_dtype", self.token_dtype, f"one of {list(TOKEN_DTYPES)}"))
+        if not isinstance(self.text_key, str) or not self.text_key:
+            out.append(("text_key", self.text_key, "a non-empty field name"))
         if not _is_number(self.eval_fraction) or not 0 < self.eval_fraction < 1:
             out.append(("eval_fraction", self.eval_fraction, "a number in (0, 1)"))
         if not _is_int(self.eval_batches) or self.eval_batches < 0:
@@ -62,12 +115,43 @@ class DataConfig:
             out.append(("worker_count", self.worker_count, "an integer >= 0 (0 = no worker processes)"))
         if not _is_int(self.synthetic_vocab) or self.synthetic_vocab < 2:
             out.append(("synthetic_vocab", self.synthetic_vocab, "an integer >= 2"))
+        return out + self._mixture_problems()
+
+    def _mixture_problems(self) -> list[tuple[str, object, str]]:
+        if not self.mixture:
+            return []
+        if self.source == "synthetic":
+            return [("source", self.source, "a source that reads files when data.mixture is set")]
+        out = [p for name, part in self.mixture.items() for p in part.problems(name)]
+        if not out:
+            steps = sorted({s for part in self.mixture.values() for s, _ in part.stages()})
+            for step in steps:
+                if sum(weight_at(part.stages(), step) for part in self.mixture.values()) <= 0:
+                    out.append(("mixture", f"weights at step {step}", "a positive weight for at least one source"))
+                    break
         return out
 
     def check(self) -> None:
         """Raises DataError for the first problem, if any."""
         for key, value, allowed in self.problems():
             raise DataError(f"data.{key}={value!r} is invalid: must be {allowed}")
+
+    def parts(self) -> dict[str, DataConfig]:
+        """Each mixture source as a plain one-source config, by name (sorted); {"": self} without a mixture."""
+        if not self.mixture:
+            return {"": self}
+        return {name: dataclasses.replace(self, source=part.source or self.source, paths=tuple(part.paths),
+                                          mixture={})
+                for name, part in sorted(self.mixture.items())}
+
+
+def weight_at(stages: list[tuple[int, float]], step: int) -> float:
+    """The weight of the last stage starting at or before `step`."""
+    weight = stages[0][1]
+    for start, w in stages:
+        if start <= step:
+            weight = w
+    return weight
 
 
 def _is_int(x: object) -> bool:

@@ -11,6 +11,11 @@ import numpy as np
 
 from jaxinfra.data import synthetic
 from jaxinfra.data.config import DataConfig, DataError
+from jaxinfra.data.encode import make_encoder
+from jaxinfra.data.formats import input_kind, relative_names
+from jaxinfra.data.mixture import MixedRows, WeightSchedule, slot_phase
+from jaxinfra.data.prepared import is_prepared, open_prepared
+from jaxinfra.data.records import DocumentWindows, RecordFiles, RecordSource
 from jaxinfra.data.sources import (
     ArrayReader,
     ByteReader,
@@ -20,10 +25,12 @@ from jaxinfra.data.sources import (
     expand_paths,
     open_token_file,
     split_documents,
+    split_records,
     split_streams,
     stdlib_files,
 )
-from jaxinfra.data.tokenizer import tokenize_files, vocab_size_of  # noqa: F401 - re-exported
+from jaxinfra.data.tokenizer import tokenize_files
+from jaxinfra.data.vocab import prepared_metas, vocab_size_of  # noqa: F401 - vocab_size_of re-exported
 
 _EVAL_SEED = 0x5EED  # eval batches do not depend on the run's seed, so runs compare on the same batches
 _PACKING_BINS_PER_ROW = 4  # a few open rows per slot pack short documents tightly
@@ -35,28 +42,44 @@ def make_train_iterator(cfg: DataConfig, *, seq_len: int, global_batch_size: int
 
     Batches are dicts of int32 [global_batch_size // process_count, seq_len] arrays:
     inputs, targets, segment_ids (1, 2, ... per packed document; 0 = padding) and positions.
+    With data.mixture, each row comes whole from one source (jaxinfra/data/mixture.py).
     """
     local_batch = _check_args(cfg, seq_len, global_batch_size, vocab_size, process_index, process_count)
-    train, _ = _split_sources(cfg, seq_len, vocab_size, seed)
+    train = {name: _split_sources(part, seq_len, vocab_size, seed)[0] for name, part in cfg.parts().items()}
+    schedule = WeightSchedule([cfg.mixture[name].stages() for name in train]) if cfg.mixture else None
     ds = _pipeline(train, seq_len=seq_len, global_batch=global_batch_size, local_batch=local_batch, seed=seed,
-                   shuffle=cfg.shuffle, process_index=process_index, process_count=process_count, what="training")
+                   shuffle=cfg.shuffle, process_index=process_index, process_count=process_count, what="training",
+                   schedule=schedule)
     if cfg.worker_count > 0:
         _allow_absl_workers()
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count))
     return iter(ds)
 
 
-def make_eval_batches(cfg: DataConfig, *, seq_len: int, global_batch_size: int, vocab_size: int, seed: int,
-                      process_index: int = 0, process_count: int = 1) -> list[dict[str, np.ndarray]]:
-    """`cfg.eval_batches` held-out batches (same layout as training), identical on every call."""
+def make_eval_sets(cfg: DataConfig, *, seq_len: int, global_batch_size: int, vocab_size: int, seed: int,
+                   process_index: int = 0, process_count: int = 1) -> dict[str, list[dict[str, np.ndarray]]]:
+    """`cfg.eval_batches` held-out batches per source, by mixture name ("" without a mixture).
+
+    Each source's batches are exactly those of a config with that source alone, identical on every call."""
     local_batch = _check_args(cfg, seq_len, global_batch_size, vocab_size, process_index, process_count)
     if cfg.eval_batches == 0:
-        return []
-    _, held = _split_sources(cfg, seq_len, vocab_size, seed)
-    ds = _pipeline(held, seq_len=seq_len, global_batch=global_batch_size, local_batch=local_batch,
-                   seed=_EVAL_SEED, shuffle=True, process_index=process_index, process_count=process_count,
-                   what="evaluation")
-    return list(itertools.islice(iter(ds), cfg.eval_batches))
+        return {}
+    out = {}
+    for name, part in cfg.parts().items():
+        _, held = _split_sources(part, seq_len, vocab_size, seed)
+        ds = _pipeline({name: held}, seq_len=seq_len, global_batch=global_batch_size, local_batch=local_batch,
+                       seed=_EVAL_SEED, shuffle=True, process_index=process_index, process_count=process_count,
+                       what="evaluation")
+        out[name] = list(itertools.islice(iter(ds), cfg.eval_batches))
+    return out
+
+
+def make_eval_batches(cfg: DataConfig, *, seq_len: int, global_batch_size: int, vocab_size: int, seed: int,
+                      process_index: int = 0, process_count: int = 1) -> list[dict[str, np.ndarray]]:
+    """`cfg.eval_batches` held-out batches (same layout as training) of every source, identical on every call."""
+    sets = make_eval_sets(cfg, seq_len=seq_len, global_batch_size=global_batch_size, vocab_size=vocab_size,
+                          seed=seed, process_index=process_index, process_count=process_count)
+    return [batch for batches in sets.values() for batch in batches]
 
 
 # ---------------------------------------------------------------------- helpers
@@ -82,10 +105,13 @@ def _split_sources(cfg: DataConfig, seq_len: int, vocab_size: int, seed: int) ->
     if cfg.source == "synthetic":
         return synthetic.split(cfg.synthetic_vocab, seq_len, _seed32(seed), cfg.eval_fraction)
     if cfg.source == "tokens":
-        files = expand_paths(cfg.paths)
-        reader = TokenFileReader(files, cfg.token_dtype, vocab_size)
-        train, held = split_streams([len(open_token_file(f, cfg.token_dtype)) for f in files], cfg.eval_fraction)
-        return _window_pair(reader, train, held, seq_len, cfg)
+        return _token_sources(cfg, seq_len, vocab_size)
+    for path in cfg.paths:
+        if is_prepared(os.path.expanduser(path)):
+            raise DataError(f"data.paths: {path!r} is a directory made by `jaxinfra data prepare`; read it with "
+                            f"data.source=tokens (not {cfg.source})")
+    if cfg.source in ("jsonl", "parquet"):
+        return _record_sources(cfg)
     if cfg.paths:
         files = expand_paths(cfg.paths)
         root = common_root(files)
@@ -103,6 +129,48 @@ def _split_sources(cfg: DataConfig, seq_len: int, vocab_size: int, seed: int) ->
     return _window_pair(reader, docs[train_ids], docs[held_ids], seq_len, cfg)
 
 
+def _token_sources(cfg: DataConfig, seq_len: int, vocab_size: int) -> tuple[WindowSource, WindowSource]:
+    """Prepared directories (split by document) and plain .bin/.npy files (split at each file's end)."""
+    prepared_metas(cfg)  # the tokenizer checks, also for callers that skipped config validation
+    paths = [os.path.expanduser(p) for p in cfg.paths]
+    files: list[str] = []
+    dtypes: list[str] = []
+    train, held = [], []
+    for prepared in (open_prepared(p) for p in paths if is_prepared(p)):
+        if prepared.vocab_size > vocab_size:
+            raise DataError(f"data.paths: {prepared.directory!r} holds ids of a {prepared.vocab_size}-token "
+                            f"vocabulary, more than vocab_size {vocab_size}")
+        train_ids, held_ids = split_records(*prepared.record_keys(), cfg.eval_fraction)
+        docs = prepared.documents + np.asarray([len(files), 0, 0])
+        train.append(docs[train_ids])
+        held.append(docs[held_ids])
+        files += prepared.shards
+        dtypes += [prepared.dtype] * len(prepared.shards)
+    plain = [p for p in paths if not is_prepared(p)]
+    if plain:
+        plain_files = expand_paths(plain)
+        streams = split_streams([len(open_token_file(f, cfg.token_dtype)) for f in plain_files], cfg.eval_fraction)
+        train.append(streams[0] + np.asarray([len(files), 0, 0]))
+        held.append(streams[1] + np.asarray([len(files), 0, 0]))
+        files += plain_files
+        dtypes += [cfg.token_dtype] * len(plain_files)
+    reader = TokenFileReader(files, dtypes, vocab_size)
+    return _window_pair(reader, np.concatenate(train), np.concatenate(held), seq_len, cfg)
+
+
+def _record_sources(cfg: DataConfig) -> tuple[RecordSource, RecordSource]:
+    """JSONL / Parquet documents, split by record, tokenized when read."""
+    files = expand_paths(cfg.paths)
+    for f in files:
+        if input_kind(f) != cfg.source:
+            wanted = ".jsonl or .jsonl.gz" if cfg.source == "jsonl" else ".parquet"
+            raise DataError(f"data.paths: {f!r} is not a {wanted} file (data.source={cfg.source})")
+    records = RecordFiles(files, cfg.text_key)
+    encoder = make_encoder(cfg.tokenizer)
+    train_ids, held_ids = split_records(relative_names(files), records.counts, cfg.eval_fraction)
+    return RecordSource(records, encoder, train_ids), RecordSource(records, encoder, held_ids)
+
+
 def _window_pair(reader: Any, train: np.ndarray, held: np.ndarray, seq_len: int,
                  cfg: DataConfig) -> tuple[WindowSource, WindowSource]:
     train_src, held_src = WindowSource(reader, train, seq_len), WindowSource(reader, held, seq_len)
@@ -114,8 +182,9 @@ def _window_pair(reader: Any, train: np.ndarray, held: np.ndarray, seq_len: int,
     return train_src, held_src
 
 
-def _pipeline(source: Any, *, seq_len: int, global_batch: int, local_batch: int, seed: int, shuffle: bool,
-              process_index: int, process_count: int, what: str) -> grain.IterDataset:
+def _pipeline(sources: dict[str, Any], *, seq_len: int, global_batch: int, local_batch: int, seed: int,
+              shuffle: bool, process_index: int, process_count: int, what: str,
+              schedule: WeightSchedule | None = None) -> grain.IterDataset:
     """Batches of this process's rows, identical whatever the process count.
 
     Row slot r of every global batch is packed from its own sub-stream, examples
@@ -123,23 +192,35 @@ def _pipeline(source: Any, *, seq_len: int, global_batch: int, local_batch: int,
     builds only its own slots, so it reads only its share of the data, and the global
     batch does not depend on how many processes share it (multi-host runs equal the
     single-host run, and a restart on a different host count keeps the data order).
+    With a mixture (`schedule`), every source has such sub-streams and each slot takes
+    its next row from the source the schedule picks for that batch.
     """
-    if len(source) < global_batch:
-        raise DataError(
-            f"data.paths: {len(source)} {what} windows are fewer than the {global_batch} rows of one batch "
-            f"(add data, or lower train.batch_size / train.seq_len)")
-    ds = grain.MapDataset.source(source)
-    if shuffle:
-        ds = ds.shuffle(seed=_seed32(seed))  # reshuffled every epoch by repeat()
+    streams = {name: _shuffled(src, name, global_batch, seed, shuffle, what) for name, src in sources.items()}
     first = process_index * local_batch
-    rows = [_packed_rows(ds[slot::global_batch].repeat(None), seq_len, _seed32(seed + slot))
-            for slot in range(first, first + local_batch)]
+    rows = []
+    for slot in range(first, first + local_batch):
+        parts = [_packed_rows(ds[slot::global_batch].repeat(None), seq_len, _seed32(seed + slot),
+                              documents=isinstance(sources[name], RecordSource)) for name, ds in streams.items()]
+        rows.append(parts[0] if schedule is None else MixedRows(parts, list(streams), schedule,
+                                                                  slot_phase(seed, slot)))
     return grain.experimental.ZipIterDataset(rows).map(_stack_rows)
 
 
-def _packed_rows(ds: grain.MapDataset, seq_len: int, seed: int) -> grain.IterDataset:
+def _shuffled(source: Any, name: str, global_batch: int, seed: int, shuffle: bool, what: str) -> grain.MapDataset:
+    if len(source) < global_batch:
+        where = f"data.mixture.{name}" if name else "data.paths"
+        raise DataError(
+            f"{where}: {len(source)} {what} {getattr(source, 'unit', 'windows')} are fewer than the {global_batch} "
+            f"rows of one batch (add data, or lower train.batch_size / train.seq_len)")
+    ds = grain.MapDataset.source(source)
+    return ds.shuffle(seed=_seed32(seed)) if shuffle else ds  # reshuffled every epoch by repeat()
+
+
+def _packed_rows(ds: grain.MapDataset, seq_len: int, seed: int, documents: bool = False) -> grain.IterDataset:
     # Reading a window is one small pread; threads would only fight over the GIL.
     it = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+    if documents:  # whole tokenized documents (jsonl / parquet): cut into windows here
+        it = grain.experimental.FlatMapIterDataset(it, DocumentWindows(seq_len))
     return grain.experimental.FirstFitPackIterDataset(
         it, length_struct={"inputs": seq_len, "targets": seq_len}, num_packing_bins=_PACKING_BINS_PER_ROW,
         seed=seed, shuffle_bins=False)

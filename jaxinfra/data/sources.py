@@ -26,7 +26,7 @@ _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 # ------------------------------------------------------------------ file lists
 
 
-def expand_paths(patterns: Sequence[str]) -> list[str]:
+def expand_paths(patterns: Sequence[str], what: str = "data.paths") -> list[str]:
     """Files named by paths, globs or directories: sorted, deduplicated, readable."""
     files: set[str] = set()
     for pattern in patterns:
@@ -34,19 +34,19 @@ def expand_paths(patterns: Sequence[str]) -> list[str]:
         if any(c in path for c in "*?["):
             matches = [m for m in glob.glob(path, recursive=True) if os.path.isfile(m)]
             if not matches:
-                raise DataError(f"data.paths: no files match {pattern!r}")
+                raise DataError(f"{what}: no files match {pattern!r}")
         elif os.path.isdir(path):
             matches = _walk(path, suffix="")
             if not matches:
-                raise DataError(f"data.paths: directory {pattern!r} holds no files")
+                raise DataError(f"{what}: directory {pattern!r} holds no files")
         elif os.path.isfile(path):
             matches = [path]
         else:
-            raise DataError(f"data.paths: file not found: {pattern!r}")
+            raise DataError(f"{what}: file not found: {pattern!r}")
         files.update(os.path.abspath(m) for m in matches)
     for f in files:
         if not os.access(f, os.R_OK):
-            raise DataError(f"data.paths: cannot read {f!r} (permission denied)")
+            raise DataError(f"{what}: cannot read {f!r} (permission denied)")
     return sorted(files)
 
 
@@ -90,6 +90,41 @@ def split_documents(names: Sequence[str], eval_fraction: float) -> tuple[list[in
         held.discard(max(range(len(names)), key=scores.__getitem__))
     train = [i for i in range(len(names)) if i not in held]
     return train, sorted(held)
+
+
+def split_records(names: Sequence[str], counts: Sequence[int], eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(train, eval) global record indices (file by file) for files of `counts` records.
+
+    A record is held out by a stable hash of (file name, record index), so the split does not
+    depend on the other files, and a prepared directory splits exactly like its inputs read on
+    the fly. Both parts are non-empty."""
+    total = int(sum(counts))
+    if total < 2:
+        raise DataError(f"data.paths: {total} document(s); at least 2 are needed to hold out documents for "
+                        "evaluation")
+    scores = np.concatenate([_uniform(n, int(c)) for n, c in zip(names, counts)])
+    held = scores < eval_fraction
+    if not held.any():
+        held[np.argmin(scores)] = True
+    if held.all():
+        held[np.argmax(scores)] = False
+    return np.flatnonzero(~held), np.flatnonzero(held)
+
+
+def _uniform(name: str, count: int) -> np.ndarray:
+    """[0, 1) scores of records 0..count-1 of file `name` (splitmix64 of a name key + the index)."""
+    key = np.uint64(int.from_bytes(hashlib.sha1(name.encode()).digest()[:8], "big"))
+    z = np.arange(1, count + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) + key
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
+def window_counts(lengths: np.ndarray, seq_len: int) -> np.ndarray:
+    """Windows of each document: ceil((n - 1) / seq_len), none for fewer than 2 tokens."""
+    lengths = np.asarray(lengths, np.int64)
+    return np.where(lengths >= 2, (lengths - 2) // seq_len + 1, 0)
 
 
 def split_streams(lengths: Sequence[int], eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -137,11 +172,13 @@ class ArrayReader:
 
 
 class TokenFileReader:
-    """Memory-mapped token files; checks each window's ids against the vocabulary."""
+    """Memory-mapped token files; checks each window's ids against the vocabulary.
 
-    def __init__(self, paths: Sequence[str], token_dtype: str, vocab_size: int):
+    `token_dtype`: the raw .bin dtype, one for all files or one per file."""
+
+    def __init__(self, paths: Sequence[str], token_dtype: str | Sequence[str], vocab_size: int):
         self.paths = list(paths)
-        self.token_dtype = token_dtype
+        self.dtypes = [token_dtype] * len(self.paths) if isinstance(token_dtype, str) else list(token_dtype)
         self.vocab_size = vocab_size
         self._maps: dict[int, np.ndarray] = {}
 
@@ -152,7 +189,7 @@ class TokenFileReader:
     def array(self, f: int) -> np.ndarray:
         arr = self._maps.get(f)
         if arr is None:
-            arr = self._maps[f] = open_token_file(self.paths[f], self.token_dtype)
+            arr = self._maps[f] = open_token_file(self.paths[f], self.dtypes[f])
         return arr
 
     def __call__(self, f: int, start: int, count: int) -> np.ndarray:
@@ -201,8 +238,7 @@ class WindowSource:
 
     def __init__(self, reader: Reader, docs: np.ndarray, seq_len: int):
         docs = np.asarray(docs, np.int64).reshape(-1, 3)
-        lengths = docs[:, 2] - docs[:, 1]
-        counts = np.where(lengths >= 2, (lengths - 2) // seq_len + 1, 0)
+        counts = window_counts(docs[:, 2] - docs[:, 1], seq_len)
         self._reader = reader
         self._docs = docs
         self._seq_len = seq_len

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxinfra.data.config import DataConfig, DataError
+from jaxinfra.data.config import DataError
 
 _CHUNK_FILES = 64  # files per encode_batch call: bounds the memory of Encoding objects
 
@@ -58,13 +58,3 @@ def _tokenize(tokenizer_path: str, _tok_stamp: tuple, files: tuple[str, ...], _s
         for enc in encode(texts, add_special_tokens=False):
             out.append(np.asarray(enc.ids, np.int32))
     return out
-
-
-def vocab_size_of(cfg: DataConfig) -> int:
-    """Token ids the data can contain; 0 for the tokens source (checked per window when read)."""
-    cfg.check()
-    if cfg.source == "synthetic":
-        return cfg.synthetic_vocab
-    if cfg.source == "tokens":
-        return 0
-    return tokenizer_vocab_size(cfg.tokenizer) if cfg.tokenizer else 256

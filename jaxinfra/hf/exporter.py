@@ -72,6 +72,9 @@ def export_hf(source: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: st
     if not source.exists():
         raise CheckpointError(f"no run directory or checkpoint at {source}")
     cfg = _source_config(source)
+    if cfg.quant.weights != "none":
+        raise HFError(f"{source} holds int8 weights (quant.weights={cfg.quant.weights}); export the float run it "
+                      f"was quantized from")
     family = hf_family(cfg.model)
     if dtype not in DTYPES:
         raise HFError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
@@ -82,7 +85,7 @@ def export_hf(source: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: st
     # Restored FSDP-sharded over this host's devices (whatever mesh the run trained on), so that no
     # device needs the whole model; slices are then gathered to the host one at a time.
     mesh = make_mesh(MeshConfig(data=1, fsdp=-1), jax.local_devices())
-    target = abstract_params(cfg.model, mesh, sharding_rules(ParallelismConfig(strategy="fsdp")))
+    target = abstract_params(cfg.model, mesh, sharding_rules(ParallelismConfig(strategy="fsdp")), cfg.quant)
     step, params = restore_params(source, target)
     flat = _flat(params)
     np_dtype = DTYPES[dtype]

@@ -26,6 +26,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxinfra.checkpoint import save_params_only
 from jaxinfra.config import Config, apply_overrides, from_dict, validate
 from jaxinfra.hf.families import HFError, from_hf, rope_interleaved
 from jaxinfra.hf.safetensors_io import SafetensorsDir
@@ -129,30 +130,6 @@ def check_unused(files: SafetensorsDir, cfg: ModelConfig, family: str) -> None:
                       f"not map)")
 
 
-def save_imported(out: pathlib.Path, cfg: Config, params: Any, meta: dict[str, Any]) -> pathlib.Path:
-    """OUT/config.yaml and OUT/checkpoints/0 in jaxinfra/checkpoint.py's item layout (params only)."""
-    import orbax.checkpoint as ocp
-
-    out.mkdir(parents=True, exist_ok=True)
-    ckpt_dir = (out / "checkpoints").absolute()
-    if ckpt_dir.exists() and any(ckpt_dir.iterdir()):
-        raise HFError(f"{ckpt_dir} already holds checkpoints; import into a new directory")
-    (out / "config.yaml").write_text(cfg.to_yaml())
-    # Orbax copies arrays to the host before writing them; by default all at once (a full host copy
-    # of the model). Bounding the copies in flight to the largest parameter (at least 256 MiB) keeps
-    # the host to about one tensor at a time. Same PyTree format as StandardSave.
-    largest = max(x.nbytes for x in jax.tree.leaves(params))
-    budget = (max(largest, 2**28) + 2**20) / 10**9  # the limiter refuses a single array above its budget
-    handler = ocp.PyTreeCheckpointHandler(save_device_host_concurrent_gb=budget, save_concurrent_gb=budget)
-    manager = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(create=True),
-                                    item_names=("state", "data", "meta"), item_handlers={"state": handler})
-    manager.save(STEP, args=ocp.args.Composite(state=ocp.args.PyTreeSave({"params": params}),
-                                               meta=ocp.args.JsonSave({**meta, "config": cfg.to_yaml()})))
-    manager.wait_until_finished()
-    manager.close()
-    return ckpt_dir / str(STEP)
-
-
 def import_hf(hf_dir: str | pathlib.Path, out: str | pathlib.Path, overrides: Sequence[str] = (),
               devices: Sequence[jax.Device] | None = None) -> dict[str, Any]:
     """Convert and save; returns a report (family, params, bytes on disk, peak RSS, seconds)."""
@@ -167,7 +144,7 @@ def import_hf(hf_dir: str | pathlib.Path, out: str | pathlib.Path, overrides: Se
     check_unused(files, cfg.model, family)
     meta = {"params_only": True, "imported_from": str(hf_dir.absolute()), "hf_family": family,
             "hf_architectures": hf.get("architectures"), "step": STEP}
-    path = save_imported(out, cfg, params, meta)
+    path = save_params_only(out, cfg, params, meta, STEP)
     count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     return {"family": family, "checkpoint": str(path), "params": count, "bytes_on_disk": files.bytes_on_disk(),
             "peak_rss_bytes": peak_rss_bytes(), "seconds": time.perf_counter() - start}

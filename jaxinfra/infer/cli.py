@@ -1,7 +1,8 @@
 """`jaxinfra generate` and `jaxinfra eval`: thin wrappers over the jaxinfra.infer package.
 
     jaxinfra generate CKPT (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N] [--temperature T]
-                      [--top-k K] [--top-p P] [--seed S] [--stop-ids 10,13] [--no-absorb] [KEY=VALUE ...]
+                      [--top-k K] [--top-p P] [--seed S] [--stop-ids 10,13] [--no-absorb] [--kv-cache int8]
+                      [KEY=VALUE ...]
     jaxinfra eval CKPT --tokens FILE.npy [--seq-len N] [--batch-size N] [KEY=VALUE ...]
 
 CKPT is a run directory (newest readable checkpoint) or RUN/checkpoints/<step>; KEY=VALUE
@@ -31,6 +32,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop-ids", default="", help="comma-separated ids that end generation (kept as the last id)")
     p.add_argument("--no-absorb", action="store_true", help="MLA: reconstruct K/V from the latent cache instead "
                    "of absorbing the up-projections (same result, more FLOPs)")
+    p.add_argument("--kv-cache", metavar="MODE", help="int8: store the KV cache (MLA: the latent cache) as int8 with "
+                   "per-token-per-head scales (as quant.kv_cache=int8); none: the compute dtype")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("eval", help="mean next-token cross-entropy of a token file under a checkpoint")
@@ -62,7 +65,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt_ids = _ids(args.prompt_ids, "--prompt-ids") if args.prompt_ids is not None else None
     if prompt_ids is not None and not prompt_ids:
         raise InferenceError("--prompt-ids is empty")
-    cfg, params = load_model(args.ckpt, args.overrides)
+    overrides = list(args.overrides) + ([f"quant.kv_cache={args.kv_cache}"] if args.kv_cache is not None else [])
+    cfg, params = load_model(args.ckpt, overrides)
     if prompt_ids is None:
         encode, decode = text_codec(cfg, resolve_checkpoint(args.ckpt)[0])
         prompt_ids = encode(args.prompt)

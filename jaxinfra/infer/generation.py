@@ -134,14 +134,15 @@ class Generator:
         self.model_cfg = inference_model_config(cfg.model)
         self.mesh, self.rules = inference_mesh(cfg, devices)
         self.params = _place_params(params, self.mesh, self.rules)
-        self.graphdef = model_graphdef(self.model_cfg)
+        self.graphdef = model_graphdef(self.model_cfg, cfg.quant)
         self.absorb = absorb
+        self.kv_int8 = cfg.quant.kv_cache == "int8"  # int8 values + per-token-per-head scales (models/cache.py)
         self._compiled: dict[tuple, tuple[Any, Any]] = {}
 
     # -------------------------------------------------------- the two jitted functions
 
     def _cache_constrain(self, cache: kv_cache.Cache, batch: int, max_len: int) -> kv_cache.Cache:
-        names = kv_cache.layout(self.model_cfg, batch, max_len)
+        names = kv_cache.layout(self.model_cfg, batch, max_len, self.kv_int8)
         return {s: {n: constrain(a, names[s][n][1]) for n, a in arrays.items()} for s, arrays in cache.items()}
 
     def _prefill_fn(self, max_new: int) -> Callable:
@@ -152,7 +153,10 @@ class Generator:
             max_len = p + max_new
             logits, entries = nnx.merge(graphdef, params).prefill(tokens)
             pad = lambda e: jnp.pad(e, [(0, 0), (0, 0), (0, 0), (0, max_len - p), (0, 0)])  # noqa: E731
-            cache = self._cache_constrain(jax.tree.map(pad, entries), b, max_len)
+            cache = jax.tree.map(pad, entries)
+            if self.kv_int8:
+                cache = {stack: kv_cache.quantize_entries(arrays) for stack, arrays in cache.items()}
+            cache = self._cache_constrain(cache, b, max_len)
             last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
             temperature, top_k, top_p, seed = settings
             first = sample(last, _row_keys(seed, 0, b), temperature, top_k, top_p)

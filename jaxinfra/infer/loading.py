@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxinfra.checkpoint import CheckpointError, restore_params
 from jaxinfra.config import Config, ConfigError, load_config, validate
+from jaxinfra.quantize import check_backend
 from jaxinfra.state import abstract_params, sharding_rules, tree_shardings
 from models import ModelConfig
 from sharding.mesh import make_mesh, resolve_mesh_sizes
@@ -59,6 +60,7 @@ def inference_devices(cfg: Config, devices: Sequence[jax.Device] | None = None) 
 def inference_mesh(cfg: Config, devices: Sequence[jax.Device] | None = None) -> tuple[Mesh, ShardingRules]:
     """The training mesh and sharding rules for a config (pipeline stages are not supported)."""
     devices = inference_devices(cfg, devices)
+    check_backend(cfg.quant, devices)
     sizes = resolve_mesh_sizes(cfg.mesh, len(devices))
     if sizes["stage"] != 1:
         raise ConfigError(f"inference does not run pipeline stages: set mesh.stage=1 (got {sizes['stage']})")
@@ -79,7 +81,7 @@ def load_model(path: str | pathlib.Path, overrides: Sequence[str] = (),
     run_dir, ckpt_dir, step = resolve_checkpoint(path)
     cfg = load_config(str(run_dir / "config.yaml"), list(overrides))
     mesh, rules = inference_mesh(cfg, devices)
-    target = abstract_params(cfg.model, mesh, rules)
+    target = abstract_params(cfg.model, mesh, rules, cfg.quant)  # int8 weights + scales when quantized
     _, params = restore_params(ckpt_dir, target, step=step, config=cfg.to_dict())
     return cfg, params
 

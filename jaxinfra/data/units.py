@@ -1,0 +1,114 @@
+"""The work of `data prepare`, cut into units: ~1 MiB of JSON lines, one Parquet row group, or one
+text file. Units are numbered the same way on every run (they depend only on the inputs), so a
+resumed preparation skips the units its completed shards hold. `encode_unit` runs in worker
+processes: it parses, tokenizes and returns the unit's ids and document lengths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from jaxinfra.data.encode import Encoder
+from jaxinfra.data.formats import (
+    input_kind,
+    jsonl_texts,
+    open_stream,
+    parquet_file,
+    parquet_texts,
+    read_block,
+    read_bytes,
+    row_group_starts,
+)
+
+UNIT_BYTES = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    index: int  # position in the run's unit sequence
+    input: int  # which input file
+    kind: str  # jsonl | parquet | text
+    path: str
+    first: int = 0  # number of the first line (jsonl, 1-based) or row (parquet, 0-based)
+    data: bytes = b""  # jsonl: whole lines; text: the file's bytes
+    group: int = -1  # parquet row group
+    progress: int = 0  # bytes of the input file this unit accounts for (the progress bar)
+    last: bool = False  # the input's last unit
+
+
+def iter_units(files: Sequence[str], text_key: str, unit_bytes: int = UNIT_BYTES) -> Iterator[Unit]:
+    """Every unit of the inputs, in order."""
+    index = 0
+    for f, path in enumerate(files):
+        kind = input_kind(path)
+        if kind == "jsonl":
+            pieces = _jsonl_pieces(path, unit_bytes)
+        elif kind == "parquet":
+            pieces = _parquet_pieces(path, text_key)
+        else:
+            pieces = iter([{"data": read_bytes(path), "progress": os.path.getsize(path)}])
+        previous = None
+        for piece in pieces:
+            if previous is not None:
+                yield Unit(index, f, kind, path, **previous)
+                index += 1
+            previous = piece
+        if previous is not None:
+            yield Unit(index, f, kind, path, last=True, **previous)
+            index += 1
+
+
+def _jsonl_pieces(path: str, unit_bytes: int) -> Iterator[dict]:
+    """Blocks of whole lines, about unit_bytes each (a longer line is one block)."""
+    stream, raw = open_stream(path)
+    with raw, stream:
+        buf, line, reported = bytearray(), 1, 0
+        while True:
+            block = read_block(stream, unit_bytes, path)
+            if not block:  # the end: what is left is the last line, without its newline
+                if buf:
+                    yield {"data": bytes(buf), "first": line, "progress": raw.tell() - reported}
+                return
+            searched = len(buf)
+            buf += block
+            cut = buf.rfind(b"\n", searched) + 1
+            if not cut:  # no line ends in this block: keep reading
+                continue
+            chunk = bytes(buf[:cut])
+            del buf[:cut]
+            position = raw.tell()
+            yield {"data": chunk, "first": line, "progress": position - reported}
+            reported = position
+            line += chunk.count(b"\n")
+
+
+def _parquet_pieces(path: str, text_key: str) -> Iterator[dict]:
+    pf = parquet_file(path, path, text_key)
+    rows, size = pf.metadata.num_rows, os.path.getsize(path)
+    starts = row_group_starts(pf)
+    for group, (start, end) in enumerate(zip(starts, [*starts[1:], rows])):  # progress: a share of the file
+        yield {"first": start, "group": group, "progress": size * end // rows - size * start // rows}
+
+
+def encode_unit(unit: Unit, encoder: Encoder, text_key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(ids of the unit's documents back to back, each document's length), ids in encoder.dtype."""
+    if unit.kind == "jsonl":
+        texts: list = jsonl_texts(unit.data, unit.path, unit.first, text_key)
+    elif unit.kind == "parquet":
+        texts = parquet_texts(parquet_file(unit.path, unit.path, text_key), unit.group, unit.path, unit.first,
+                              text_key)
+    else:
+        texts = [unit.data]
+    arrays = encoder.encode(texts)
+    lengths = np.fromiter((len(a) for a in arrays), np.int64, len(arrays))
+    tokens = np.concatenate(arrays).astype(encoder.dtype) if arrays else np.zeros(0, encoder.dtype)
+    return tokens, lengths
+
+
+def init_worker() -> None:
+    # One tokenizer thread per worker process: the workers are the parallelism.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
