@@ -34,6 +34,9 @@ from jaxinfra.plan.links import LINKS, axis_link, collective_seconds, read_measu
 from jaxinfra.plan.memory import estimate
 from jaxinfra.plan.search import overrides, search
 from jaxinfra.plan.time import layer_flops
+from jaxinfra.runtime import build_runtime
+from jaxinfra.state import abstract_params
+from models import ModelConfig
 from models import cache as kv_cache
 from models.layers import rope_frequencies
 from models.transformer import Block, MoEBlock, remat_policy
@@ -93,6 +96,84 @@ def test_analytic_memory_table_within_15_percent_of_compiled(name):
     analytic, compiled = _compare(name)
     assert abs(analytic / compiled - 1) < 0.15, (name, analytic, compiled)
 
+
+
+# ---------------------------------------------------------------- quantization and distillation
+TEACHER = ModelConfig(vocab_size=2048, d_model=384, num_layers=2, num_heads=4, mlp_dim=1536, tie_embeddings=False)
+# (name, a layout of LAYOUTS, the feature's overrides; "{teacher}" is the teacher run dir)
+FEATURES = [
+    ("int8 train", "GQA fsdp full", ["quant.train=int8"]),
+    ("fp8 delayed train", "MoE expert none", ["quant.train=fp8", "quant.fp8_emulation=true",
+                                              "quant.scaling=delayed"]),
+    ("int8 train, MLA", "MLA dp full", ["quant.train=int8"]),
+    ("online distill, full vocabulary", "GQA fsdp full", ["distill.teacher={teacher}"]),
+    ("online distill, top-k, float32 teacher", "MoE expert none", ["distill.teacher={teacher}", "distill.top_k=16",
+                                                                   "distill.teacher_dtype=float32"]),
+    ("online distill, chunked loss", "GQA dp none", ["distill.teacher={teacher}", "model.loss_chunk_size=64"]),
+]
+FAST_FEATURES = ("int8 train", "online distill, full vocabulary")
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory) -> str:
+    from jaxinfra.checkpoint import save_params_only
+    from jaxinfra.config import Config
+    from jaxinfra.state import init_params
+
+    out = tmp_path_factory.mktemp("teacher")
+    params = jax.jit(lambda key: init_params(TEACHER, key))(jax.random.key(0))
+    save_params_only(out, Config(model=TEACHER), params, {"params_only": True, "step": 0})
+    return str(out)
+
+
+def _compare_feature(name: str, teacher: str) -> tuple[float, float]:
+    _, layout, extra = next(row for row in FEATURES if row[0] == name)
+    _, preset, base = next(row for row in LAYOUTS if row[0] == layout)
+    cfg = layout_config(preset, [*base, *(e.format(teacher=teacher) for e in extra)])
+    return estimate(Layout.of(cfg, 8, "cpu")).total, analyse(cfg, jax.devices()[:8])["total_bytes"]
+
+
+@pytest.mark.parametrize("name", FAST_FEATURES)
+def test_quant_and_distill_memory_within_15_percent_of_compiled(name, teacher_dir):
+    analytic, compiled = _compare_feature(name, teacher_dir)
+    assert abs(analytic / compiled - 1) < 0.15, (name, analytic, compiled)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [row[0] for row in FEATURES if row[0] not in FAST_FEATURES])
+def test_quant_and_distill_memory_table_within_15_percent_of_compiled(name, teacher_dir):
+    analytic, compiled = _compare_feature(name, teacher_dir)
+    assert abs(analytic / compiled - 1) < 0.15, (name, analytic, compiled)
+
+
+def test_teacher_params_are_resident_without_gradients_or_optimizer_state(teacher_dir):
+    """The teacher adds exactly its params (in teacher_dtype, by the parameter rules) to the
+    step's arguments; the student's gradients and optimizer state are unchanged."""
+    _, preset, base = next(row for row in LAYOUTS if row[0] == "GQA fsdp full")
+    cfg = layout_config(preset, [*base, f"distill.teacher={teacher_dir}", "distill.teacher_dtype=float32"])
+    mem = estimate(Layout.of(cfg, 8, "cpu")).as_dict()
+    plain = estimate(Layout.of(layout_config(preset, base), 8, "cpu")).as_dict()
+    rt = build_runtime(cfg, jax.devices()[:8])  # the shardings the run gives the teacher's params
+    teacher = abstract_params(dataclasses.replace(TEACHER, param_dtype="float32"))
+    shards = jax.tree.leaves(jax.tree.map(lambda x, sh: math.prod(sh.shard_shape(x.shape)) * 4, teacher,
+                                          rt.distill.input_shardings[0]))
+    assert mem["teacher_params"] == sum(shards)
+    assert (mem["gradients"], mem["optimizer_state"]) == (plain["gradients"], plain["optimizer_state"])
+
+
+def test_quantized_inference_params_and_kv_cache_match_the_compiled_decode():
+    """--inference on a `jaxinfra quantize`d config with an int8 KV cache: int8 weights + scales and
+    the int8 cache + scales are what the compiled decode takes as arguments."""
+    from jaxinfra.infer.generation import Generator
+    from jaxinfra.state import init_params
+
+    cfg = load_config("tiny", [*BASE, *GQA, "train.batch_size=4", "quant.weights=int8", "quant.kv_cache=int8"])
+    params = jax.jit(lambda key: init_params(cfg.model, key, cfg.quant))(jax.random.key(0))
+    _, decode = Generator(cfg, params, devices=jax.devices()[:1])._compile(4, cfg.train.seq_len - 1, 1, 1)
+    mem = make_plan(cfg, 1, device_spec("h100"), inference=True).memory.as_dict()
+    state = decode.memory_analysis().argument_size_in_bytes  # params + cache + the loop's small state
+    assert mem["params"] + mem["kv_cache"] == pytest.approx(state, rel=0.01)
+    assert mem["params"] < 0.3 * estimate(Layout.of(load_config("tiny", [*BASE, *GQA]), 1, "cpu")).as_dict()["params"]
 
 # ---------------------------------------------------------------- saved activations vs JAX
 

@@ -33,19 +33,22 @@ def cache_bytes(lay: Layout) -> float:
     t = lay.cfg.train
     mesh = AbstractMesh(tuple(lay.sizes[a] for a in MESH_AXES), MESH_AXES)
     table = sharding_rules(lay.cfg.parallelism).activations
+    quantized = lay.cfg.quant.kv_cache == "int8"  # int8 entries + float32 scales per token and head
     total = 0.0
-    for arrays in kv_cache.layout(lay.model, t.batch_size, t.seq_len).values():
-        for shape, names in arrays.values():
+    for arrays in kv_cache.layout(lay.model, t.batch_size, t.seq_len, quantized).values():
+        for name, (shape, names) in arrays.items():
             spec = logical_to_mesh(names, table, mesh, shape)
             ways = math.prod(math.prod(mesh.shape[a] for a in ((e,) if isinstance(e, str) else e)) if e else 1
                              for e in spec)
-            total += math.prod(shape) / ways * lay.compute_bytes
+            item = (F32_BYTES if name.endswith("_scale") else 1) if quantized else lay.compute_bytes
+            total += math.prod(shape) / ways * item
     return total
 
 
 def kv_cache_component(lay: Layout, state: StateBytes) -> Component:
-    t = lay.cfg.train
-    return Component("kv cache", cache_bytes(lay), "resident", f"{t.batch_size} rows x {t.seq_len} positions")
+    t, q = lay.cfg.train, lay.cfg.quant
+    return Component("kv cache", cache_bytes(lay), "resident", f"{t.batch_size} rows x {t.seq_len} positions"
+                     + (", int8 + scales" if q.kv_cache == "int8" else ""))
 
 
 def prefill(lay: Layout, state: StateBytes) -> Component:

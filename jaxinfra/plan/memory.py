@@ -36,9 +36,10 @@ from jax.sharding import AbstractMesh
 from jaxinfra.config import OptimizerConfig, ScheduleConfig
 from jaxinfra.optim import make_optimizer, make_schedule
 from jaxinfra.plan import activations as act
-from jaxinfra.plan.layout import F32_BYTES, Layout, split
+from jaxinfra.plan.layout import DTYPE_BYTES, F32_BYTES, Layout, split
 from jaxinfra.state import abstract_state
 from models.config import ModelConfig
+from models.quant_config import NO_QUANT, QuantConfig
 from sharding.mesh import MESH_AXES
 from sharding.rules import logical_to_mesh, rules_for
 
@@ -71,16 +72,16 @@ class StateBytes:
     def of(cls, lay: Layout) -> StateBytes:
         p = lay.cfg.parallelism
         model = dataclasses.replace(lay.model, remat_policy="none")  # the state does not depend on it
-        return _state_bytes(model, lay.cfg.optimizer, p.strategy, tuple(sorted(p.rules.items())),
+        return _state_bytes(model, lay.cfg.optimizer, lay.cfg.quant, p.strategy, tuple(sorted(p.rules.items())),
                             tuple(lay.sizes[a] for a in MESH_AXES))
 
 
 @functools.lru_cache(maxsize=1024)
-def _state_bytes(model: ModelConfig, optimizer: OptimizerConfig, strategy: str, rules: tuple,
+def _state_bytes(model: ModelConfig, optimizer: OptimizerConfig, quant: QuantConfig, strategy: str, rules: tuple,
                  sizes: tuple[int, ...]) -> StateBytes:
     mesh = AbstractMesh(sizes, MESH_AXES)
     tables = rules_for(strategy, overrides=dict(rules))
-    params, opt_state = _state_leaves(model, optimizer)
+    params, opt_state = _state_leaves(model, optimizer, quant)
     return StateBytes(_per_device(params, tables.params, mesh), _per_device(opt_state, tables.opt_state, mesh),
                       sum(math.prod(shape) * size for _, shape, size in params))
 
@@ -89,11 +90,13 @@ Leaf = tuple[tuple, tuple[int, ...], int]  # (logical axis names, shape, bytes p
 
 
 @functools.lru_cache(maxsize=16)
-def _state_leaves(model: ModelConfig, optimizer: OptimizerConfig) -> tuple[tuple[Leaf, ...], tuple[Leaf, ...]]:
-    """(params, optimizer state) leaves of the abstract TrainState, as `jaxinfra info` sees them;
-    cached per model, since a search prices many layouts of one model."""
+def _state_leaves(model: ModelConfig, optimizer: OptimizerConfig,
+                  quant: QuantConfig = NO_QUANT) -> tuple[tuple[Leaf, ...], tuple[Leaf, ...]]:
+    """(params, optimizer state) leaves of the abstract TrainState, as `jaxinfra info` sees them
+    (with the quant section's extra leaves: fp8 amax histories, int8 weights + scales); cached per
+    model, since a search prices many layouts of one model."""
     tx = make_optimizer(optimizer, make_schedule(ScheduleConfig(), optimizer.lr, 1))
-    state = abstract_state(model, tx)
+    state = abstract_state(model, tx, quant)
 
     def leaves(tree: Any) -> tuple[Leaf, ...]:
         out = []
@@ -239,9 +242,126 @@ def optimizer_update(lay: Layout, state: StateBytes) -> Component:
                      "new params + moments before the NaN guard, less the reused gradients")
 
 
+# ------------------------------------------------------------ quantization (docs/quantization.md)
+@dataclasses.dataclass(frozen=True)
+class Projection:
+    """One weight matmul of a layer on this device: `tokens` rows of `inputs` features to
+    `outputs` features, over `copies` weights (the experts on this device)."""
+
+    name: str
+    tokens: float
+    inputs: int
+    outputs: int
+    copies: int = 1
+
+
+def projections(lay: Layout, moe: bool) -> list[Projection]:
+    """One layer's projections (models/project.py names), widths split over `tensor`; FSDP gathers
+    the whole weight of the layer before its matmul."""
+    m, n, d, h = lay.model, lay.tokens, lay.model.d_model, lay.heads
+    if m.is_mla:
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        out = ([Projection("mla.q", n, d, h * qk)] if m.q_lora_rank is None else
+               [Projection("mla.q_a", n, d, m.q_lora_rank), Projection("mla.q_b", n, m.q_lora_rank, h * qk)])
+        out += [Projection("mla.kv_a", n, d, m.kv_lora_rank + m.qk_rope_head_dim),
+                Projection("mla.kv_b", n, m.kv_lora_rank, h * (m.qk_nope_head_dim + m.v_head_dim)),
+                Projection("mla.o", n, h * m.v_head_dim, d)]
+    else:
+        dh = m.resolved_head_dim
+        out = [Projection("attention.q", n, d, h * dh), Projection("attention.k", n, d, lay.kv_heads * dh),
+               Projection("attention.v", n, d, lay.kv_heads * dh), Projection("attention.o", n, h * dh, d)]
+    width = lay.mlp
+    if moe:
+        rows = lay.rows * act.capacity_slots(lay) if m.moe_dispatch == "capacity" else n * m.moe_top_k
+        f, local = split(m.expert_dim, lay.tp), split(m.moe_num_experts, lay.ep)
+        out += [Projection("experts.gate", rows, d, f, local), Projection("experts.up", rows, d, f, local),
+                Projection("experts.down", rows, f, d, local)]
+        width = split(m.moe_shared_experts * m.expert_dim, lay.tp)
+    if width:
+        out += [Projection("mlp.gate", n, d, width), Projection("mlp.up", n, d, width),
+                Projection("mlp.down", n, width, d)]
+    return out
+
+
+def quantized_operands(lay: Layout, state: StateBytes) -> Component | None:
+    """`quant.train`: one layer's backward holds, per quantized projection, the low-precision
+    operands its forward made (models/qdot.py): the input (int8 + a float32 scale per token, or
+    fp8) and the weight (int8 + a scale per output channel, or fp8), and the output gradient
+    requantized, twice for int8 (per token for dx, per feature for dw, each with its scales) and
+    once for fp8 (one per-tensor scale serves both)."""
+    q = lay.cfg.quant
+    if q.train == "none":
+        return None
+    int8 = q.train == "int8"
+    kinds = [moe for moe, n in zip((False, True), lay.layer_counts[1:]) if n] or [False]
+
+    def layer(moe: bool) -> float:
+        total = 0.0
+        for p in projections(lay, moe):
+            if q.matmul(p.name).mode == "none":
+                continue
+            x, y, w = p.tokens * p.inputs, p.tokens * p.outputs, p.copies * p.inputs * p.outputs
+            total += x + w + (2 if int8 else 1) * y
+            if int8:
+                total += F32_BYTES * (p.tokens + p.copies * p.outputs + p.tokens + p.outputs)
+        return total
+
+    return Component("quantized operands", max(layer(moe) for moe in kinds), "layer",
+                     f"{q.train} copies of one layer's matmul inputs, weights and output gradients")
+
+# ------------------------------------------------------------ distillation (docs/distillation.md)
+@functools.lru_cache(maxsize=16)
+def _teacher_model(path: str, dtype: str, vocab: int) -> ModelConfig:
+    """The teacher's model as the distillation runs it (its config.yaml, in `teacher_dtype`); a
+    missing or mismatched teacher is the one-line error `jaxinfra train` gives."""
+    from jaxinfra.distill.teacher import resolve_teacher
+
+    return resolve_teacher(path, vocab).compute_model(dtype)
+
+
+def teacher_params(lay: Layout, state: StateBytes) -> Component | None:
+    """Online distillation: the teacher's params in `distill.teacher_dtype`, sharded by the
+    student's parameter rules, resident for the whole step (a step input: no gradients, no
+    optimizer state)."""
+    d = lay.cfg.distill
+    if not d.online:
+        return None
+    model = _teacher_model(d.teacher, d.teacher_dtype, lay.model.vocab_size)
+    leaves = _state_leaves(model, lay.cfg.optimizer)[0]
+    mesh = AbstractMesh(tuple(lay.sizes[a] for a in MESH_AXES), MESH_AXES)
+    tables = rules_for(lay.cfg.parallelism.strategy, overrides=dict(lay.cfg.parallelism.rules))
+    return Component("teacher params", _per_device(leaves, tables.params, mesh), "resident",
+                     f"{model.num_layers} layers, d_model {model.d_model}, {d.teacher_dtype}")
+
+
+def teacher_logits(lay: Layout, state: StateBytes) -> Component | None:
+    """What the teacher adds at the head: online, its final hidden states ([rows, seq, d_teacher]
+    in its dtype) and, per loss chunk, four more [rows, chunk, vocab] float32 buffers (the teacher's
+    logits and tempered softmax, the student's tempered log-softmax and the KL's gradient: what
+    XLA's memory analysis adds over the plain step), eight with `distill.top_k` (fitted: XLA:CPU's
+    top-k keeps values and indices for the whole vocabulary); offline, the saved top-k batch (ids,
+    float32 values, the teacher's per-token cross-entropy) on this device."""
+    d, m, t = lay.cfg.distill, lay.model, lay.cfg.train
+    if not d.enabled:
+        return None
+    rows = lay.accum_rows
+    if not d.online:
+        from jaxinfra.distill.logits import LogitsDir
+
+        k = d.top_k or LogitsDir.open(d.logits).top_k
+        ids = 2 if m.vocab_size <= 2**16 else 4
+        batch = t.batch_size // lay.batch_shards * lay.seq * (k * (ids + F32_BYTES) + F32_BYTES)
+        return Component("teacher logits", batch, "resident", f"the saved top-{k} ids, logits and CE per token")
+    teacher = _teacher_model(d.teacher, d.teacher_dtype, m.vocab_size)
+    chunk = m.loss_chunk_size if m.loss_chunk_size and m.loss_chunk_size < t.seq_len else t.seq_len
+    logits = (8 if d.top_k else 4) * rows * split(chunk, lay.cp) * lay.vocab * F32_BYTES
+    hidden = rows * lay.seq * teacher.d_model * DTYPE_BYTES[d.teacher_dtype]
+    return Component("teacher logits", logits + hidden, "head", "teacher hidden states + float32 logits per chunk")
+
 COMPONENTS: list[Fn] = [params, gradients, optimizer_state, activations, microbatch_gradients,
                         logits_and_loss, gathered_embeddings, layer_backward, gathered_layer_weights, pipeline_buffers,
-                        optimizer_update]
+                        optimizer_update, quantized_operands, teacher_params,
+                        teacher_logits]
 
 
 @dataclasses.dataclass(frozen=True)
