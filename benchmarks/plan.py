@@ -64,12 +64,29 @@ def cpu(devices: int, probes: tuple[float, float]):
     return device_spec("cpu", devices, matmul_flops=probes[0], bandwidth=probes[1])
 
 
-def memory_table() -> None:
-    from test_plan import LAYOUTS, layout_config
+def memory_layouts() -> list[tuple[str, Config]]:
+    """tests/test_plan.py's layouts, then its quantization and distillation rows (a teacher run
+    dir of its TEACHER shape written to a temporary directory)."""
+    import tempfile
 
+    from test_plan import FEATURES, LAYOUTS, TEACHER, layout_config
+
+    from jaxinfra.checkpoint import save_params_only
+    from jaxinfra.state import init_params
+
+    teacher = tempfile.mkdtemp(prefix="plan-teacher-")
+    save_params_only(teacher, Config(model=TEACHER), jax.jit(lambda k: init_params(TEACHER, k))(jax.random.key(0)),
+                     {"params_only": True, "step": 0})
+    out = [(name, layout_config(preset, extra)) for name, preset, extra in LAYOUTS]
+    for name, layout, extra in FEATURES:
+        _, preset, base = next(row for row in LAYOUTS if row[0] == layout)
+        out.append((f"{layout} + {name}", layout_config(preset, [*base, *(e.format(teacher=teacher) for e in extra)])))
+    return out
+
+
+def memory_table() -> None:
     rows = []
-    for name, preset, extra in LAYOUTS:
-        cfg = layout_config(preset, extra)
+    for name, cfg in memory_layouts():
         mem = estimate(Layout.of(cfg, 8, "cpu"))
         compiled = analyse(cfg, jax.devices()[:8])["total_bytes"]
         rows.append((name, size(mem.total), size(compiled), f"{mem.total / compiled:.3f}", mem.peak_phase))

@@ -70,7 +70,7 @@ LAYOUTS = [
     ("GQA dp save_dots", "tiny", GQA + ["mesh.data=8", "parallelism.strategy=dp", "model.remat_policy=save_dots"]),
 ]
 # Known gap (docs/plan.md): MoE capacity dispatch under save_dots is underestimated by 16-21%.
-FAST = ("GQA fsdp full", "MHA tensor + SP full", "MoE expert none")  # the default run's share of the table
+FAST = ("GQA fsdp full",)  # the default run's share of the table (test time: one compile)
 
 
 def layout_config(preset: str, extra: list[str]):
@@ -111,7 +111,8 @@ FEATURES = [
                                                                    "distill.teacher_dtype=float32"]),
     ("online distill, chunked loss", "GQA dp none", ["distill.teacher={teacher}", "model.loss_chunk_size=64"]),
 ]
-FAST_FEATURES = ("int8 train", "online distill, full vocabulary")
+# Default run: int8 training (the teacher components' shardings are checked without a compile below).
+FAST_FEATURES = ("int8 train",)
 
 
 @pytest.fixture(scope="module")
