@@ -80,6 +80,20 @@ def format_row(r: dict[str, Any], matmul: float | None) -> str:
     return line + (f"  (loss {r['losses'][-1]:.4f})" if r.get("losses") else "")
 
 
+def plan_line(r: dict[str, Any]) -> str | None:
+    """The plan's prediction beside the measured row: analytic memory vs peak_bytes_in_use (GPU/TPU;
+    XLA:CPU keeps no allocator statistics) and predicted vs measured step time."""
+    plan = r.get("plan")
+    if plan is None or "step_s" not in r:
+        return None
+    peak = r.get("peak_bytes_in_use")
+    memory = (f"peak_bytes_in_use {peak / GIB:.2f} GiB, analytic/measured {plan['memory_bytes'] / peak:.3f}"
+              if peak else "no peak_bytes_in_use here")
+    return (f"    plan ({plan['kind']}): analytic memory {plan['memory_bytes'] / GIB:.3f} GiB ({memory}); step "
+            f"{plan['step_s']:.3f} s predicted vs {r['step_s']:.3f} s measured, ratio "
+            f"{plan['step_s'] / r['step_s']:.3f}; bottleneck {plan['bottleneck']}")
+
+
 def _child_command(spec: RowSpec, opts: RowOptions) -> list[str]:
     payload = {"spec": dataclasses.asdict(spec), "opts": dataclasses.asdict(opts)}
     return [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(payload)]
@@ -248,6 +262,8 @@ class _Runner:
         self.rows.append(r)
         self.specs.append(spec)
         print(format_row(r, self.matmul), flush=True)
+        if plan_line(r):
+            print(plan_line(r), flush=True)
         if "profile" in r:
             p = r["profile"]
             print(format_profile(StepProfile(p["steps"], p["step_us"], p["busy"], p["unnamed"],

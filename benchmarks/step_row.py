@@ -216,6 +216,19 @@ def _fit(rt, state, cfg: Config, opts: RowOptions, own_bytes: int, capacity: int
             "describe": fit.describe(), "probes": fit.probes, "capacity": capacity}
 
 
+def plan_prediction(cfg: Config, device: jax.Device, matmul_flops: float | None) -> dict[str, Any]:
+    """What `jaxinfra plan` predicts for this row on this device (one device): analytic memory and
+    step time, printed beside the measured row (targets, docs/plan.md: memory within 10% of
+    peak_bytes_in_use, step time within 25%). On CPU the peak is the row's own matmul probe."""
+    from jaxinfra.plan.devices import device_spec, kind_of
+    from jaxinfra.plan.estimate import make_plan
+
+    kind = kind_of(device)
+    plan = make_plan(cfg, 1, device_spec(kind, 1, matmul_flops=matmul_flops if kind == "cpu" else None))
+    return {"kind": kind, "memory_bytes": plan.memory.total, "step_s": plan.time.step_s,
+            "bottleneck": plan.bottleneck}
+
+
 def measure(spec: RowSpec, opts: RowOptions) -> dict[str, Any]:
     """Everything step_device.py prints for one row, as plain data (JSON-ready)."""
     device = jax.devices()[0]
@@ -228,6 +241,7 @@ def measure(spec: RowSpec, opts: RowOptions) -> dict[str, Any]:
                            **_header_facts(cfg, device, opts.measure_matmul, dry)}
     if pending:
         return {**out, "note": PENDING_VARIANTS[pending[-1]]}
+    out["plan"] = plan_prediction(cfg, device, out["peak_flops"] if dry else None)
     flags = {v for v in spec.variants if v in LOOP_VARIANTS}
     work = Path(opts.work_dir or tempfile.mkdtemp(prefix="step_device-"))
     rt, state = build_step(cfg)

@@ -20,6 +20,7 @@ Modules of `jaxinfra/` (see docs/architecture.md for how one run goes through th
     info.py        `jaxinfra info`: devices, versions, mesh, per-parameter sharding and memory
     quantize.py    `jaxinfra quantize`: weight-only int8 checkpoints; the quant checks that need devices
     bench.py       `jaxinfra bench collectives`: collective timings per mesh axis
+    plan/          `jaxinfra plan`: analytic memory per device, step time, bottleneck, layout search
     data/          grain input pipeline (text, token files, prepared dirs, jsonl/parquet, synthetic,
                    mixtures) packed into batches; `data prepare` / `data inspect`
     metrics/       FLOP counts, device peaks, MFU, JSONL/TensorBoard writers, table formatting

@@ -5,6 +5,8 @@ train, info and bench also take --coordinator HOST:PORT --num-processes N --proc
 
     jaxinfra train [CONFIG] [KEY=VALUE ...] [--run-dir DIR] [--restore PATH]   train; a run dir resumes
     jaxinfra info [CONFIG] [KEY=VALUE ...]          devices, versions, mesh, per-parameter sharding and bytes
+    jaxinfra plan CONFIG [KEY=VALUE ...] [--devices N] [--device-kind K] [--hbm-gib G] [--compile] [--search] [--json]
+                                                    memory per device, step time, bottleneck; --search ranks layouts
     jaxinfra export-params RUN OUT [--dtype D]      a run's newest params alone (optionally cast)
     jaxinfra bench collectives [KEY=VALUE ...] [--min-bytes N] [--max-bytes N] [--ops a,b]   collective timings
     jaxinfra launch --local-processes N [--devices-per-process M] -- COMMAND ...   N local processes
@@ -53,8 +55,10 @@ def _join_process_group(args: argparse.Namespace) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # fails before jax is even imported
     _join_process_group(args)
+    from jaxinfra.plan.cli import preflight
     from jaxinfra.train import train
 
+    preflight(cfg, force=args.force)  # one line: the plan's memory estimate; too big -> exit 2 before compiling
     run_dir = args.run_dir or f"runs/{_config_stem(args.config)}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     summary = train(cfg, run_dir, restore_from=args.restore)
     return int(summary.get("exit_code", 0))
@@ -81,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "checkpoints is resumed from its latest complete one")
     p.add_argument("--restore", metavar="PATH", help="start from another run's checkpoint (checkpoint.restore="
                    "full|params)")
+    p.add_argument("--force", action="store_true", help="train even when the plan's analytic memory exceeds the "
+                   "device memory by more than 10%%")
     _add_process_flags(p)
     p.set_defaults(func=cmd_train)
 
@@ -127,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxinfra.infer.cli import add_subcommands as add_inference  # generate, eval
 
     add_inference(sub)
+    from jaxinfra.plan.cli import add_subcommands as add_plan  # plan
+
+    add_plan(sub)
     from jaxinfra.data.cli import add_subcommands as add_data  # data {prepare,inspect}
 
     add_data(sub)

@@ -332,9 +332,6 @@ def validate(cfg: Config, device_count: int | None = None) -> None:
     chunk = cfg.model.loss_chunk_size
     if chunk and chunk < t.seq_len and t.seq_len % chunk:
         raise ConfigError(f"model.loss_chunk_size={chunk} does not divide train.seq_len={t.seq_len}")
-    if t.batch_size % t.grad_accum_steps:
-        raise ConfigError(
-            f"train.batch_size={t.batch_size} is not divisible by train.grad_accum_steps={t.grad_accum_steps}")
     if cfg.log.every < 1:
         raise ConfigError(f"log.every={cfg.log.every} is invalid: must be a positive integer")
     if cfg.optimizer.lr <= 0:
@@ -354,6 +351,16 @@ def validate(cfg: Config, device_count: int | None = None) -> None:
         raise ConfigError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the data's vocabulary "
             f"({data_vocab} ids from data.source={cfg.data.source}); set model.vocab_size>={data_vocab}")
+    validate_layout(cfg, device_count)
+
+
+def validate_layout(cfg: Config, device_count: int | None) -> None:
+    """The checks a change of layout (mesh, parallelism, remat, accumulation) can fail, for a config
+    whose other sections `validate` already accepted (jaxinfra plan --search prices thousands)."""
+    t = cfg.train
+    if t.batch_size % t.grad_accum_steps:
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} is not divisible by train.grad_accum_steps={t.grad_accum_steps}")
     validate_mesh(cfg, device_count)
 
 

@@ -67,9 +67,10 @@ class Runtime:
         with jax.set_mesh(self.mesh), activation_sharding(self.mesh, self.rules):
             return self._train_step(state, batch, *self.step_inputs)
 
-    def lower_train_step(self, state: TrainState, batch: dict[str, jax.Array]):
+    def lower_train_step(self, state: TrainState, batch: dict[str, jax.Array], *inputs: Any):
+        """The lowered train step; `inputs` (abstract ones, for the plan's --compile) replace step_inputs."""
         with jax.set_mesh(self.mesh), activation_sharding(self.mesh, self.rules):
-            return self._train_step.lower(state, batch, *self.step_inputs)
+            return self._train_step.lower(state, batch, *(inputs or self.step_inputs))
 
     def eval_sums(self, params: nnx.State, batches: list[dict[str, np.ndarray]],
                   eval_step: Any = None) -> tuple[float, float]:

@@ -1,0 +1,209 @@
+"""`jaxinfra plan` against the compiler and the clock, on this CPU with 8 fake devices.
+
+    python benchmarks/plan.py memory            # analytic vs compiled memory_analysis, the layout table
+    python benchmarks/plan.py time [--steps 5]  # predicted vs measured median step time, 4 configs
+    python benchmarks/plan.py search [--top 5]  # --search's top layouts for small and mixtral-tiny, measured
+    python benchmarks/plan.py presets           # full-size presets on 8/64/256 H100 and TPU v5p (no compile)
+
+Every figure of one table comes from one process (the matmul probe that calibrates the CPU
+predictions is measured in it, next to the steps it predicts). Tables print in RESULTS.md's
+markdown form.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ["XLA_FLAGS"] = " ".join([*(f for f in os.environ.get("XLA_FLAGS", "").split()
+                                      if "device_count" not in f), "--xla_force_host_platform_device_count=8"])
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root; tests/ for the layout table
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import jax
+import numpy as np
+
+from benchmarks.step_cpu import random_batch, time_runtime
+from jaxinfra.config import Config, load_config
+from jaxinfra.metrics.peak import measure_matmul_flops
+from jaxinfra.metrics.table import format_table
+from jaxinfra.plan.compiled import analyse
+from jaxinfra.plan.devices import device_spec, measure_memory_bandwidth
+from jaxinfra.plan.estimate import make_plan
+from jaxinfra.plan.layout import Layout
+from jaxinfra.plan.memory import estimate
+from jaxinfra.plan.report import size
+from jaxinfra.plan.search import overrides, search
+from jaxinfra.runtime import build_runtime
+
+TIME_CONFIGS = [  # (name, preset, overrides, devices): the CPU reference model under four layouts
+    ("small, 1 device", "small", ["mesh.data=1"], 1),
+    ("small, fsdp=8", "small", ["mesh.data=1", "mesh.fsdp=8"], 8),
+    ("small, data=2 x tensor=4", "small", ["mesh.data=2", "mesh.tensor=4"], 8),
+    ("small, data=4 x stage=2 gpipe", "small", ["mesh.data=4", "mesh.stage=2", "parallelism.microbatches=2"], 8),
+]
+
+
+def measure_step(cfg: Config, devices: int, steps: int) -> float:
+    """Median seconds of `steps` train steps after a compile + warm-up step (the real runtime)."""
+    rt = build_runtime(cfg, jax.devices()[:devices])
+    return time_runtime(rt, rt.init_state(), rt.to_global(random_batch(cfg, np.random.default_rng(0))), steps)[1]
+
+
+def probe() -> tuple[float, float]:
+    """(matmul FLOP/s, memory bytes/s) as medians of 7 runs: on a loaded machine the probes' usual
+    best-of-5 catches a quiet moment the following steps do not get; the median sees what they see."""
+    flops = float(np.median([measure_matmul_flops(repeats=1) for _ in range(7)]))
+    return flops, float(np.median([measure_memory_bandwidth.__wrapped__(repeats=1) for _ in range(7)]))
+
+
+def cpu(devices: int, probes: tuple[float, float]):
+    return device_spec("cpu", devices, matmul_flops=probes[0], bandwidth=probes[1])
+
+
+def memory_layouts() -> list[tuple[str, Config]]:
+    """tests/test_plan.py's layouts, then its quantization and distillation rows (a teacher run
+    dir of its TEACHER shape written to a temporary directory)."""
+    import tempfile
+
+    from test_plan import FEATURES, LAYOUTS, TEACHER, layout_config
+
+    from jaxinfra.checkpoint import save_params_only
+    from jaxinfra.state import init_params
+
+    teacher = tempfile.mkdtemp(prefix="plan-teacher-")
+    save_params_only(teacher, Config(model=TEACHER), jax.jit(lambda k: init_params(TEACHER, k))(jax.random.key(0)),
+                     {"params_only": True, "step": 0})
+    out = [(name, layout_config(preset, extra)) for name, preset, extra in LAYOUTS]
+    for name, layout, extra in FEATURES:
+        _, preset, base = next(row for row in LAYOUTS if row[0] == layout)
+        out.append((f"{layout} + {name}", layout_config(preset, [*base, *(e.format(teacher=teacher) for e in extra)])))
+    return out
+
+
+def memory_table() -> None:
+    rows = []
+    for name, cfg in memory_layouts():
+        mem = estimate(Layout.of(cfg, 8, "cpu"))
+        compiled = analyse(cfg, jax.devices()[:8])["total_bytes"]
+        rows.append((name, size(mem.total), size(compiled), f"{mem.total / compiled:.3f}", mem.peak_phase))
+        print(format_table(rows[-1:], ["layout", "analytic", "compiled", "ratio", "peak"], style="markdown",
+                           header=len(rows) == 1), flush=True)
+    worst = max(abs(float(r[3]) - 1) for r in rows)
+    print(f"\n{len(rows)} layouts, largest |analytic/compiled - 1| = {worst:.3f}")
+
+
+def time_table(steps: int) -> None:
+    """Each config: probe, measure its steps, probe again; the prediction uses the mean probe."""
+    rows = []
+    for name, preset, extra, devices in TIME_CONFIGS:
+        cfg = load_config(preset, [*extra, "data.source=synthetic"])
+        before = probe()
+        measured = measure_step(cfg, devices, steps)
+        after = probe()
+        probes = ((before[0] + after[0]) / 2, (before[1] + after[1]) / 2)
+        plan = make_plan(cfg, devices, cpu(devices, probes))
+        rows.append((name, devices, f"{probes[0] / 1e9:.0f}", f"{probes[1] / 1e9:.2f}", f"{plan.time.step_s:.3f}",
+                     f"{measured:.3f}", f"{plan.time.step_s / measured:.3f}", plan.bottleneck,
+                     f"{os.getloadavg()[0]:.1f}"))
+        print(format_table(rows[-1:], ["config", "devices", "probe GFLOP/s", "probe GB/s", "predicted s",
+                                       "measured s", "ratio", "bottleneck", "load"], style="markdown",
+                           header=len(rows) == 1), flush=True)
+
+
+def interleaved_steps(cfgs: list[Config], steps: int) -> list[float]:
+    """Median step seconds of each config, measured round-robin (one step of each per round, after
+    a compile + warm-up step each), so that the machine's load drifts over all of them alike."""
+    runs = []
+    for cfg in cfgs:
+        rt = build_runtime(cfg, jax.devices()[:8])
+        state, batch = rt.init_state(), rt.to_global(random_batch(cfg, np.random.default_rng(0)))
+        state, metrics = rt.train_step(state, batch)
+        jax.block_until_ready(metrics)
+        runs.append([rt, state, batch, []])
+    for _ in range(steps):
+        for run in runs:
+            rt, state, batch, times = run
+            t0 = time.perf_counter()
+            run[1], metrics = rt.train_step(state, batch)
+            jax.block_until_ready(metrics)
+            times.append(time.perf_counter() - t0)
+    return [float(np.median(run[3])) for run in runs]
+
+
+def search_table(preset: str, top: int, steps: int) -> None:
+    """--search's top layouts measured in one run (interleaved), with the preset's own layout and
+    fsdp=8 as references."""
+    probes = probe()
+    cfg = load_config(preset, ["data.source=synthetic"])
+    spec = cpu(8, probes)
+    ranked = search(cfg, 8, spec)[:top]
+    print(f"{preset}: probes {probes[0] / 1e9:.1f} GFLOP/s, {probes[1] / 1e9:.2f} GB/s, load "
+          f"{os.getloadavg()[0]:.1f}", flush=True)
+    references = [make_plan(load_config(preset, ["data.source=synthetic", *extra]), 8, spec)
+                  for extra in (["mesh.data=8"], ["mesh.data=1", "mesh.fsdp=8"])]
+    plans = [*ranked, *references]
+    measured = interleaved_steps([p.layout.cfg for p in plans], steps)
+    rows = [(str(rank) if rank <= len(ranked) else "reference",
+             " ".join(o for o in overrides(p) if not o.endswith("=1")), f"{p.time.step_s:.3f}", f"{m:.3f}")
+            for rank, (p, m) in enumerate(zip(plans, measured), 1)]
+    print(format_table(rows, ["rank", "layout", "predicted s", "measured s"], style="markdown"))
+    best = min(measured[:len(ranked)])
+    print(f"predicted best measured {measured[0]:.3f} s = {measured[0] / best:.3f} x the fastest measured of the "
+          f"top {len(ranked)}; load {os.getloadavg()[0]:.1f}")
+
+
+PRESETS = ("llama3-8b", "deepseek-v3", "mixtral-8x7b", "qwen3-30b-a3b")
+# On accelerators the presets would run a flash kernel and a chunked loss: XLA attention keeps
+# [rows, heads, seq, seq] float32 scores per layer, and whole-sequence logits are ~10 GiB per row.
+KERNELS = {"h100": "pallas_triton", "tpu-v5p": "pallas_mosaic_tpu"}
+
+
+def presets_table(kinds: tuple[str, ...] = ("h100", "tpu-v5p"), counts: tuple[int, ...] = (8, 64, 256)) -> None:
+    """Full-size presets: the preset's own layout (fsdp=-1) and --search's best, per device count."""
+    rows = []
+    for preset in PRESETS:
+        for kind in kinds:
+            extra = [f"model.attention_impl={KERNELS[kind]}", "model.loss_chunk_size=512"]
+            cfg = load_config(preset, extra)
+            spec = device_spec(kind)
+            for count in counts:
+                own = make_plan(cfg, count, spec)
+                t0 = time.perf_counter()
+                ranked = search(cfg, count, spec)
+                best = ranked[0] if ranked else None
+                layout = " ".join(o for o in overrides(best) if not o.endswith("=1")) if best else "nothing fits"
+                rows.append((preset, kind, count, size(own.memory.total) + (" (fits)" if own.fits else " (no)"),
+                             layout, size(best.memory.total) if best else "-",
+                             f"{best.time.step_s:.2f}" if best else "-",
+                             f"{best.tokens_per_s / count:,.0f}" if best else "-", f"{best.mfu:.2f}" if best else "-",
+                             best.bottleneck if best else "-", f"{time.perf_counter() - t0:.0f}"))
+                print(format_table(rows[-1:], ["preset", "device", "n", "preset layout memory", "best layout",
+                                               "memory", "step s", "tokens/s/device", "MFU", "bottleneck",
+                                               "search s"], style="markdown", header=len(rows) == 1), flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("what", choices=["memory", "time", "search", "presets"])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--top", type=int, default=5)
+    parser.add_argument("--presets", default="small,mixtral-tiny")
+    args = parser.parse_args()
+    if args.what == "memory":
+        memory_table()
+    elif args.what == "time":
+        time_table(args.steps)
+    elif args.what == "search":
+        for preset in args.presets.split(","):
+            search_table(preset, args.top, args.steps)
+    else:
+        presets_table()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""A plan as text: the memory table with the device's capacity and headroom, the step time with
+its collectives, throughput, MFU, wall time and the bottleneck; and the one-line summary
+`jaxinfra train` prints at start."""
+
+from __future__ import annotations
+
+from jaxinfra.metrics.table import Column, format_table
+from jaxinfra.plan.estimate import Plan
+from jaxinfra.plan.memory import PHASES
+
+
+def size(n: float) -> str:
+    if abs(n) >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    if abs(n) >= 2**20:
+        return f"{n / 2**20:.1f} MiB"
+    return f"{n / 2**10:.1f} KiB"
+
+
+def seconds(s: float) -> str:
+    if s >= 3600:
+        return f"{s / 3600:.1f} h"
+    if s >= 60:
+        return f"{s / 60:.1f} min"
+    if s >= 1:
+        return f"{s:.2f} s"
+    return f"{s * 1e3:.1f} ms"
+
+
+def header(plan: Plan) -> str:
+    lay = plan.layout
+    mesh = " x ".join(f"{a}={s}" for a, s in lay.sizes.items() if s > 1) or "one device"
+    t = lay.cfg.train
+    return (f"plan: {lay.devices} x {plan.spec.kind} ({plan.spec.name}), mesh {mesh}, strategy "
+            f"{lay.cfg.parallelism.strategy}, remat {lay.model.remat_policy}, batch {t.batch_size} x seq {t.seq_len}"
+            + (f", {t.grad_accum_steps} accumulation steps" if t.grad_accum_steps > 1 else ""))
+
+
+def memory_lines(plan: Plan, compiled: float | None = None) -> list[str]:
+    mem, cap = plan.memory, plan.spec.memory_bytes
+    order = {p: i for i, p in enumerate(PHASES)}
+    rows = [(c.name, c.phase, size(c.bytes), c.note) for c in sorted(mem.components, key=lambda c: order[c.phase])]
+    head = ("memory per device (analytic, decoding)" if plan.inference else
+            "memory per device (analytic; total = resident + max(step + max(head, layer), update))")
+    table = format_table(rows, [Column("component"), Column("phase"), Column("bytes", align=">"), Column("note")])
+    room = cap - mem.total
+    lines = [head, table,
+             f"total {size(mem.total)} (peak in the {mem.peak_phase} phase) of {size(cap)} per device: "
+             + (f"headroom {size(room)} ({room / cap:.0%})" if room >= 0 else f"DOES NOT FIT by {size(-room)}")]
+    if compiled is not None:
+        lines.append(f"compiled (XLA memory_analysis: arguments + temporaries + outputs - aliased): {size(compiled)}; "
+                     f"analytic / compiled = {mem.total / compiled:.3f}")
+    return lines
+
+
+def time_lines(plan: Plan) -> list[str]:
+    t = plan.time
+    if plan.inference:
+        return [f"decode step {seconds(t.step_s)} (one token for each of {plan.tokens_per_step} rows): "
+                f"{plan.tokens_per_s:,.0f} tokens/s, MFU {plan.mfu:.3f}; bound by {plan.bottleneck}"]
+    lines = [f"step time {seconds(t.step_s)}: compute {seconds(t.compute_s)} (peak {t.peak / 1e12:.4g} TFLOP/s x "
+             f"efficiency {plan.spec.efficiency}"
+             + (f", shared by {plan.spec.shared_host} devices" if plan.spec.shared_host > 1 else "")
+             + f"), bubble {seconds(t.bubble_s)}, optimizer update {seconds(t.update_s)}, exposed comm "
+             f"{seconds(t.exposed_s)}, overlapped comm {seconds(t.overlapped_s)}"]
+    if t.collectives:
+        rows = [(c.what, "x".join(c.axes), c.op, size(c.size), f"{c.calls:g}", seconds(c.seconds),
+                 "overlapped" if c.overlapped else "exposed") for c in t.collectives]
+        lines.append(format_table(rows, [Column("collective"), Column("axes"), Column("op"),
+                                         Column("bytes/call", align=">"), Column("calls", align=">"),
+                                         Column("per step", align=">"), Column("")]))
+    steps = plan.layout.cfg.train.steps
+    lines.append(f"tokens/s {plan.tokens_per_s:,.0f}, MFU {plan.mfu:.3f}, {steps} steps (train.steps): "
+                 f"{seconds(plan.wall_s)}; bottleneck: {plan.bottleneck}")
+    return lines
+
+
+def describe(plan: Plan, compiled: float | None = None) -> str:
+    return "\n".join([header(plan), *memory_lines(plan, compiled), *time_lines(plan)])
+
+
+def one_line(plan: Plan) -> str:
+    """What `jaxinfra train` prints at start."""
+    mem, cap = plan.memory.total, plan.spec.memory_bytes
+    return (f"jaxinfra: plan: {size(mem)} per device analytic (of {size(cap)} {plan.spec.kind}, "
+            f"{mem / cap:.0%}), ~{seconds(plan.time.step_s)}/step predicted, bottleneck {plan.bottleneck}")

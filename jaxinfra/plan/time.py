@@ -1,0 +1,350 @@
+"""Step time, analytic: compute at the device's throughput, communication per mesh axis, overlap,
+the pipeline bubble, and the bottleneck.
+
+    compute   = executed FLOPs per device / (peak x efficiency)        (jaxinfra/plan/devices.py)
+    comm      = sum over collectives of calls x (latency + bytes x f / bandwidth)   (links.py)
+    update    = optimizer traffic per device / memory bandwidth            (memory-bound, after the backward)
+    step      = max(compute + bubble, overlapped comm) + exposed comm + update  (accelerators)
+    step      = compute + bubble + all comm + update                           (CPU: fake devices share cores)
+
+Executed FLOPs are the model's (jaxinfra/metrics/flops.py: matmuls and attention, x3 for the
+backward) plus what the step really runs on top: the forward work the remat policy recomputes,
+the loss chunks' recomputed logits, capacity-dispatch padding and its one-hot einsums, the work
+of pipeline bubble slots (the SPMD pipeline computes them), 1F1B's extra forward, and on CPU
+the dense ragged_dot of the dropless path (every expert for every row). MFU counts model FLOPs
+only, against the datasheet peak (CPU: the probe), as metrics.jsonl does.
+
+Overlap: FSDP all-gathers and reduce-scatters, data-parallel gradient reductions and ring
+attention's K/V shifts are issued ahead of the compute that needs them (XLA's latency-hiding
+scheduler) and hide under it; tensor-parallel all-reduces (or SP's all-gather/reduce-scatter),
+the all-gather of context-parallel K/V, expert all-to-alls, pipeline sends and ZeRO-1's final
+parameter all-gather sit on the critical path and are exposed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jaxinfra.metrics.flops import flops_per_token
+from jaxinfra.plan.activations import capacity_slots
+from jaxinfra.plan.devices import DeviceSpec
+from jaxinfra.plan.layout import Layout
+from jaxinfra.plan.links import LINKS, Link, Measured, axis_link, collective_seconds
+from jaxinfra.plan.memory import StateBytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    what: str  # e.g. "FSDP weight all-gather"
+    op: str  # links.OPS
+    axes: tuple[str, ...]
+    size: float  # bytes per device per call
+    calls: float  # per step
+    overlapped: bool
+    seconds: float = 0.0  # per step, filled by `price`
+
+    @property
+    def label(self) -> str:
+        return f"{self.what} on {'x'.join(self.axes)}"
+
+
+# ---------------------------------------------------------------- FLOPs
+
+
+def layer_flops(lay: Layout, moe: bool) -> dict[str, float]:
+    """Forward FLOPs per token of one layer, by piece, as this device executes them (its share of
+    heads and MLP width under tensor parallelism). Pieces: qkv, attention, out, ffn_up, ffn_down,
+    plus for MoE router and dispatch (capacity one-hot einsums)."""
+    m, tp, t = lay.model, lay.tp, lay.cfg.train.seq_len
+    d, h = m.d_model, m.num_heads
+    if m.is_mla:
+        qk, dv = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
+        q = d * h * qk if m.q_lora_rank is None else d * m.q_lora_rank + m.q_lora_rank * h * qk
+        qkv = 2 * (q + d * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * h * (m.qk_nope_head_dim + dv))
+    else:
+        qk = dv = m.resolved_head_dim
+        qkv = 2 * d * (h + 2 * m.kv_heads) * qk
+    flash = m.attention_impl in ("pallas_triton", "pallas_mosaic_tpu", "cudnn")
+    pieces = {"qkv": qkv / tp, "attention": 2 * h * (qk + dv) * t / tp * (0.5 if flash else 1.0),
+              "out": 2 * h * dv * d / tp}
+    if not moe:
+        return {**pieces, "ffn_up": 4 * d * m.mlp_dim / tp, "ffn_down": 2 * m.mlp_dim * d / tp}
+    fe = m.expert_dim
+    routed = _routed_rows(lay)  # expert rows computed per token
+    shared = m.moe_shared_experts * fe
+    pieces.update(ffn_up=4 * d * (routed * fe + shared) / tp, ffn_down=2 * d * (routed * fe + shared) / tp,
+                  router=2 * d * m.moe_num_experts)
+    if m.moe_dispatch == "capacity":
+        pieces["dispatch"] = 2 * 2 * capacity_slots(lay) * d  # dispatch + combine: E x C x d MACs per token each
+    return pieces
+
+
+def _routed_rows(lay: Layout) -> float:
+    """Expert FFN rows per token: top-k, or the capacity slots (padding computes too), or on CPU's
+    dropless path every expert (XLA:CPU's ragged_dot is a dense matmul per group)."""
+    m = lay.model
+    if m.moe_dispatch == "capacity":
+        return capacity_slots(lay) / lay.seq
+    return m.moe_num_experts if lay.backend == "cpu" else m.moe_top_k
+
+
+RECOMPUTED = {  # forward pieces a remat policy runs again in the backward
+    "none": (), "save_dots": (), "full": ("qkv", "attention", "out", "ffn_up", "ffn_down", "router", "dispatch"),
+    "save_dots_no_batch": ("attention", "dispatch"),
+    "save_qkv_proj": ("attention", "out", "ffn_up", "ffn_down", "router", "dispatch"),
+    "save_qkv_attn_out": ("out", "ffn_up", "ffn_down", "router", "dispatch"),
+    "save_qkv_attn_mlp": ("out", "ffn_up", "router", "dispatch"),
+}
+
+
+def _passes(lay: Layout, pieces: dict[str, float]) -> tuple[float, float]:
+    """(useful, executed) FLOPs per token of one layer over forward, backward and recompute;
+    executed adds the pipeline's bubble slots, which the SPMD pipeline computes.
+
+    1F1B (sharding/pipeline.py) runs the forward once over M + S - 1 ticks, then per backward
+    tick (M + 2S - 2 of them) the chunk's forward again, and its VJP (a forward, the policy's
+    recompute, and the backward's two)."""
+    forward = sum(pieces.values())
+    again = sum(v for k, v in pieces.items() if k in RECOMPUTED[lay.model.remat_policy])
+    if lay.pp == 1:
+        return 3 * forward + again, 3 * forward + again
+    micro, repeats = lay.pipeline
+    s = lay.pp
+    if lay.cfg.parallelism.pipeline_schedule == "1f1b":
+        useful = 5 * forward + again
+        return useful, forward * (micro + s - 1) / micro + (4 * forward + again) * (micro + 2 * s - 2) / micro
+    useful = 3 * forward + again
+    return useful, useful * (repeats * micro + s - 1) / (repeats * micro)
+
+
+@dataclasses.dataclass(frozen=True)
+class Flops:
+    executed: float  # per device per step, bubble slots included
+    bubble: float  # of which bubble-slot work
+    model: float  # per device per step, model FLOPs (MFU's numerator)
+    layers: float  # the (pipelined) layers' useful work, executed minus head, prefix and bubble
+
+
+def step_flops(lay: Layout) -> Flops:
+    t, m = lay.cfg.train, lay.model
+    tokens = t.batch_size * t.seq_len / (lay.batch_shards * lay.cp)  # this device's tokens per step
+    outside, dense, sparse = lay.layer_counts
+    dense_pass, moe_pass = _passes(lay, layer_flops(lay, False)), _passes(lay, layer_flops(lay, True) if m.is_moe
+                                                                          else layer_flops(lay, False))
+    useful = tokens * (dense * dense_pass[0] + sparse * moe_pass[0])
+    executed = tokens * (dense * dense_pass[1] + sparse * moe_pass[1])
+    prefix = tokens * outside * sum(layer_flops(lay, False).values()) * 3  # before the pipeline, on every stage
+    chunked = m.loss_chunk_size and m.loss_chunk_size < t.seq_len
+    head = tokens * 2 * m.vocab_size * m.d_model / lay.tp * (4 if chunked else 3)
+    model = t.batch_size * t.seq_len * flops_per_token(m, t.seq_len) / lay.devices
+    return Flops(executed + prefix + head, executed - useful, model, useful)
+
+
+# ---------------------------------------------------------------- communication
+
+
+def collectives(lay: Layout, state: StateBytes) -> list[Collective]:
+    found: list[Collective] = []
+    for fn in COLLECTIVES:
+        found += fn(lay, state)
+    return [c for c in found if c.calls > 0 and c.size > 0]
+
+
+def _recompute_sends(lay: Layout) -> int:
+    """Forward all-reduces a policy runs again per layer (the out projection, the MLP down)."""
+    return {"full": 2, "save_qkv_proj": 2, "save_qkv_attn_out": 2, "save_qkv_attn_mlp": 1}.get(
+        lay.model.remat_policy, 0)
+
+
+def _layer_calls(lay: Layout) -> float:
+    """Layer calls per step on this device: layers x microbatches (x pipeline ticks)."""
+    outside, dense, sparse = lay.layer_counts
+    accum = lay.cfg.train.grad_accum_steps
+    micro, repeats = lay.pipeline
+    ticks = repeats * micro + lay.pp - 1 if lay.pp > 1 else 1
+    return accum * ((dense + sparse) * ticks / repeats + outside)
+
+
+def fsdp_collectives(lay: Layout, state: StateBytes) -> list[Collective]:
+    """ZeRO-3: every layer's weights all-gathered in the forward and again in the backward, every
+    layer's gradients reduce-scattered, per microbatch."""
+    f = lay.sizes["fsdp"]
+    if f == 1 or lay.cfg.parallelism.strategy != "fsdp":
+        return []
+    accum, layers = lay.cfg.train.grad_accum_steps, lay.model.num_layers + 1
+    gathered = state.params * f / layers  # one layer's weights, whole over fsdp
+    return [Collective("FSDP weight all-gather", "all_gather", ("fsdp",), gathered, 2 * accum * layers, True),
+            Collective("FSDP gradient reduce-scatter", "reduce_scatter", ("fsdp",), gathered, accum * layers, True)]
+
+
+def data_parallel_collectives(lay: Layout, state: StateBytes) -> list[Collective]:
+    """Gradients reduced over the axes that replicate the params (per microbatch: they accumulate
+    in the optimizer's sharding); ZeRO-1 reduce-scatters them and all-gathers the new params."""
+    strategy = lay.cfg.parallelism.strategy
+    axes = tuple(a for a in ("data", "fsdp") if lay.sizes[a] > 1 and not (a == "fsdp" and strategy == "fsdp"))
+    out = []
+    accum, layers = lay.cfg.train.grad_accum_steps, lay.model.num_layers + 1
+    if axes:
+        op = "reduce_scatter" if strategy == "zero1" else "all_reduce"
+        out.append(Collective("gradient " + op.replace("_", "-"), op, axes, state.params / layers,
+                              accum * layers, True))
+        if strategy == "zero1":
+            out.append(Collective("ZeRO-1 param all-gather", "all_gather", axes, state.params, 1, False))
+    if lay.ep > 1:  # non-expert params are replicated over `expert` (it is a data axis for them)
+        dense = state.params - _expert_bytes(lay)
+        out.append(Collective("gradient all-reduce", "all_reduce", ("expert",), dense / layers, accum * layers, True))
+    return out
+
+
+def _expert_bytes(lay: Layout) -> float:
+    m = lay.model
+    if not m.is_moe:
+        return 0.0
+    fsdp = lay.sizes["fsdp"] if lay.cfg.parallelism.strategy == "fsdp" else 1
+    experts = m.moe_layer_flags().count(True) * m.moe_num_experts * 3 * m.d_model * m.expert_dim
+    return experts * lay.param_bytes / (lay.ep * lay.tp * fsdp * lay.pp)
+
+
+def tensor_collectives(lay: Layout, state: StateBytes) -> list[Collective]:
+    """Megatron: two all-reduces of the residual stream per layer forward, two backward (and the
+    recomputed forward's); under sequence parallelism each is an all-gather + reduce-scatter pair
+    of the same bytes. Plus the embedding lookup and the head's input gradient per microbatch."""
+    if lay.tp == 1:
+        return []
+    stream = lay.tokens * lay.model.d_model * lay.compute_bytes
+    per_layer = 4 + _recompute_sends(lay)
+    what = "SP all-gather/reduce-scatter" if lay.residual_split > 1 else "TP all-reduce"
+    head = 2 * lay.cfg.train.grad_accum_steps * lay.pipeline[0]
+    return [Collective(what, "all_reduce", ("tensor",), stream, _layer_calls(lay) * per_layer + head, False)]
+
+
+def context_collectives(lay: Layout, state: StateBytes) -> list[Collective]:
+    """All-gather of K/V per layer (and the reduce-scatter of their gradients), or the ring's
+    cp - 1 shifts of a K/V block each way."""
+    cp = lay.cp
+    if cp == 1:
+        return []
+    m = lay.model
+    width = lay.heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) if m.is_mla else \
+        2 * lay.kv_heads * m.resolved_head_dim
+    block = lay.rows * lay.seq * width * lay.compute_bytes  # this device's K and V
+    calls = _layer_calls(lay) * (2 + (1 if lay.model.remat_policy in RECOMPUTE_ATTENTION else 0))
+    if lay.cfg.parallelism.context_impl == "ring":
+        return [Collective("ring K/V shift", "ppermute", ("context",), block, calls * (cp - 1), True)]
+    return [Collective("K/V all-gather", "all_gather", ("context",), block * cp, calls, False)]
+
+
+RECOMPUTE_ATTENTION = ("full", "save_dots_no_batch", "save_qkv_proj")
+
+
+def expert_collectives(lay: Layout, state: StateBytes) -> list[Collective]:
+    """Two all-to-alls per MoE layer forward (tokens out, results back), two backward, and the
+    recomputed forward's: capacity slots [rows, E x C, d], or the dropless path's routed rows."""
+    m = lay.model
+    if lay.ep == 1 or not m.is_moe:
+        return []
+    _, dense, sparse = lay.layer_counts
+    calls = _layer_calls(lay) * sparse / max(dense + sparse, 1) * 2 * (2 + (1 if m.remat_policy != "none" else 0))
+    if m.moe_dispatch == "capacity":
+        size = lay.rows * capacity_slots(lay) * m.d_model * lay.compute_bytes
+    else:  # XLA:CPU emulates the ragged exchange with a padded all_to_all (sharding/expert.py)
+        size = lay.tokens * m.moe_top_k * m.d_model * lay.compute_bytes * (lay.ep if lay.backend == "cpu" else 1)
+    return [Collective("expert all-to-all", "all_to_all", ("expert",), size, calls, False)]
+
+
+def pipeline_collectives(lay: Layout, state: StateBytes) -> list[Collective]:
+    """One ring shift of a microbatch slot per tick, forward and backward (1F1B: two per backward tick)."""
+    if lay.pp == 1:
+        return []
+    micro, repeats = lay.pipeline
+    slot = lay.tokens * lay.model.d_model * lay.compute_bytes
+    if lay.cfg.parallelism.pipeline_schedule == "1f1b":
+        ticks = (micro + lay.pp - 1) + 2 * (micro + 2 * lay.pp - 2)
+    else:
+        ticks = 2 * (repeats * micro + lay.pp - 1)
+    return [Collective("pipeline send", "ppermute", ("stage",), slot, ticks * lay.cfg.train.grad_accum_steps, False)]
+
+
+COLLECTIVES = [fsdp_collectives, data_parallel_collectives, tensor_collectives, context_collectives,
+               expert_collectives, pipeline_collectives]
+
+
+# ---------------------------------------------------------------- the step
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    compute_s: float  # useful work (with recompute), bubble excluded
+    bubble_s: float
+    collectives: tuple[Collective, ...]
+    step_s: float
+    bottleneck: str
+    flops: Flops
+    peak: float  # per-device peak MFU divides by
+    update_s: float = 0.0  # the optimizer update, memory-bound
+
+    @property
+    def exposed_s(self) -> float:
+        return sum(c.seconds for c in self.collectives if not c.overlapped)
+
+    @property
+    def overlapped_s(self) -> float:
+        return sum(c.seconds for c in self.collectives if c.overlapped)
+
+
+def price(c: Collective, lay: Layout, spec: DeviceSpec, measured: Measured | None) -> Collective:
+    """Seconds per step of a collective on its axes' slowest link (or a measured one)."""
+    n = math.prod(lay.sizes[a] for a in c.axes)
+    links = [_link(lay, spec, axis, c.op, measured) for axis in c.axes]
+    slowest = min(links, key=lambda link: link.bandwidth)
+    return dataclasses.replace(c, seconds=c.calls * collective_seconds(c.op, c.size, n, slowest))
+
+
+def _link(lay: Layout, spec: DeviceSpec, axis: str, op: str, measured: Measured | None) -> Link:
+    if measured and (axis, op) in measured:
+        return measured[axis, op]
+    dcn = lay.cfg.mesh.dcn_sizes()
+    return LINKS[axis_link(axis, lay.sizes, dcn, spec.domain, spec.fast_link, spec.slow_link)]
+
+
+# Bytes the optimizer step moves per byte of one params-shaped tree in the optimizer's sharding:
+# AdamW reads params, gradients and both moments and writes params and moments (7), the gradient
+# norm and the NaN guard's all-finite check read the gradients and new params once more (2), and
+# the clip scales the gradients (1).
+UPDATE_TRAFFIC = 10
+
+
+def step_time(lay: Layout, state: StateBytes, spec: DeviceSpec, measured: Measured | None = None) -> StepTime:
+    flops = step_flops(lay)
+    rate = spec.throughput(lay.model.dtype)
+    compute, bubble = (flops.executed - flops.bubble) / rate, flops.bubble / rate
+    update = UPDATE_TRAFFIC * state.opt_params / spec.memory_bandwidth
+    priced = tuple(price(c, lay, spec, measured) for c in collectives(lay, state))
+    overlapped = sum(c.seconds for c in priced if c.overlapped)
+    exposed = sum(c.seconds for c in priced if not c.overlapped)
+    if spec.platform == "cpu":  # fake devices: collectives are memcpys on the same cores as the compute
+        step = compute + bubble + overlapped + exposed + update
+    else:
+        step = max(compute + bubble, overlapped) + exposed + update
+    return StepTime(compute, bubble, priced, step, _bottleneck(compute, bubble, update, priced, spec), flops,
+                    spec.peak(lay.model.dtype), update)
+
+
+def _bottleneck(compute: float, bubble: float, update: float, priced: tuple[Collective, ...],
+                spec: DeviceSpec) -> str:
+    """The largest share of the step: compute, the bubble, the optimizer update, one exposed
+    collective, or the overlapped collectives when they outlast the compute they hide under (named
+    by the largest)."""
+    cpu = spec.platform == "cpu"
+    candidates = {"compute": compute, "pipeline bubble": bubble, "optimizer update (memory bandwidth)": update}
+    for c in priced:
+        if cpu or not c.overlapped:
+            candidates[c.label] = candidates.get(c.label, 0.0) + c.seconds
+    hidden = [c for c in priced if c.overlapped and not cpu]
+    excess = sum(c.seconds for c in hidden) - (compute + bubble)
+    if hidden and excess > 0:
+        largest = max(hidden, key=lambda c: c.seconds)
+        candidates[largest.label] = candidates.get(largest.label, 0.0) + compute + bubble + excess
+    return max(candidates, key=candidates.get)
+

@@ -1,0 +1,372 @@
+"""`jaxinfra plan`: the analytic memory against JAX's saved residuals and XLA's memory analysis,
+the FLOP pieces against flops_per_token, collectives and links, the search, the CLI contract and
+`jaxinfra train`'s pre-flight refusal.
+
+The compiled comparisons use shapes where params and activations dominate XLA's small buffers
+(vocab 2048, d_model 256, seq 256) and compile once each; the full table of layouts is the slow
+test (benchmarks/plan.py prints the same table into benchmarks/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from jax.ad_checkpoint import print_saved_residuals
+
+from jaxinfra import cli
+from jaxinfra.config import ConfigError, load_config, validate
+from jaxinfra.metrics.flops import flops_per_token
+from jaxinfra.plan import activations as act
+from jaxinfra.plan.compiled import analyse, compiled_figures
+from jaxinfra.plan.devices import device_spec
+from jaxinfra.plan.estimate import make_plan
+from jaxinfra.plan.layout import Layout
+from jaxinfra.plan.links import LINKS, axis_link, collective_seconds, read_measured
+from jaxinfra.plan.memory import estimate
+from jaxinfra.plan.search import overrides, search
+from jaxinfra.plan.time import layer_flops
+from jaxinfra.runtime import build_runtime
+from jaxinfra.state import abstract_params
+from models import ModelConfig
+from models import cache as kv_cache
+from models.layers import rope_frequencies
+from models.transformer import Block, MoEBlock, remat_policy
+
+# Shapes for the compiled comparisons (benchmarks/plan.py LAYOUTS uses the same).
+BASE = ["model.vocab_size=2048", "model.d_model=256", "model.mlp_dim=1024", "model.num_heads=4",
+        "data.source=synthetic", "train.seq_len=256", "train.batch_size=16"]
+GQA = ["model.num_kv_heads=2"]
+# (name, preset, overrides): dense GQA / MLA / MoE over the strategies, axes and remat policies.
+LAYOUTS = [
+    ("GQA dp none", "tiny", GQA + ["mesh.data=8", "parallelism.strategy=dp"]),
+    ("GQA zero1 full", "tiny", GQA + ["mesh.data=8", "parallelism.strategy=zero1", "model.remat_policy=full"]),
+    ("GQA fsdp full", "tiny", GQA + ["mesh.data=1", "mesh.fsdp=8", "model.remat_policy=full"]),
+    ("GQA fsdp none accum 2", "tiny", GQA + ["mesh.data=1", "mesh.fsdp=8", "train.grad_accum_steps=2",
+                                             "train.batch_size=32"]),
+    ("GQA data x tensor none", "tiny", GQA + ["mesh.data=2", "mesh.tensor=4"]),
+    ("MHA tensor + SP full", "tiny", ["model.num_kv_heads=4", "mesh.data=2", "mesh.tensor=4",
+                                      "parallelism.sequence_parallel=true", "model.remat_policy=full"]),
+    ("GQA fsdp x context full", "tiny", GQA + ["mesh.data=1", "mesh.fsdp=4", "mesh.context=2",
+                                               "model.remat_policy=full"]),
+    ("GQA pipeline gpipe save_dots", "tiny", GQA + ["mesh.data=4", "mesh.stage=2", "parallelism.microbatches=4",
+                                                    "model.remat_policy=save_dots"]),
+    ("GQA pipeline 1f1b full", "tiny", GQA + ["mesh.data=4", "mesh.stage=2", "parallelism.microbatches=4",
+                                              "parallelism.pipeline_schedule=1f1b", "model.remat_policy=full"]),
+    ("MLA dp full", "deepseek-tiny", ["mesh.data=8", "model.remat_policy=full"]),
+    ("MLA dp none", "deepseek-tiny", ["mesh.data=8"]),
+    ("MoE expert none", "mixtral-tiny", GQA + ["mesh.data=4", "mesh.expert=2"]),
+    ("MoE expert 8 full", "mixtral-tiny", GQA + ["mesh.data=1", "mesh.expert=8", "model.remat_policy=full"]),
+    ("MoE fsdp x expert full", "mixtral-tiny", GQA + ["mesh.data=1", "mesh.fsdp=4", "mesh.expert=2",
+                                                      "model.remat_policy=full"]),
+    ("GQA dp save_dots", "tiny", GQA + ["mesh.data=8", "parallelism.strategy=dp", "model.remat_policy=save_dots"]),
+]
+# Known gap (docs/plan.md): MoE capacity dispatch under save_dots is underestimated by 16-21%.
+FAST = ("GQA fsdp full",)  # the default run's share of the table (test time: one compile)
+
+
+def layout_config(preset: str, extra: list[str]):
+    return load_config(preset, [*BASE, *extra])
+
+
+def _compare(name: str) -> tuple[float, float]:
+    _, preset, extra = next(row for row in LAYOUTS if row[0] == name)
+    cfg = layout_config(preset, extra)
+    analytic = estimate(Layout.of(cfg, 8, "cpu")).total
+    return analytic, analyse(cfg, jax.devices()[:8])["total_bytes"]
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_analytic_memory_within_15_percent_of_compiled(name):
+    analytic, compiled = _compare(name)
+    assert abs(analytic / compiled - 1) < 0.15, (name, analytic, compiled)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [row[0] for row in LAYOUTS if row[0] not in FAST])
+def test_analytic_memory_table_within_15_percent_of_compiled(name):
+    analytic, compiled = _compare(name)
+    assert abs(analytic / compiled - 1) < 0.15, (name, analytic, compiled)
+
+
+
+# ---------------------------------------------------------------- quantization and distillation
+TEACHER = ModelConfig(vocab_size=2048, d_model=384, num_layers=2, num_heads=4, mlp_dim=1536, tie_embeddings=False)
+# (name, a layout of LAYOUTS, the feature's overrides; "{teacher}" is the teacher run dir)
+FEATURES = [
+    ("int8 train", "GQA fsdp full", ["quant.train=int8"]),
+    ("fp8 delayed train", "MoE expert none", ["quant.train=fp8", "quant.fp8_emulation=true",
+                                              "quant.scaling=delayed"]),
+    ("int8 train, MLA", "MLA dp full", ["quant.train=int8"]),
+    ("online distill, full vocabulary", "GQA fsdp full", ["distill.teacher={teacher}"]),
+    ("online distill, top-k, float32 teacher", "MoE expert none", ["distill.teacher={teacher}", "distill.top_k=16",
+                                                                   "distill.teacher_dtype=float32"]),
+    ("online distill, chunked loss", "GQA dp none", ["distill.teacher={teacher}", "model.loss_chunk_size=64"]),
+]
+# Default run: int8 training (the teacher components' shardings are checked without a compile below).
+FAST_FEATURES = ("int8 train",)
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory) -> str:
+    from jaxinfra.checkpoint import save_params_only
+    from jaxinfra.config import Config
+    from jaxinfra.state import init_params
+
+    out = tmp_path_factory.mktemp("teacher")
+    params = jax.jit(lambda key: init_params(TEACHER, key))(jax.random.key(0))
+    save_params_only(out, Config(model=TEACHER), params, {"params_only": True, "step": 0})
+    return str(out)
+
+
+def _compare_feature(name: str, teacher: str) -> tuple[float, float]:
+    _, layout, extra = next(row for row in FEATURES if row[0] == name)
+    _, preset, base = next(row for row in LAYOUTS if row[0] == layout)
+    cfg = layout_config(preset, [*base, *(e.format(teacher=teacher) for e in extra)])
+    return estimate(Layout.of(cfg, 8, "cpu")).total, analyse(cfg, jax.devices()[:8])["total_bytes"]
+
+
+@pytest.mark.parametrize("name", FAST_FEATURES)
+def test_quant_and_distill_memory_within_15_percent_of_compiled(name, teacher_dir):
+    analytic, compiled = _compare_feature(name, teacher_dir)
+    assert abs(analytic / compiled - 1) < 0.15, (name, analytic, compiled)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [row[0] for row in FEATURES if row[0] not in FAST_FEATURES])
+def test_quant_and_distill_memory_table_within_15_percent_of_compiled(name, teacher_dir):
+    analytic, compiled = _compare_feature(name, teacher_dir)
+    assert abs(analytic / compiled - 1) < 0.15, (name, analytic, compiled)
+
+
+def test_teacher_params_are_resident_without_gradients_or_optimizer_state(teacher_dir):
+    """The teacher adds exactly its params (in teacher_dtype, by the parameter rules) to the
+    step's arguments; the student's gradients and optimizer state are unchanged."""
+    _, preset, base = next(row for row in LAYOUTS if row[0] == "GQA fsdp full")
+    cfg = layout_config(preset, [*base, f"distill.teacher={teacher_dir}", "distill.teacher_dtype=float32"])
+    mem = estimate(Layout.of(cfg, 8, "cpu")).as_dict()
+    plain = estimate(Layout.of(layout_config(preset, base), 8, "cpu")).as_dict()
+    rt = build_runtime(cfg, jax.devices()[:8])  # the shardings the run gives the teacher's params
+    teacher = abstract_params(dataclasses.replace(TEACHER, param_dtype="float32"))
+    shards = jax.tree.leaves(jax.tree.map(lambda x, sh: math.prod(sh.shard_shape(x.shape)) * 4, teacher,
+                                          rt.distill.input_shardings[0]))
+    assert mem["teacher_params"] == sum(shards)
+    assert (mem["gradients"], mem["optimizer_state"]) == (plain["gradients"], plain["optimizer_state"])
+
+
+def test_quantized_inference_params_and_kv_cache_match_the_compiled_decode():
+    """--inference on a `jaxinfra quantize`d config with an int8 KV cache: int8 weights + scales and
+    the int8 cache + scales are what the compiled decode takes as arguments."""
+    from jaxinfra.infer.generation import Generator
+    from jaxinfra.state import init_params
+
+    cfg = load_config("tiny", [*BASE, *GQA, "train.batch_size=4", "quant.weights=int8", "quant.kv_cache=int8"])
+    params = jax.jit(lambda key: init_params(cfg.model, key, cfg.quant))(jax.random.key(0))
+    _, decode = Generator(cfg, params, devices=jax.devices()[:1])._compile(4, cfg.train.seq_len - 1, 1, 1)
+    mem = make_plan(cfg, 1, device_spec("h100"), inference=True).memory.as_dict()
+    state = decode.memory_analysis().argument_size_in_bytes  # params + cache + the loop's small state
+    assert mem["params"] + mem["kv_cache"] == pytest.approx(state, rel=0.01)
+    assert mem["params"] < 0.3 * estimate(Layout.of(load_config("tiny", [*BASE, *GQA]), 1, "cpu")).as_dict()["params"]
+
+# ---------------------------------------------------------------- saved activations vs JAX
+
+_DTYPE_BYTES = {"f32": 4, "bf16": 2, "i32": 4, "bool": 1}
+
+
+def jax_saved_bytes(cfg, moe: bool, policy: str) -> int:
+    """Bytes of the residuals jax.ad_checkpoint reports for one real layer (inputs excluded, and
+    reshapes of the weights, which XLA keeps as views of the params)."""
+    model = dataclasses.replace(cfg.model, remat_policy=policy)
+    graphdef, params = nnx.split((MoEBlock if moe else Block)(model, nnx.Rngs(0)))
+    views = set()
+    for w in jax.tree.leaves(params):
+        views |= {(w.shape[0], math.prod(w.shape[1:])), (math.prod(w.shape[:-1]), w.shape[-1])}
+    b, t = cfg.train.batch_size, cfg.train.seq_len
+    pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+    extra = (jnp.ones((b, t), bool), pos) if moe else ()
+
+    def layer(p, h):
+        out = nnx.merge(graphdef, p)(h, pos, jnp.ones((b, t), jnp.int32), rope_frequencies(model), *extra)
+        return out[0] if moe else out
+
+    if policy != "none":
+        layer = jax.checkpoint(layer, policy=remat_policy(policy))
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        print_saved_residuals(layer, params, jnp.ones((b, t, model.d_model)))
+    total = 0
+    for line in text.getvalue().splitlines():
+        found = re.match(r"(\w+)\[([\d,]*)\] (.*)", line)
+        if not found or "from the argument" in found.group(3):
+            continue
+        shape = tuple(int(x) for x in found.group(2).split(",") if x)
+        if "reshape" in found.group(3) and shape in views:
+            continue
+        total += math.prod(shape) * _DTYPE_BYTES[found.group(1)]
+    return total
+
+
+@pytest.mark.parametrize("preset, extra, moe", [
+    ("tiny", [], False),  # GQA 4/2 heads
+    ("deepseek-tiny", [], False),  # MLA
+    ("mixtral-tiny", [], True),  # MoE, capacity dispatch
+    ("mixtral-tiny", ["model.moe_dispatch=dropless"], True),
+])
+def test_saved_activation_formulas_match_jax_residuals(preset, extra, moe):
+    # batch x seq = 48 differs from every weight dimension, so weight views are told apart.
+    cfg = load_config(preset, [*extra, "train.batch_size=2", "train.seq_len=24", "mesh.data=1"])
+    lay = Layout.of(cfg, 1, "cpu")
+    for policy in ("none", "save_dots", "save_dots_no_batch", "save_qkv_attn_mlp"):
+        formula = act.saved(act.layer_tensors(lay, moe), policy)
+        reference = jax_saved_bytes(cfg, moe, policy)
+        assert abs(formula - reference) <= 0.06 * reference, (policy, formula, reference)
+
+
+# ---------------------------------------------------------------- FLOPs, links, time
+
+
+@pytest.mark.parametrize("preset", ["tiny", "deepseek-tiny", "qwen3-moe-tiny"])
+def test_flop_pieces_add_up_to_flops_per_token(preset):
+    """The time model's per-piece forward FLOPs (top-k experts, dense attention) x 3 for the
+    backward, plus the head, equal the independent PaLM-style count."""
+    cfg = load_config(preset, ["model.moe_dispatch=dropless", "mesh.data=1"])
+    lay = Layout.of(cfg, 1, "gpu")
+    flags = cfg.model.moe_layer_flags()
+    pieces = sum(sum(layer_flops(lay, moe).values()) for moe in flags)
+    head = 2 * cfg.model.vocab_size * cfg.model.d_model
+    assert 3 * (pieces + head) == pytest.approx(flops_per_token(cfg.model, cfg.train.seq_len), rel=1e-9)
+
+
+def test_links_follow_the_device_order_and_measured_tables_replace_them(tmp_path):
+    sizes = {"data": 1, "stage": 1, "fsdp": 8, "expert": 1, "context": 1, "tensor": 8}
+    assert axis_link("tensor", sizes, {}, 8, "nvlink4", "ib-ndr") == "nvlink4"  # 8 neighbours: one node
+    assert axis_link("fsdp", sizes, {}, 8, "nvlink4", "ib-ndr") == "ib-ndr"  # stride 8: across nodes
+    assert axis_link("fsdp", {**sizes, "tensor": 1}, {"fsdp": 2}, 8, "nvlink4", "ib-ndr") == "ib-ndr"  # DCN
+    # nccl-tests' busbw inverted: all-reduce of S bytes moves 2(n-1)/n S per device.
+    assert collective_seconds("all_reduce", 1e9, 8, LINKS["nvlink4"]) == pytest.approx(10e-6 + 1.75e9 / 450e9)
+    bench = tmp_path / "bench.txt"
+    bench.write_text("1 process(es), 8 x cpu, mesh {...}\naxis       n op                     bytes     time us "
+                     "algbw GB/s  busbw GB/s\nfsdp       8 all_gather             1,024       300.0       0.003"
+                     "       0.003\nfsdp       8 all_gather        16,777,216     11211.4       1.496       1.309\n")
+    link = read_measured(str(bench))[("fsdp", "all_gather")]
+    assert (link.bandwidth, link.latency) == (pytest.approx(1.309e9), pytest.approx(300e-6))
+    bench.write_text("nothing here\n")
+    with pytest.raises(ConfigError, match="no `jaxinfra bench collectives` rows"):
+        read_measured(str(bench))
+
+
+def test_step_time_names_the_bottleneck():
+    h100 = device_spec("h100")
+    fsdp = make_plan(load_config("llama3-8b", ["train.grad_accum_steps=8"]), 64, h100)
+    assert fsdp.bottleneck == "FSDP weight all-gather on fsdp"  # 64-way FSDP over InfiniBand
+    t = fsdp.time
+    assert t.step_s == pytest.approx(max(t.compute_s, t.overlapped_s) + t.exposed_s + t.update_s)
+    # The update moves 10 bytes per byte of the optimizer-sharded params at 3.35 TB/s.
+    assert t.update_s == pytest.approx(10 * 8.03e9 * 4 / 64 / 3.35e12, rel=0.01)
+    piped = make_plan(load_config("llama3-8b", ["mesh.fsdp=8", "mesh.stage=8", "mesh.data=1",
+                                                "train.grad_accum_steps=8", "parallelism.microbatches=8"]), 64, h100)
+    assert piped.time.flops.bubble == pytest.approx(piped.time.flops.layers * 7 / 8)  # (S-1)/M of the layers' work
+    too_big = make_plan(load_config("llama3-8b"), 8, h100)
+    assert not too_big.fits and too_big.bottleneck == "memory"
+    assert too_big.tokens_per_s == pytest.approx(512 * 8192 / too_big.time.step_s)
+
+
+# ---------------------------------------------------------------- search
+
+
+def test_search_ranks_layouts_that_fit_and_config_validation_accepts():
+    cfg = load_config("mixtral-tiny", ["train.batch_size=8"])
+    spec = device_spec("h100", memory_gib=0.2)
+    ranked = search(cfg, 2, spec)
+    assert ranked and all(p.fits for p in ranked)
+    times = [p.time.step_s for p in ranked]
+    assert times == sorted(times)
+    for p in ranked[:10]:  # each printed command reproduces the ranked layout exactly
+        again = load_config("mixtral-tiny", ["train.batch_size=8", *overrides(p)])
+        validate(again, 2)
+        assert make_plan(again, 2, spec).time.step_s == pytest.approx(p.time.step_s)
+    assert {p.layout.cfg.parallelism.strategy for p in ranked} >= {"dp", "zero1", "fsdp"}
+    assert any(p.layout.ep > 1 for p in ranked) and any(p.layout.pp > 1 for p in ranked)
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def test_plan_json_has_the_contract_fields(capsys):
+    assert cli.main(["plan", "tiny", "--devices", "8", "--device-kind", "h100", "mesh.fsdp=8", "mesh.data=1",
+                     "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    mem = out["memory_bytes_per_device"]
+    assert mem["total"] > mem["params"] > 0 and {"gradients", "optimizer_state", "activations"} <= set(mem)
+    assert out["tokens_per_s"] == pytest.approx(16 * 128 / out["step_time_s"])
+    assert 0 < out["mfu"] < 1 and isinstance(out["bottleneck"], str) and out["fits"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--devices", "0"], "--devices=0 is invalid"),
+    (["--devices", "-4"], "--devices=-4 is invalid"),
+    (["--devices", "8", "--device-kind", "h100", "--hbm-gib", "0"], "--hbm-gib=0.0 is invalid"),
+    (["--devices", "6", "--device-kind", "h100", "mesh.fsdp=4"], None),  # 6 devices do not take fsdp=4
+    (["--devices", "8", "--device-kind", "h100", "mesh.tensor=8"], None),  # 4 heads over tensor=8
+])
+def test_plan_bad_input_is_one_line_exit_2(capsys, argv, message):
+    assert cli.main(["plan", "tiny", *argv]) == cli.EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0]
+    if message is None:  # a layout the trainer refuses: the same message as the config validation
+        overrides_ = [a for a in argv if "=" in a]
+        with pytest.raises(ConfigError) as refused:
+            validate(load_config("tiny", overrides_), int(argv[1]))
+        message = str(refused.value)
+    assert err[0] == f"jaxinfra: error: {message}" or message in err[0]
+
+
+def test_search_prints_train_commands_and_nothing_that_fits_is_one_line_exit_2(capsys):
+    assert cli.main(["plan", "tiny", "--devices", "2", "--device-kind", "h100", "--search", "--top", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    commands = [line.strip() for line in lines if line.strip().startswith("jaxinfra train tiny ")]
+    assert len(commands) == 3 and "mesh.data=" in commands[0] and "model.remat_policy=" in commands[0]
+    assert cli.main(["plan", "tiny", "--devices", "2", "--device-kind", "h100", "--hbm-gib", "0.001",
+                     "--search"]) == cli.EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no layout of 2 h100 devices fits" in err[0]
+
+
+def test_inference_plan_counts_the_kv_cache_as_models_cache_does():
+    cfg = load_config("llama3-8b", ["train.batch_size=8", "train.seq_len=4096", "mesh.tensor=8", "mesh.fsdp=1"])
+    plan = make_plan(cfg, 8, device_spec("h100"), inference=True)
+    cache = plan.memory.as_dict()["kv_cache"]
+    assert cache == kv_cache.bytes_per_token(cfg.model) * 8 * 4096 // 8  # KV heads split over tensor=8
+    assert "gradients" not in plan.memory.as_dict() and plan.tokens_per_s == pytest.approx(8 / plan.time.step_s)
+
+
+def test_compile_on_more_devices_than_this_process_has_runs_a_child():
+    """16 fake CPU devices in a child process (this one has 8); its figures match the analytic ones."""
+    cfg = load_config("tiny", ["mesh.data=16", "data.source=synthetic", "train.batch_size=16", "train.seq_len=32",
+                               "model.num_layers=1"])
+    figures = compiled_figures(cfg, 16)
+    assert figures["platform"] == "cpu" and figures["total_bytes"] > figures["argument_bytes"] > 0
+    analytic = estimate(Layout.of(cfg, 16, "cpu")).total
+    assert analytic / figures["total_bytes"] == pytest.approx(1.0, abs=0.3)  # tiny shapes: XLA's small buffers
+
+
+# ---------------------------------------------------------------- jaxinfra train's pre-flight
+
+
+def test_train_prints_the_plan_line_and_refuses_a_config_far_over_memory(tmp_path, capsys):
+    run = tmp_path / "run"
+    huge = ["train.batch_size=2048", "train.seq_len=2048", "data.source=synthetic", "--run-dir", str(run)]
+    assert cli.main(["train", "tiny", *huge]) == cli.EXIT_BAD_INPUT
+    captured = capsys.readouterr()
+    assert captured.out.startswith("jaxinfra: plan: ") and "per device analytic" in captured.out
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and "exceeds the cpu device's" in err[0] and "--force" in err[0]
+    assert not run.exists()  # refused before anything was written or compiled
