@@ -300,6 +300,17 @@ def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+def _cli_here(capsys, *args: str) -> subprocess.CompletedProcess:
+    """The CLI in this process (no interpreter start and jax import per call): for bad input, which
+    is refused before anything compiles. Same result shape as `_cli`."""
+    from jaxinfra import cli
+
+    capsys.readouterr()
+    status = cli.main(list(args))
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, status, out.out, out.err)
+
+
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory) -> pathlib.Path:
     run_dir = tmp_path_factory.mktemp("infer-run")
@@ -347,12 +358,12 @@ def test_load_model_takes_a_relative_run_dir(trained_run, monkeypatch, capsys):
     jax.tree.map(np.testing.assert_array_equal, relative, absolute)
 
 
-def test_cli_bad_input_is_one_line_exit_2(trained_run, tmp_path):
+def test_cli_bad_input_is_one_line_exit_2(trained_run, tmp_path, capsys):
     np.save(tmp_path / "f.npy", np.zeros((2, 5), np.float32))
     for args in (["eval", str(trained_run), "--tokens", str(tmp_path / "f.npy")],
                  ["generate", str(trained_run), "--prompt-ids", "1,999"],
                  ["generate", str(tmp_path), "--prompt-ids", "1"]):
-        out = _cli(*args)
+        out = _cli_here(capsys, *args)
         assert out.returncode == 2, (args, out.stderr[-2000:])
         errors = [l for l in out.stderr.splitlines() if l.startswith("jaxinfra: error:")]
         assert len(errors) == 1 and "Traceback" not in out.stderr and out.stdout == ""
@@ -381,7 +392,7 @@ def test_cli_eval_cuts_a_1d_token_file_into_rows(trained_run, tmp_path):
                          f"dropped the last {len(flat) - n * row} ids"]
 
 
-def test_cli_eval_bad_token_files_are_one_line_exit_2(trained_run, tmp_path):
+def test_cli_eval_bad_token_files_are_one_line_exit_2(trained_run, tmp_path, capsys):
     for name, arr in (("float.npy", np.zeros(100, np.float32)), ("short.npy", np.zeros(32, np.int32)),
                       ("cube.npy", np.zeros((2, 2, 2), np.int32)), ("rows.npy", np.zeros((2, 5), np.int32))):
         np.save(tmp_path / name, arr)
@@ -390,7 +401,7 @@ def test_cli_eval_bad_token_files_are_one_line_exit_2(trained_run, tmp_path):
                         (["--tokens", str(tmp_path / "cube.npy")], "1-D array of ids or a 2-D array"),
                         (["--tokens", str(tmp_path / "rows.npy"), "--seq-len", "4"], "--seq-len applies to 1-D"),
                         (["--tokens", str(tmp_path / "short.npy"), "--seq-len", "0"], "--seq-len=0 is invalid")):
-        assert match in _one_error_line(_cli("eval", str(trained_run), *args)), args
+        assert match in _one_error_line(_cli_here(capsys, "eval", str(trained_run), *args)), args
 
 
 def test_cli_eval_and_generate_print_no_read_only_notice(trained_run, tmp_path):
