@@ -34,6 +34,7 @@ from jaxinfra.plan.compiled import analyse
 from jaxinfra.plan.devices import device_spec, measure_memory_bandwidth
 from jaxinfra.plan.estimate import make_plan
 from jaxinfra.plan.layout import Layout
+from jaxinfra.plan.links import Measured, read_measured
 from jaxinfra.plan.memory import estimate
 from jaxinfra.plan.report import size
 from jaxinfra.plan.search import overrides, search
@@ -96,16 +97,38 @@ def memory_table() -> None:
     print(f"\n{len(rows)} layouts, largest |analytic/compiled - 1| = {worst:.3f}")
 
 
+def measured_links(mesh_overrides: list[str]) -> Measured | None:
+    """`jaxinfra bench collectives` over this config's mesh, run now (what `jaxinfra plan --links`
+    reads): fake-device collectives are memcpys on the shared cores, their speed moves with the
+    machine like the steps'. None on one device."""
+    import contextlib
+    import io
+    import tempfile
+
+    from jaxinfra import cli
+
+    mesh = [o for o in mesh_overrides if o.startswith("mesh.")]
+    if not any(not o.endswith("=1") for o in mesh):
+        return None
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        cli.main(["bench", "collectives", *mesh, "--max-bytes", str(32 << 20)])
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write(out.getvalue())
+    return read_measured(f.name)
+
+
 def time_table(steps: int) -> None:
-    """Each config: probe, measure its steps, probe again; the prediction uses the mean probe."""
+    """Each config: probe (and measure its mesh's collectives), measure its steps, probe again; the
+    prediction uses the mean probe and the measured links."""
     rows = []
     for name, preset, extra, devices in TIME_CONFIGS:
         cfg = load_config(preset, [*extra, "data.source=synthetic"])
-        before = probe()
+        before, links = probe(), measured_links(extra)
         measured = measure_step(cfg, devices, steps)
         after = probe()
         probes = ((before[0] + after[0]) / 2, (before[1] + after[1]) / 2)
-        plan = make_plan(cfg, devices, cpu(devices, probes))
+        plan = make_plan(cfg, devices, cpu(devices, probes), links)
         rows.append((name, devices, f"{probes[0] / 1e9:.0f}", f"{probes[1] / 1e9:.2f}", f"{plan.time.step_s:.3f}",
                      f"{measured:.3f}", f"{plan.time.step_s / measured:.3f}", plan.bottleneck,
                      f"{os.getloadavg()[0]:.1f}"))
