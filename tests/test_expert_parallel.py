@@ -48,11 +48,11 @@ def baseline(request):
     return request.param, run(make_cfg(request.param, {}), jax.devices()[:1])
 
 
-LAYOUTS = {
-    "expert8": dict(expert=8),
+LAYOUTS = {  # the default run: the expert exchange together with FSDP
     "expert4-fsdp2": dict(expert=4, fsdp=2),
 }
-SLOW_LAYOUTS = {
+SLOW_LAYOUTS = {  # the same exchange on other meshes (covered by expert4-fsdp2 in the default run)
+    "expert8": (dict(expert=8), {}),
     "expert2-fsdp2-tensor2": (dict(expert=2, fsdp=2, tensor=2), {}),
     "expert2-data2-context2-ring": (dict(expert=2, data=2, context=2), dict(context_impl="ring")),
     "expert4-data2-zero1": (dict(expert=4, data=2), dict(strategy="zero1")),
@@ -67,21 +67,14 @@ def _check(result: dict, base: dict, name: str) -> None:
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_expert_parallel_matches_single_device(baseline, name):
     dispatch, base = baseline
-    if dispatch == "dropless" and name == "expert8":
-        pytest.skip("covered by expert4-fsdp2 (same exchange); runs in the slow set")
     _check(run(make_cfg(dispatch, LAYOUTS[name]), jax.devices()), base, f"{dispatch} {name}")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["expert8-dropless"] + list(SLOW_LAYOUTS))
+@pytest.mark.parametrize("name", list(SLOW_LAYOUTS))
 def test_expert_parallel_more_layouts(baseline, name):
     dispatch, base = baseline
-    if name == "expert8-dropless":
-        if dispatch != "dropless":
-            pytest.skip("capacity expert8 runs by default")
-        mesh, parallelism = LAYOUTS["expert8"], {}
-    else:
-        mesh, parallelism = SLOW_LAYOUTS[name]
+    mesh, parallelism = SLOW_LAYOUTS[name]
     _check(run(make_cfg(dispatch, mesh, **parallelism), jax.devices()), base, f"{dispatch} {name}")
 
 

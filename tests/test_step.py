@@ -90,7 +90,9 @@ def test_grad_accumulation_equals_large_batch(single):
     assert_trees_close(accum["params"], single["params"], rtol=1e-5, atol=PARAM_ATOL)
 
 
-@pytest.mark.parametrize("layout", [dict(fsdp=4, tensor=2), dict(data=8)], ids=["fsdp4-tensor2", "data8"])
+@pytest.mark.parametrize("layout", [dict(fsdp=4, tensor=2),
+                                    pytest.param(dict(data=8), marks=pytest.mark.slow)],  # data8: test_parallel.py
+                         ids=["fsdp4-tensor2", "data8"])
 def test_sharded_matches_single_device(single, layout):
     assert jax.device_count() == 8, "conftest must give 8 fake CPU devices"
     run = run_layout(layout)
