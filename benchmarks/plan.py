@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import jax
 import numpy as np
 
-from benchmarks.step_cpu import random_batch, time_runtime
+from benchmarks.step_cpu import random_batch
 from jaxinfra.config import Config, load_config
 from jaxinfra.metrics.peak import measure_matmul_flops
 from jaxinfra.metrics.table import format_table
@@ -48,17 +48,38 @@ TIME_CONFIGS = [  # (name, preset, overrides, devices): the CPU reference model 
 ]
 
 
-def measure_step(cfg: Config, devices: int, steps: int) -> float:
-    """Median seconds of `steps` train steps after a compile + warm-up step (the real runtime)."""
+def probe_once() -> tuple[float, float]:
+    """One run each of the matmul and memory-bandwidth probes (FLOP/s, bytes/s)."""
+    return measure_matmul_flops(repeats=1), measure_memory_bandwidth.__wrapped__(repeats=1)
+
+
+def measure_step(cfg: Config, devices: int, steps: int) -> tuple[float, tuple[float, float]]:
+    """(median seconds of `steps` train steps after a compile + warm-up step, the probes' medians).
+
+    This host's speed drifts by tens of percent over seconds (the 2048^3 probe ranged 183-397
+    GFLOP/s in one 40 s run, benchmarks/RESULTS.md), so the probes that calibrate the prediction
+    are sampled across the steps' own window: three runs before, two after each step, three after."""
     rt = build_runtime(cfg, jax.devices()[:devices])
-    return time_runtime(rt, rt.init_state(), rt.to_global(random_batch(cfg, np.random.default_rng(0))), steps)[1]
+    state, batch = rt.init_state(), rt.to_global(random_batch(cfg, np.random.default_rng(0)))
+    state, metrics = rt.train_step(state, batch)
+    jax.block_until_ready(metrics)
+    samples, times = [probe_once() for _ in range(3)], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state, metrics = rt.train_step(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+        samples += [probe_once() for _ in range(2)]
+    samples += [probe_once() for _ in range(3)]
+    flops, bandwidth = zip(*samples, strict=True)
+    return float(np.median(times)), (float(np.median(flops)), float(np.median(bandwidth)))
 
 
 def probe() -> tuple[float, float]:
     """(matmul FLOP/s, memory bytes/s) as medians of 7 runs: on a loaded machine the probes' usual
     best-of-5 catches a quiet moment the following steps do not get; the median sees what they see."""
-    flops = float(np.median([measure_matmul_flops(repeats=1) for _ in range(7)]))
-    return flops, float(np.median([measure_memory_bandwidth.__wrapped__(repeats=1) for _ in range(7)]))
+    samples = [probe_once() for _ in range(7)]
+    return float(np.median([f for f, _ in samples])), float(np.median([b for _, b in samples]))
 
 
 def cpu(devices: int, probes: tuple[float, float]):
@@ -119,15 +140,13 @@ def measured_links(mesh_overrides: list[str]) -> Measured | None:
 
 
 def time_table(steps: int) -> None:
-    """Each config: probe (and measure its mesh's collectives), measure its steps, probe again; the
-    prediction uses the mean probe and the measured links."""
+    """Each config: measure its mesh's collectives, then its steps with the probes sampled between
+    them; the prediction uses the probes' medians and the measured links."""
     rows = []
     for name, preset, extra, devices in TIME_CONFIGS:
         cfg = load_config(preset, [*extra, "data.source=synthetic"])
-        before, links = probe(), measured_links(extra)
-        measured = measure_step(cfg, devices, steps)
-        after = probe()
-        probes = ((before[0] + after[0]) / 2, (before[1] + after[1]) / 2)
+        links = measured_links(extra)
+        measured, probes = measure_step(cfg, devices, steps)
         plan = make_plan(cfg, devices, cpu(devices, probes), links)
         rows.append((name, devices, f"{probes[0] / 1e9:.0f}", f"{probes[1] / 1e9:.2f}", f"{plan.time.step_s:.3f}",
                      f"{measured:.3f}", f"{plan.time.step_s / measured:.3f}", plan.bottleneck,
@@ -135,6 +154,8 @@ def time_table(steps: int) -> None:
         print(format_table(rows[-1:], ["config", "devices", "probe GFLOP/s", "probe GB/s", "predicted s",
                                        "measured s", "ratio", "bottleneck", "load"], style="markdown",
                            header=len(rows) == 1), flush=True)
+    worst = max(abs(float(r[6]) - 1) for r in rows)
+    print(f"\n{len(rows)} configs, largest |predicted/measured - 1| = {worst:.3f}")
 
 
 def interleaved_steps(cfgs: list[Config], steps: int) -> list[float]:

@@ -6,7 +6,7 @@ the experts they chose live elsewhere. Two exchanges, one per MoE dispatch path:
 
 - `capacity_experts` (capacity path, GShard, Lepikhin et al. 2020): tokens arrive already
   packed into fixed per-expert slots [groups, experts, capacity, d]. Inside a `shard_map`
-  manual over `expert` only (data/fsdp/context/tensor stay automatic), one `all_to_all`
+  manual over the batch's axes (data/fsdp/expert; context and tensor stay automatic), one `all_to_all`
   sends each expert's slots to its owner (splitting the expert dim, gathering the group
   dim), the expert FFN runs on local experts, and a second `all_to_all` brings results
   back. Equal-sized messages, works on every backend.
@@ -160,12 +160,14 @@ def capacity_experts(x_e: jax.Array, weights: Sequence[jax.Array],
             y = ffn(x, *local_weights)
         return jax.lax.all_to_all(y, EXPERT, split_axis=1, concat_axis=e_dim, tiled=True)  # [o, 1, i, E, C, d]
 
+    # The batch's other axes are manual too: left to GSPMD, it all-gathers the slots over them
+    # around the all_to_all (every data shard's tokens exchanged and computed on every device).
     # Inside the pipeline (sharding/pipeline.py) this runs under a vmap with spmd_axis_name
     # `stage`, which adds `stage` to the specs: it must then be manual too (each stage's slice).
-    manual = {EXPERT} | ({STAGE} if mesh.shape.get(STAGE, 1) > 1 else set())
-    out = jax.shard_map(body, mesh=mesh, axis_names=manual,
-                        in_specs=(P(None, EXPERT),) + (P(EXPERT),) * len(weights),
-                        out_specs=P(None, EXPERT))(split, *weights)
+    manual = {EXPERT, *before, *after} | ({STAGE} if mesh.shape.get(STAGE, 1) > 1 else set())
+    slots = P(before or None, EXPERT, after or None)
+    out = jax.shard_map(body, mesh=mesh, axis_names=manual, in_specs=(slots,) + (P(EXPERT),) * len(weights),
+                        out_specs=slots)(split, *weights)
     return out.reshape(x_e.shape)
 
 

@@ -72,7 +72,7 @@ class HloModule:
     computations: dict[str, list[str]]  # computation -> its instructions' names
 
 
-def _skip_shape(text: str) -> str:
+def skip_shape(text: str) -> str:
     """`text` after the leading shape (`f32[8,4]{1,0}`, a tuple `(s32[], f32[2])`, layouts with
     parentheses), i.e. starting at the opcode."""
     depth, i = 0, 0
@@ -87,7 +87,7 @@ def _skip_shape(text: str) -> str:
 
 
 def _instruction(name: str, rest: str) -> Instruction:
-    body = _skip_shape(rest)
+    body = skip_shape(rest)
     opcode = body.split("(", 1)[0].strip()
     calls = _CALLED_ONE.findall(body)
     for group in _CALLED_MANY.findall(body):

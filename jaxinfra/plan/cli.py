@@ -77,7 +77,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.search:
         return _search(args, cfg, count, spec, measured)
     from jaxinfra.plan.estimate import make_plan
-    from jaxinfra.plan.report import describe
+    from jaxinfra.plan.report import describe, size
 
     plan = make_plan(cfg, count, spec, measured, inference=args.inference)
     compiled = None
@@ -98,6 +98,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                   f"temporaries {compiled['temp_bytes']:,}, outputs {compiled['output_bytes']:,}, aliased "
                   f"{compiled['alias_bytes']:,} bytes; XLA FLOPs/device {compiled['flops']:.4g} (analytic executed "
                   f"{plan.time.flops.executed:.4g})")
+            moved = [f"{key} {calls:g} calls {size(total)}" for key, (calls, total) in compiled["collectives"].items()]
+            print("compiled collectives per step (op x devices per group; a permute: x pairs): "
+                  + ("; ".join(moved) or "none"))
     return 0
 
 

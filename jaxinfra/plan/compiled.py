@@ -15,13 +15,16 @@ runs in a child process (`python -m jaxinfra.plan.compiled CONFIG.yaml N`) that 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
 from typing import Any
 
 from jaxinfra.config import Config, ConfigError, load_config
+from jaxinfra.metrics.hlo import parse_hlo, skip_shape
 
 FLAG = "--xla_force_host_platform_device_count"
 
@@ -67,7 +70,70 @@ def analyse(cfg: Config, devices: list) -> dict[str, Any]:
     cost = cost[0] if isinstance(cost, list) else cost
     figures["flops"] = float(cost.get("flops", 0.0)) if cost else 0.0
     figures["platform"] = devices[0].platform
+    figures["collectives"] = {f"{op} x{n}": [calls, size]
+                              for (op, n), (calls, size) in collective_traffic(compiled.as_text()).items()}
     return figures
+
+
+_ENTRY = re.compile(r"^ENTRY %([\w.\-]+) ", re.M)
+_LINE = re.compile(r"^\s+(?:ROOT )?%([\w.\-]+) = (.*)$", re.M)
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_ARRAY = re.compile(r"\b(pred|[su](?:8|16|32|64)|bf16|f16|f32|f64)\[([\d,]*)\]")
+_ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4,
+               "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+COLLECTIVE_OPCODES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def _result_bytes(rest: str) -> int:
+    """Bytes of an instruction's result: its leading shape (an array or a tuple of arrays)."""
+    shape = rest[:len(rest) - len(skip_shape(rest))]
+    return sum(_ITEM_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d) for t, dims in _ARRAY.findall(shape))
+
+
+def _group_size(rest: str) -> int:
+    """Devices in one replica group: `{{0,1},{2,3}}`, the iota form `[groups,size]<=[...]`, or the
+    mesh form `mesh['axis_0'=2,...] {'axis_0'}`; for a collective-permute, its source-target pairs."""
+    if m := re.search(r"replica_groups=\{\{([\d,]*)\}", rest):
+        return len(m.group(1).split(","))
+    if m := re.search(r"replica_groups=\[(\d+),(\d+)\]", rest):
+        return int(m.group(2))
+    if m := re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", rest):
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", m.group(2)))
+    if m := re.search(r"source_target_pairs=\{(.*?)\}\}", rest):
+        return m.group(1).count("{")
+    return 1
+
+
+def collective_traffic(hlo_text: str) -> dict[tuple[str, int], tuple[float, float]]:
+    """What a compiled program's collectives move per execution of it, per device:
+    {(opcode, devices per group): (executions, bytes)}, each collective weighted by the trip counts
+    of the while loops around it. Bytes are the whole buffer (a reduce-scatter's result times its
+    group), the plan's `Collective.size` convention. An unknown trip count counts once."""
+    module = parse_hlo(hlo_text)
+    rests = dict(_LINE.findall(hlo_text))
+    entry = _ENTRY.search(hlo_text)
+    weight, todo = {entry.group(1): 1.0} if entry else {}, [entry.group(1)] if entry else []
+    while todo:  # computations in call order from the entry: a callee weighs its caller's weight
+        comp = todo.pop()
+        for name in module.computations.get(comp, []):
+            inst = module.instructions[name]
+            trips = _TRIPS.search(rests[name]) if inst.opcode == "while" else None
+            for callee in inst.calls:
+                if callee not in weight and callee in module.computations:
+                    weight[callee] = weight[comp] * (int(trips.group(1)) if trips else 1)
+                    todo.append(callee)
+    out: dict[tuple[str, int], tuple[float, float]] = {}
+    for comp, w in weight.items():
+        for name in module.computations[comp]:
+            opcode = module.instructions[name].opcode
+            if opcode in COLLECTIVE_OPCODES:
+                rest = rests[name]
+                group = _group_size(rest)
+                size = _result_bytes(rest) * (group if opcode == "reduce-scatter" else 1)
+                calls, total = out.get((opcode, group), (0.0, 0.0))
+                out[opcode, group] = (calls + w, total + w * size)
+    return out
 
 
 def _distill_inputs(cfg: Config, rt) -> tuple:

@@ -62,6 +62,7 @@ class StateBytes:
     params: int
     opt_state: int
     params_total: int
+    layer_params: int = 0  # of `params`, the leaves stacked over layers (the ones a pipeline stages)
 
     @property
     def opt_params(self) -> float:
@@ -82,8 +83,10 @@ def _state_bytes(model: ModelConfig, optimizer: OptimizerConfig, quant: QuantCon
     mesh = AbstractMesh(sizes, MESH_AXES)
     tables = rules_for(strategy, overrides=dict(rules))
     params, opt_state = _state_leaves(model, optimizer, quant)
+    stacked = tuple(leaf for leaf in params if "layers" in leaf[0])
     return StateBytes(_per_device(params, tables.params, mesh), _per_device(opt_state, tables.opt_state, mesh),
-                      sum(math.prod(shape) * size for _, shape, size in params))
+                      sum(math.prod(shape) * size for _, shape, size in params),
+                      _per_device(stacked, tables.params, mesh))
 
 
 Leaf = tuple[tuple, tuple[int, ...], int]  # (logical axis names, shape, bytes per element)

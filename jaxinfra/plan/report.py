@@ -61,7 +61,8 @@ def time_lines(plan: Plan) -> list[str]:
     lines = [f"step time {seconds(t.step_s)}: compute {seconds(t.compute_s)} (peak {t.peak / 1e12:.4g} TFLOP/s x "
              f"efficiency {plan.spec.efficiency}"
              + (f", shared by {plan.spec.shared_host} devices" if plan.spec.shared_host > 1 else "")
-             + f"), bubble {seconds(t.bubble_s)}, optimizer update {seconds(t.update_s)}, exposed comm "
+             + f"), bubble {seconds(t.bubble_s)}, optimizer update {seconds(t.update_s)}"
+             + (f", gradient sums {seconds(t.accumulate_s)}" if t.accumulate_s else "") + ", exposed comm "
              f"{seconds(t.exposed_s)}, overlapped comm {seconds(t.overlapped_s)}"]
     if t.collectives:
         rows = [(c.what, "x".join(c.axes), c.op, size(c.size), f"{c.calls:g}", seconds(c.seconds),

@@ -4,8 +4,9 @@ the pipeline bubble, and the bottleneck.
     compute   = executed FLOPs per device / (peak x efficiency)        (jaxinfra/plan/devices.py)
     comm      = sum over collectives of calls x (latency + bytes x f / bandwidth)   (links.py)
     update    = optimizer traffic per device / memory bandwidth            (memory-bound, after the backward)
-    step      = max(compute + bubble, overlapped comm) + exposed comm + update  (accelerators)
-    step      = compute + bubble + all comm + update                           (CPU: fake devices share cores)
+    accumulate = gradient-sum traffic per device / memory bandwidth      (pipeline ticks, accumulation)
+    step      = max(compute + bubble, overlapped comm) + exposed comm + update + accumulate  (accelerators)
+    step      = compute + bubble + all comm + update + accumulate                (CPU: fake devices share cores)
 
 Executed FLOPs are the model's (jaxinfra/metrics/flops.py: matmuls and attention, x3 for the
 backward) plus what the step really runs on top: the forward work the remat policy recomputes,
@@ -166,34 +167,63 @@ def _layer_calls(lay: Layout) -> float:
     return accum * ((dense + sparse) * ticks / repeats + outside)
 
 
+def pipeline_ticks(lay: Layout) -> tuple[int, int]:
+    """(forward, backward) ticks of one pass through the pipeline: gpipe and circular run R x M + S - 1
+    each way (the backward is the forward scan transposed), 1F1B M + S - 1 forward and M + 2S - 2
+    backward (sharding/pipeline.py); (1, 1) without a pipeline."""
+    micro, repeats = lay.pipeline
+    s = lay.pp
+    if s == 1:
+        return 1, 1
+    if lay.cfg.parallelism.pipeline_schedule == "1f1b":
+        return micro + s - 1, micro + 2 * s - 2
+    return repeats * micro + s - 1, repeats * micro + s - 1
+
+
+def layer_visits(lay: Layout, state: StateBytes, backward: bool) -> tuple[float, float]:
+    """(calls, bytes per call) per step of per-layer weight traffic on this device: FSDP's gathers,
+    the gradient reductions. Each layer (and the embedding and head, as one more) once per
+    microbatch; in a pipeline the stage's chunk of layers once per tick, bubble ticks included: the
+    partitioner reduces each backward tick's partial weight gradients into the accumulator, which is
+    replicated over the batch axes (the compiled gpipe step all-reduces one layer's gradients per
+    layer per backward tick). A MoE model's dense prefix is counted with the pipelined stacks."""
+    outside, dense, sparse = lay.layer_counts
+    repeats = lay.pipeline[1]
+    ticks = pipeline_ticks(lay)[1 if backward else 0]
+    calls = ticks * (dense + sparse) / repeats + outside + 1
+    volume = ticks * state.layer_params / repeats + state.params - state.layer_params
+    return lay.cfg.train.grad_accum_steps * calls, volume / calls
+
+
 def fsdp_collectives(lay: Layout, state: StateBytes) -> list[Collective]:
     """ZeRO-3: every layer's weights all-gathered in the forward and again in the backward, every
-    layer's gradients reduce-scattered, per microbatch."""
+    layer's gradients reduce-scattered, per microbatch (per tick in a pipeline)."""
     f = lay.sizes["fsdp"]
     if f == 1 or lay.cfg.parallelism.strategy != "fsdp":
         return []
-    accum, layers = lay.cfg.train.grad_accum_steps, lay.model.num_layers + 1
-    gathered = state.params * f / layers  # one layer's weights, whole over fsdp
-    return [Collective("FSDP weight all-gather", "all_gather", ("fsdp",), gathered, 2 * accum * layers, True),
-            Collective("FSDP gradient reduce-scatter", "reduce_scatter", ("fsdp",), gathered, accum * layers, True)]
+    fwd_calls, fwd_size = layer_visits(lay, state, backward=False)
+    bwd_calls, bwd_size = layer_visits(lay, state, backward=True)
+    gathered = (fwd_calls * fwd_size + bwd_calls * bwd_size) / (fwd_calls + bwd_calls)
+    return [Collective("FSDP weight all-gather", "all_gather", ("fsdp",), gathered * f, fwd_calls + bwd_calls, True),
+            Collective("FSDP gradient reduce-scatter", "reduce_scatter", ("fsdp",), bwd_size * f, bwd_calls, True)]
 
 
 def data_parallel_collectives(lay: Layout, state: StateBytes) -> list[Collective]:
-    """Gradients reduced over the axes that replicate the params (per microbatch: they accumulate
-    in the optimizer's sharding); ZeRO-1 reduce-scatters them and all-gathers the new params."""
+    """Gradients reduced over the axes that replicate the params (per microbatch, per tick in a
+    pipeline: they accumulate in the optimizer's sharding); ZeRO-1 reduce-scatters them and
+    all-gathers the new params."""
     strategy = lay.cfg.parallelism.strategy
     axes = tuple(a for a in ("data", "fsdp") if lay.sizes[a] > 1 and not (a == "fsdp" and strategy == "fsdp"))
     out = []
-    accum, layers = lay.cfg.train.grad_accum_steps, lay.model.num_layers + 1
+    calls, size = layer_visits(lay, state, backward=True)
     if axes:
         op = "reduce_scatter" if strategy == "zero1" else "all_reduce"
-        out.append(Collective("gradient " + op.replace("_", "-"), op, axes, state.params / layers,
-                              accum * layers, True))
+        out.append(Collective("gradient " + op.replace("_", "-"), op, axes, size, calls, True))
         if strategy == "zero1":
             out.append(Collective("ZeRO-1 param all-gather", "all_gather", axes, state.params, 1, False))
     if lay.ep > 1:  # non-expert params are replicated over `expert` (it is a data axis for them)
-        dense = state.params - _expert_bytes(lay)
-        out.append(Collective("gradient all-reduce", "all_reduce", ("expert",), dense / layers, accum * layers, True))
+        dense = 1 - _expert_bytes(lay) / state.params
+        out.append(Collective("gradient all-reduce", "all_reduce", ("expert",), size * dense, calls, True))
     return out
 
 
@@ -254,16 +284,19 @@ def expert_collectives(lay: Layout, state: StateBytes) -> list[Collective]:
 
 
 def pipeline_collectives(lay: Layout, state: StateBytes) -> list[Collective]:
-    """One ring shift of a microbatch slot per tick, forward and backward (1F1B: two per backward tick)."""
+    """Per tick, microbatch slots moved between stages and the last stage's output (its cotangent
+    in the backward) picked out of the stage-sharded buffer, an all-reduce of one slot over
+    `stage`. The compiled steps move a slot twice per forward tick (the ring shift, the last
+    stage's output to the first) and three times per backward tick (gpipe: the transposed shift
+    and pick; 1F1B: its two shifts and the pick) (tests/test_plan.py counts them in the HLO)."""
     if lay.pp == 1:
         return []
-    micro, repeats = lay.pipeline
     slot = lay.tokens * lay.model.d_model * lay.compute_bytes
-    if lay.cfg.parallelism.pipeline_schedule == "1f1b":
-        ticks = (micro + lay.pp - 1) + 2 * (micro + 2 * lay.pp - 2)
-    else:
-        ticks = 2 * (repeats * micro + lay.pp - 1)
-    return [Collective("pipeline send", "ppermute", ("stage",), slot, ticks * lay.cfg.train.grad_accum_steps, False)]
+    forward, backward = pipeline_ticks(lay)
+    accum = lay.cfg.train.grad_accum_steps
+    return [Collective("pipeline send", "ppermute", ("stage",), slot, (2 * forward + 3 * backward) * accum, False),
+            Collective("pipeline output all-reduce", "all_reduce", ("stage",), slot, (forward + backward) * accum,
+                       False)]
 
 
 COLLECTIVES = [fsdp_collectives, data_parallel_collectives, tensor_collectives, context_collectives,
@@ -283,6 +316,7 @@ class StepTime:
     flops: Flops
     peak: float  # per-device peak MFU divides by
     update_s: float = 0.0  # the optimizer update, memory-bound
+    accumulate_s: float = 0.0  # gradient sums over pipeline ticks and accumulation microbatches, memory-bound
 
     @property
     def exposed_s(self) -> float:
@@ -308,6 +342,21 @@ def _link(lay: Layout, spec: DeviceSpec, axis: str, op: str, measured: Measured 
     return LINKS[axis_link(axis, lay.sizes, dcn, spec.domain, spec.fast_link, spec.slow_link)]
 
 
+# Bytes one gradient sum moves per byte of the gradients added: read the sum and the new
+# gradients, write the sum.
+ACCUMULATE_TRAFFIC = 3
+
+
+def accumulate_bytes(lay: Layout, state: StateBytes) -> float:
+    """Memory traffic per step of gradient sums outside the backward's own work: a pipeline adds
+    each backward tick's chunk gradients into the stage's accumulator (bubble ticks too), and
+    gradient accumulation adds each microbatch's gradients into the optimizer-sharded sum."""
+    accum = lay.cfg.train.grad_accum_steps
+    piped = pipeline_ticks(lay)[1] * state.layer_params / lay.pipeline[1] if lay.pp > 1 else 0.0
+    summed = state.opt_params if accum > 1 else 0.0
+    return ACCUMULATE_TRAFFIC * accum * (piped + summed)
+
+
 # Bytes the optimizer step moves per byte of one params-shaped tree in the optimizer's sharding:
 # AdamW reads params, gradients and both moments and writes params and moments (7), the gradient
 # norm and the NaN guard's all-finite check read the gradients and new params once more (2), and
@@ -320,24 +369,26 @@ def step_time(lay: Layout, state: StateBytes, spec: DeviceSpec, measured: Measur
     rate = spec.throughput(lay.model.dtype)
     compute, bubble = (flops.executed - flops.bubble) / rate, flops.bubble / rate
     update = UPDATE_TRAFFIC * state.opt_params / spec.memory_bandwidth
+    accumulate = accumulate_bytes(lay, state) / spec.memory_bandwidth
     priced = tuple(price(c, lay, spec, measured) for c in collectives(lay, state))
     overlapped = sum(c.seconds for c in priced if c.overlapped)
     exposed = sum(c.seconds for c in priced if not c.overlapped)
     if spec.platform == "cpu":  # fake devices: collectives are memcpys on the same cores as the compute
-        step = compute + bubble + overlapped + exposed + update
+        step = compute + bubble + overlapped + exposed + update + accumulate
     else:
-        step = max(compute + bubble, overlapped) + exposed + update
-    return StepTime(compute, bubble, priced, step, _bottleneck(compute, bubble, update, priced, spec), flops,
-                    spec.peak(lay.model.dtype), update)
+        step = max(compute + bubble, overlapped) + exposed + update + accumulate
+    return StepTime(compute, bubble, priced, step, _bottleneck(compute, bubble, update, accumulate, priced, spec),
+                    flops, spec.peak(lay.model.dtype), update, accumulate)
 
 
-def _bottleneck(compute: float, bubble: float, update: float, priced: tuple[Collective, ...],
+def _bottleneck(compute: float, bubble: float, update: float, accumulate: float, priced: tuple[Collective, ...],
                 spec: DeviceSpec) -> str:
-    """The largest share of the step: compute, the bubble, the optimizer update, one exposed
+    """The largest share of the step: compute, the bubble, the optimizer update, the gradient sums, one exposed
     collective, or the overlapped collectives when they outlast the compute they hide under (named
     by the largest)."""
     cpu = spec.platform == "cpu"
-    candidates = {"compute": compute, "pipeline bubble": bubble, "optimizer update (memory bandwidth)": update}
+    candidates = {"compute": compute, "pipeline bubble": bubble, "optimizer update (memory bandwidth)": update,
+                  "gradient accumulation (memory bandwidth)": accumulate}
     for c in priced:
         if cpu or not c.overlapped:
             candidates[c.label] = candidates.get(c.label, 0.0) + c.seconds
