@@ -136,6 +136,20 @@ def test_expert_slots_are_not_gathered_over_data():
     assert gathered < 0.05 * exchanged, figures["collectives"]
 
 
+def test_capacity_groups_are_whole_sequences_under_context_parallelism():
+    """models/moe.py groups whole sequences; under `mesh.context` the compiled step gathers the
+    sequence for the dispatch (its [rows, E, C, d] buffers carry the full-sequence C), so every
+    context shard computes all of a row's slots: twice the expert rows per local token at cp=2."""
+    from models.moe import expert_capacity
+
+    cfg = load_config("mixtral-tiny", ["mesh.data=4", "mesh.context=2"])
+    m, seq = cfg.model, cfg.train.seq_len
+    cp, flat = Layout.of(cfg, 8, "cpu"), Layout.of(load_config("mixtral-tiny", ["mesh.data=8"]), 8, "cpu")
+    slots = m.moe_num_experts * expert_capacity(seq, m.moe_top_k, m.moe_num_experts, m.moe_capacity_factor)
+    assert act.capacity_slots(cp) == act.capacity_slots(flat) == slots
+    assert layer_flops(cp, True)["ffn_up"] == pytest.approx(2 * layer_flops(flat, True)["ffn_up"])
+
+
 # ---------------------------------------------------------------- quantization and distillation
 TEACHER = ModelConfig(vocab_size=2048, d_model=384, num_layers=2, num_heads=4, mlp_dim=1536, tie_embeddings=False)
 # (name, a layout of LAYOUTS, the feature's overrides; "{teacher}" is the teacher run dir)

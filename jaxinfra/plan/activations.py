@@ -152,9 +152,12 @@ def moe_tensors(lay: Layout) -> list[Tensor]:
 
 
 def capacity_slots(lay: Layout) -> int:
-    """Expert slots per sequence (all experts): E x ceil(factor x seq x k / E) (models/moe.py)."""
+    """Expert slots per sequence (all experts): E x ceil(factor x seq x k / E) (models/moe.py).
+
+    The group is the whole sequence also under context parallelism: XLA gathers it over
+    `context` for the dispatch, and every context shard computes all of its slots."""
     m = lay.model
-    capacity = max(1, math.ceil(m.moe_capacity_factor * lay.seq * m.moe_top_k / m.moe_num_experts))
+    capacity = max(1, math.ceil(m.moe_capacity_factor * lay.cfg.train.seq_len * m.moe_top_k / m.moe_num_experts))
     return m.moe_num_experts * capacity
 
 
