@@ -184,7 +184,7 @@ def _unflattened(ffn, treedef, matmuls: tuple[MatmulQuant, ...], dtype, x: jax.A
 def expert_swiglu(matmuls: tuple[MatmulQuant, ...], dtype, x: jax.Array, w_gate: Weight, w_up: Weight,
                   w_down: Weight) -> jax.Array:
     """Per-expert SwiGLU on slots x [..., E, C, d] with weights [E, d, f], [E, d, f], [E, f, d]."""
-    x_names = (None,) * (x.ndim - 3) + ("experts", None, "embed")
+    x_names = ("batch",) * (x.ndim - 3) + ("experts", None, "embed")  # leading dims: groups of the batch
     h_names = x_names[:-1] + ("mlp",)
     gate = project("...ecd,edf->...ecf", x, w_gate, matmuls[0], dtype=dtype, names=(x_names, GATE_NAMES))
     up = project("...ecd,edf->...ecf", x, w_up, matmuls[1], dtype=dtype, names=(x_names, GATE_NAMES))

@@ -156,7 +156,8 @@ def capacity_experts(x_e: jax.Array, weights: Sequence[jax.Array],
 
     def body(x, *local_weights):
         x = jax.lax.all_to_all(x, EXPERT, split_axis=e_dim, concat_axis=1, tiled=True)  # [o, ep, i, E/ep, C, d]
-        with manual_reductions({"experts": (EXPERT,)}):  # quantization scales over all experts (models/qdot.py)
+        # Quantization scales span all experts and every batch shard (models/qdot.py).
+        with manual_reductions({"experts": (EXPERT,), "batch": (*before, *after)}):
             y = ffn(x, *local_weights)
         return jax.lax.all_to_all(y, EXPERT, split_axis=1, concat_axis=e_dim, tiled=True)  # [o, 1, i, E, C, d]
 

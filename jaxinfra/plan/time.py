@@ -161,10 +161,8 @@ def _recompute_sends(lay: Layout) -> int:
 def _layer_calls(lay: Layout) -> float:
     """Layer calls per step on this device: layers x microbatches (x pipeline ticks)."""
     outside, dense, sparse = lay.layer_counts
-    accum = lay.cfg.train.grad_accum_steps
-    micro, repeats = lay.pipeline
-    ticks = repeats * micro + lay.pp - 1 if lay.pp > 1 else 1
-    return accum * ((dense + sparse) * ticks / repeats + outside)
+    ticks = pipeline_ticks(lay)[0]
+    return lay.cfg.train.grad_accum_steps * ((dense + sparse) * ticks / lay.pipeline[1] + outside)
 
 
 def pipeline_ticks(lay: Layout) -> tuple[int, int]:
