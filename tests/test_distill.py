@@ -243,8 +243,8 @@ def test_online_teacher_eval_checkpoint_meta_and_pinned_teacher_step(single, tea
     assert "distilled from /elsewhere (step 5)" in notes[0]
 
 
-@pytest.mark.parametrize("layout", [dict(fsdp=4, tensor=2), dict(data=2, fsdp=2, tensor=2)],
-                         ids=["fsdp4-tensor2", "data2-fsdp2-tensor2"])
+@pytest.mark.parametrize("layout", [pytest.param(dict(fsdp=4, tensor=2), marks=pytest.mark.slow),  # a subset of:
+                                    dict(data=2, fsdp=2, tensor=2)], ids=["fsdp4-tensor2", "data2-fsdp2-tensor2"])
 def test_online_distillation_sharded_matches_single_device(single, teacher, layout):
     run = run_steps(distill_config(teacher, layout), jax.devices(), packed_batches(BATCH, SEQ, V, STEPS),
                     setup=load_teacher)

@@ -71,7 +71,13 @@ def layout_run(name: str) -> dict:
     return result
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+# Covered in the default run: fsdp x tensor by data2-fsdp2-tensor2, the ring by
+# context4-data2-ring-unbalanced and context x fsdp by context2-fsdp4-allgather.
+SLOW_LAYOUTS = ("fsdp4-tensor2", "context2-fsdp4-ring")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_LAYOUTS else n
+                                  for n in LAYOUTS])
 def test_layout_matches_single_device(baseline, name):
     assert_matches(layout_run(name), baseline, name)
 
