@@ -22,6 +22,13 @@ RematPolicy = Literal[
     "save_qkv_attn_mlp",  # keep q/k/v, attention output and the MLP hidden activations
 ]
 REMAT_POLICIES: tuple[str, ...] = get_args(RematPolicy)
+# The activations each name-based policy keeps for the backward pass (the `checkpoint_name`s the
+# blocks attach): models/remat.py builds the jax policy from it, jaxinfra/plan/ prices it.
+SAVED_NAMES: dict[str, tuple[str, ...]] = {
+    "save_qkv_proj": ("query_proj", "key_proj", "value_proj"),
+    "save_qkv_attn_out": ("query_proj", "key_proj", "value_proj", "attn_out"),
+    "save_qkv_attn_mlp": ("query_proj", "key_proj", "value_proj", "attn_out", "mlp_hidden"),
+}
 
 DType = Literal["float32", "bfloat16"]
 AttentionType = Literal[

@@ -35,30 +35,9 @@ from models.mla import MLA
 from models.moe import MOE_STATS, PARTIAL_STATS, MoE, merge_stats
 from models.project import lookup, prepare_weights, project_attr, weight
 from models.quant_config import NO_QUANT, QuantConfig
+from models.remat import remat_policy
 from sharding import pipeline
 from sharding.rules import constrain
-
-# Names saved for the backward pass by each remat policy (see models.config.RematPolicy).
-_SAVED_NAMES = {
-    "save_qkv_proj": ("query_proj", "key_proj", "value_proj"),
-    "save_qkv_attn_out": ("query_proj", "key_proj", "value_proj", "attn_out"),
-    "save_qkv_attn_mlp": ("query_proj", "key_proj", "value_proj", "attn_out", "mlp_hidden"),
-}
-
-
-def remat_policy(name: str):
-    """jax.checkpoint policy for a policy name; None means no rematerialisation."""
-    if name == "none":
-        return None
-    if name == "full":
-        return jax.checkpoint_policies.nothing_saveable
-    if name == "save_dots":
-        return jax.checkpoint_policies.checkpoint_dots
-    if name == "save_dots_no_batch":
-        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-    if name in _SAVED_NAMES:
-        return jax.checkpoint_policies.save_only_these_names(*_SAVED_NAMES[name])
-    raise ValueError(f"unknown remat policy {name!r}")
 
 
 def make_attention(cfg: ModelConfig, rngs: nnx.Rngs, quant: QuantConfig = NO_QUANT) -> nnx.Module:

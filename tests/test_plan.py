@@ -40,7 +40,8 @@ from jaxinfra.state import abstract_params
 from models import ModelConfig
 from models import cache as kv_cache
 from models.layers import rope_frequencies
-from models.transformer import Block, MoEBlock, remat_policy
+from models.remat import remat_policy
+from models.transformer import Block, MoEBlock
 
 # Shapes for the compiled comparisons (benchmarks/plan.py LAYOUTS uses the same).
 BASE = ["model.vocab_size=2048", "model.d_model=256", "model.mlp_dim=1024", "model.num_heads=4",
