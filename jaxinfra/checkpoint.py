@@ -34,6 +34,7 @@ import logging
 import os
 import pathlib
 import re
+import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -196,6 +197,32 @@ def check_fits(step_dir: pathlib.Path, target: Any, current_config: dict[str, An
         f"config it was written with, or choose a new --run-dir")
 
 
+class _DropLateWriteCallbacks:
+    """sys.unraisablehook minus one kind of noise. When one array write fails, Orbax's asyncio.gather
+    raises and its event loop closes while tensorstore still completes the other writes; each of
+    their completion callbacks then fails on the closed loop (`call_soon_threadsafe`), and Python
+    prints that, unraisable, as a page of tracebacks, at any time up to the process's exit. The
+    failure itself is reported as CheckpointWriteError; every other unraisable passes through."""
+
+    def __init__(self, hook: Any):
+        self.hook = hook
+
+    def __call__(self, unraisable: Any) -> None:
+        error, trace = unraisable.exc_value, unraisable.exc_traceback
+        while trace is not None and trace.tb_next is not None:
+            trace = trace.tb_next
+        late = (isinstance(error, RuntimeError) and str(error) == "Event loop is closed" and trace is not None
+                and trace.tb_frame.f_code.co_name == "_check_closed")
+        if not late:
+            self.hook(unraisable)
+
+    @classmethod
+    def install(cls) -> None:
+        """Wrap the current hook once (kept for the process: the callbacks come after the save is over)."""
+        if not isinstance(sys.unraisablehook, cls):
+            sys.unraisablehook = cls(sys.unraisablehook)
+
+
 class Checkpointer:
     """Async save every `cfg.every` steps (and on demand), keep the newest `cfg.keep`.
 
@@ -211,6 +238,7 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
             enable_async_checkpointing=cfg.async_save, cleanup_tmp_directories=True, create=True)
+        _DropLateWriteCallbacks.install()
         self._quiet = _DropOrbaxErrors()
         logging.getLogger("absl").addFilter(self._quiet)  # removed by close(): Orbax's threads log until then
         self._pending: int | None = None  # the step whose async write has not been confirmed yet
