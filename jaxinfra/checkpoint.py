@@ -72,6 +72,9 @@ class CheckpointWriteError(RuntimeError):
         super().__init__(f"checkpoint step {step} could not be written to {path} ({reason}); {kept}; free space "
                          f"or fix the path, then rerun the same command to resume")
 
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable: sweeps run trainings in pools that send errors back
+        return type(self), (self.step, self.path, self.reason, self.committed)
+
 
 def _write_reason(error: BaseException) -> str:
     """What the storage said, in a few words: the OS error's text when one is in the chain or in

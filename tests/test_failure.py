@@ -14,6 +14,7 @@ import contextlib
 import errno
 import os
 import pathlib
+import pickle
 import resource
 import shutil
 import signal
@@ -29,7 +30,7 @@ import orbax.checkpoint as ocp
 import pytest
 from subprocs import cli_env
 
-from jaxinfra.checkpoint import CheckpointWriteError, _DropLateWriteCallbacks
+from jaxinfra.checkpoint import CheckpointWriteError, _DropLateWriteCallbacks, _write_reason
 from jaxinfra.config import load_config
 from jaxinfra.exits import EXIT_WRITE_FAILED
 from jaxinfra.metrics import MetricsLogger
@@ -85,6 +86,7 @@ def test_disk_full_at_the_first_checkpoint_raises_and_leaves_the_caller_intact(t
     assert (e.step, e.path, e.committed) == (2, tmp_path.absolute() / "checkpoints" / "2", None)
     assert e.reason == "No space left on device" and isinstance(e.__cause__, OSError)
     assert "checkpoint step 2 could not be written to" in str(e) and "\n" not in str(e)
+    assert str(pickle.loads(pickle.dumps(e))) == str(e)  # sweeps' worker pools send errors back pickled
     _assert_left_clean(tmp_path)
 
 
@@ -136,6 +138,21 @@ def test_an_async_write_failure_surfaces_at_the_next_save_naming_its_step(tmp_pa
     assert (caught.value.step, caught.value.reason, caught.value.committed) == (2, "File too large", None)
     assert not any(p.name.isdigit() for p in (tmp_path / "checkpoints").iterdir())  # only a tmp dir
     _assert_left_clean(tmp_path)
+
+
+@pytest.mark.parametrize("error, reason", [
+    (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/ckpt/2/x"), "No space left on device"),
+    (PermissionError(errno.EACCES, os.strerror(errno.EACCES)), "Permission denied"),
+    (ValueError("RESOURCE_EXHAUSTED: Error writing ... Failed to write 386365 bytes to file 5: No space left on "
+                "device [os_error_code='28']"), "No space left on device"),  # what tensorstore raises
+    (RuntimeError("write failed"), "No space left on device"),  # chained: the OSError is the cause (below)
+    (ConnectionError("503 Service Unavailable: gs://bucket/run/checkpoints/2\ndetails..."),
+     "ConnectionError: 503 Service Unavailable: gs://bucket/run/checkpoints/2"),  # an object store's refusal
+], ids=["oserror", "permission", "tensorstore", "chained", "object-store"])
+def test_the_reason_is_what_the_storage_said(error, reason):
+    if str(error) == "write failed":
+        error.__cause__ = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert _write_reason(error) == reason
 
 
 def test_late_write_callbacks_on_a_closed_loop_are_not_printed():
