@@ -80,7 +80,9 @@ def _write_reason(error: BaseException) -> str:
     """What the storage said, in a few words: the OS error's text when one is in the chain or in
     tensorstore's message (`[os_error_code='28']`), else the error's first line."""
     seen: BaseException | None = error
-    while seen is not None:
+    visited: set[int] = set()  # chains can loop (an error set as its own context's cause)
+    while seen is not None and id(seen) not in visited:
+        visited.add(id(seen))
         if isinstance(seen, OSError) and seen.strerror:
             return seen.strerror
         code = re.search(r"os_error_code='?(\d+)|\[Errno (\d+)\]", str(seen))
