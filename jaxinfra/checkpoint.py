@@ -17,14 +17,24 @@ config keys that differ (`CheckpointFitError`, exit 2) and nothing on disk chang
 checkpoint that fails to *read* (truncated or corrupted files, unreadable metadata) counts
 as damaged: it is reported in one line, moved aside (`<step>.unreadable-<time>`), and the
 previous one is used.
+
+A save that fails (disk full, no permission, an object-store error) raises
+`CheckpointWriteError` naming the step and its path, wherever Orbax lets the error out: at
+that save, at the next one, or at the final wait. Orbax writes into `<step>.orbax-checkpoint-tmp`
+and renames it only once every item is written, so a failed step is never listed; the previous
+committed checkpoint stays intact, and the next run removes the temporary directory.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
+import os
 import pathlib
+import re
+import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -45,6 +55,50 @@ class CheckpointError(RuntimeError):
 
 class CheckpointFitError(CheckpointError):
     """The checkpoint is intact but was written for other shapes (another config): refused, never moved."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """Checkpoint `step` could not be written to `path` (`reason`, e.g. "No space left on device").
+
+    Not a CheckpointError: that is bad input (exit 2); this is the storage (exit 74, jaxinfra/exits.py).
+    `committed` is the newest step that did commit (None if none), which a rerun resumes from; the
+    original error is the `__cause__`.
+    """
+
+    def __init__(self, step: int, path: pathlib.Path, reason: str, committed: int | None):
+        self.step, self.path, self.reason, self.committed = step, path, reason, committed
+        kept = (f"the last committed checkpoint, step {committed}, is intact" if committed is not None
+                else "no checkpoint of this run committed yet")
+        super().__init__(f"checkpoint step {step} could not be written to {path} ({reason}); {kept}; free space "
+                         f"or fix the path, then rerun the same command to resume")
+
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable: sweeps run trainings in pools that send errors back
+        return type(self), (self.step, self.path, self.reason, self.committed)
+
+
+def _write_reason(error: BaseException) -> str:
+    """What the storage said, in a few words: the OS error's text when one is in the chain or in
+    tensorstore's message (`[os_error_code='28']`), else the error's first line."""
+    seen: BaseException | None = error
+    visited: set[int] = set()  # chains can loop (an error set as its own context's cause)
+    while seen is not None and id(seen) not in visited:
+        visited.add(id(seen))
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror
+        code = re.search(r"os_error_code='?(\d+)|\[Errno (\d+)\]", str(seen))
+        if code:
+            number = int(code.group(1) or code.group(2))
+            return os.strerror(number) if number in errno.errorcode else f"OS error {number}"
+        seen = seen.__cause__ or seen.__context__
+    return f"{type(error).__name__}: {_reason(error)}" if isinstance(error, Exception) else type(error).__name__
+
+
+class _DropOrbaxErrors(logging.Filter):
+    """Orbax logs each failed background write with its traceback (several pages for one full disk),
+    from its own threads; the error itself reaches the train loop, which reports it in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
 
 
 @contextlib.contextmanager
@@ -148,8 +202,37 @@ def check_fits(step_dir: pathlib.Path, target: Any, current_config: dict[str, An
         f"config it was written with, or choose a new --run-dir")
 
 
+class _DropLateWriteCallbacks:
+    """sys.unraisablehook minus one kind of noise. When one array write fails, Orbax's asyncio.gather
+    raises and its event loop closes while tensorstore still completes the other writes; each of
+    their completion callbacks then fails on the closed loop (`call_soon_threadsafe`), and Python
+    prints that, unraisable, as a page of tracebacks, at any time up to the process's exit. The
+    failure itself is reported as CheckpointWriteError; every other unraisable passes through."""
+
+    def __init__(self, hook: Any):
+        self.hook = hook
+
+    def __call__(self, unraisable: Any) -> None:
+        error, trace = unraisable.exc_value, unraisable.exc_traceback
+        while trace is not None and trace.tb_next is not None:
+            trace = trace.tb_next
+        late = (isinstance(error, RuntimeError) and str(error) == "Event loop is closed" and trace is not None
+                and trace.tb_frame.f_code.co_name == "_check_closed")
+        if not late:
+            self.hook(unraisable)
+
+    @classmethod
+    def install(cls) -> None:
+        """Wrap the current hook once (kept for the process: the callbacks come after the save is over)."""
+        if not isinstance(sys.unraisablehook, cls):
+            sys.unraisablehook = cls(sys.unraisablehook)
+
+
 class Checkpointer:
-    """Async save every `cfg.every` steps (and on demand), keep the newest `cfg.keep`."""
+    """Async save every `cfg.every` steps (and on demand), keep the newest `cfg.keep`.
+
+    A failed write raises `CheckpointWriteError` for the step it belongs to, at whichever call
+    Orbax reports it (`save` of that step or of the next one, `wait`, `close`)."""
 
     def __init__(self, directory: str | pathlib.Path, cfg: CheckpointConfig):
         self.directory = pathlib.Path(directory).absolute()
@@ -160,7 +243,17 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
             enable_async_checkpointing=cfg.async_save, cleanup_tmp_directories=True, create=True)
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data", "meta"))
+        _DropLateWriteCallbacks.install()
+        self._quiet = _DropOrbaxErrors()
+        logging.getLogger("absl").addFilter(self._quiet)  # removed by close(): Orbax's threads log until then
+        self._pending: int | None = None  # the step whose async write has not been confirmed yet
+        self._keep = cfg.keep
+        self._failed = False
+        try:
+            self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data", "meta"))
+        except BaseException:
+            logging.getLogger("absl").removeFilter(self._quiet)
+            raise
 
     def steps(self) -> list[int]:
         self.manager.reload()  # another process (or an earlier run) may have written since
@@ -168,11 +261,42 @@ class Checkpointer:
 
     def save(self, step: int, state: TrainState, data_states: dict[str, Any], meta: dict[str, Any],
              metrics: dict[str, float] | None = None) -> None:
-        """Start an async save of `state` at loop step `step`; returns once device arrays are copied."""
+        """Start an async save of `state` at loop step `step`; returns once device arrays are copied.
+
+        Raises CheckpointWriteError for the previous save if it failed in the background (first,
+        so the error names the step it belongs to), or for this one if it cannot start."""
         data = exchange_json({str(k): v for k, v in data_states.items()})
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data), meta=ocp.args.JsonSave(meta)),
-            metrics=metrics, force=True)
+        self.wait()
+        try:
+            self.manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data), meta=ocp.args.JsonSave(meta)),
+                metrics=metrics, force=True)
+        except Exception as e:  # any failure to start a write is the storage's (or Orbax's) refusal
+            raise self._write_error(step, e) from e
+        self._pending = step
+
+    def wait(self) -> None:
+        """Block until the pending save has committed; CheckpointWriteError if it did not."""
+        step, self._pending = self._pending, None
+        if step is None:
+            return
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # tensorstore / OS / object-store errors from the write threads
+            raise self._write_error(step, e) from e
+        # Orbax skips finalizing a step whose items reported errors late with only a log line (which
+        # _DropOrbaxErrors hides): the listing of committed steps is the ground truth. Process 0
+        # commits; with keep=0 a committed step may already be gone.
+        if self._keep >= 1 and jax.process_index() == 0 and step not in self.steps():
+            raise self._write_error(step, RuntimeError("the write ended without committing the step"))
+
+    def _write_error(self, step: int, error: BaseException) -> CheckpointWriteError:
+        self._failed = True
+        try:
+            committed = max((s for s in self.steps() if s != step), default=None)
+        except Exception:  # noqa: BLE001 - listing may fail on the same storage: then name no step
+            committed = None
+        return CheckpointWriteError(step, self.directory / str(step), _write_reason(error), committed)
 
     def restore(self, step: int, target: TrainState) -> tuple[TrainState, dict[str, Any], dict[str, Any]]:
         with _quiet_orbax():
@@ -215,8 +339,20 @@ class Checkpointer:
         return aside
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Wait for the pending save (CheckpointWriteError if it failed), then release Orbax's threads
+        and files; safe to call again, and after a failure (the manager is closed all the same)."""
+        try:
+            self.wait()
+        finally:
+            if self.manager is not None:
+                manager, self.manager = self.manager, None
+                try:
+                    manager.close()
+                except Exception:  # after a failed write Orbax re-raises it here; reported above
+                    if not self._failed:
+                        raise
+                finally:
+                    logging.getLogger("absl").removeFilter(self._quiet)
 
 
 def _checkpoints_dir(directory: str | pathlib.Path) -> tuple[pathlib.Path, int | None]:

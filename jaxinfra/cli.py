@@ -27,7 +27,8 @@ train, info and bench also take --coordinator HOST:PORT --num-processes N --proc
                                                     a teacher's top-k logits for offline distillation
 
 Bad input (config, mesh, data, checkpoint) exits with status 2 and one line on stderr, no
-traceback; the statuses are in jaxinfra/exits.py.
+traceback; a write the storage refused (a checkpoint, or the run dir on a full disk) exits 74 the
+same way; the statuses are in jaxinfra/exits.py.
 """
 
 from __future__ import annotations
@@ -39,7 +40,14 @@ import pathlib
 import sys
 
 from jaxinfra.config import ConfigError, load_config, preset_names
-from jaxinfra.exits import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_INTERRUPTED
+from jaxinfra.exits import (
+    EXIT_BAD_INPUT,
+    EXIT_BROKEN_PIPE,
+    EXIT_INTERRUPTED,
+    EXIT_WRITE_FAILED,
+    is_write_failure,
+    write_failure_line,
+)
 
 
 def _config_stem(source: str) -> str:
@@ -217,19 +225,27 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     else:
         args = _parse_with_overrides(parser, argv)
-    from jaxinfra.exits import bad_input_errors
+    from jaxinfra.exits import bad_input_errors, write_errors
 
     try:
         return args.func(args)
     except bad_input_errors() as e:
         print(f"jaxinfra: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except write_errors() as e:  # a checkpoint the storage refused: the line names the step and the path
+        print(f"jaxinfra: error: {e}", file=sys.stderr)
+        return EXIT_WRITE_FAILED
     except KeyboardInterrupt:
         print("jaxinfra: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:  # `jaxinfra info | head`: the reader left; no traceback, and none at exit either
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
+    except OSError as e:
+        if not is_write_failure(e):  # a full or read-only disk is the storage's fault; anything else is a bug
+            raise
+        print(f"jaxinfra: error: {write_failure_line(e)}", file=sys.stderr)
+        return EXIT_WRITE_FAILED
 
 
 def main_exit() -> None:

@@ -7,7 +7,13 @@ the device runs the current step.
 Exits (`summary["exit_code"]`, also the CLI's status): 0 done; 75 preempted (SIGTERM /
 SIGINT: the current step finished, a checkpoint committed, rerun the same command to
 resume); 3 diverged (`train.max_bad_steps` consecutive non-finite steps); 70 hung
-(the watchdog, see jaxinfra/watchdog.py).
+(the watchdog, see jaxinfra/watchdog.py). A checkpoint that cannot be written raises
+`CheckpointWriteError` (the CLI: one line, exit 74); the previous committed one is kept.
+
+Every way out of `Trainer.run` (the end, an exception, a stop signal, Ctrl-C) goes through
+`Trainer._close`: the watchdog stops, the caller's SIGTERM/SIGINT handlers come back, and the
+checkpoint manager, data workers and metric writers close, without hiding the original error
+(in-process callers such as sweeps, notebooks and benchmarks survive a failed run).
 """
 
 from __future__ import annotations
@@ -35,9 +41,23 @@ from jaxinfra.checkpoint import (
     is_params_only,
     restore_params,
 )
+from jaxinfra.checkpoint import (
+    CheckpointWriteError as CheckpointWriteError,  # re-exported: train() raises it
+)
 from jaxinfra.config import Config
 from jaxinfra.data import make_eval_sets, make_train_iterator, row_states, set_row_states
-from jaxinfra.exits import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_HUNG, EXIT_OK, EXIT_PREEMPTED, bad_input_errors
+from jaxinfra.exits import (
+    EXIT_BAD_INPUT,
+    EXIT_DIVERGED,
+    EXIT_HUNG,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    EXIT_WRITE_FAILED,
+    bad_input_errors,
+    is_write_failure,
+    write_errors,
+    write_failure_line,
+)
 from jaxinfra.metrics import (
     MetricsLogger,
     ProgressBar,
@@ -85,11 +105,18 @@ class Trainer:
         self.run_dir = check_run_dir(run_dir)  # ordinary path mistakes fail here, before anything compiles
         self.is_main = jax.process_index() == 0
         self.lock = RunDirLock(self.run_dir)
+        # What _close() releases, present from the start so that any exit path closes what exists.
+        self.ckpt: Checkpointer | None = None
+        self.train_iter: Any = None
+        self.logger: MetricsLogger | None = None
+        self.bar: ProgressBar | None = None
+        self.watchdog = Watchdog(0)
+        self._previous_handlers: dict[int, Any] = {}
         self._take_lock()  # before the Checkpointer, which cleans up temporary directories of a live run
         try:
             self._build(devices, restore_from)
-        except BaseException:
-            self.lock.release()
+        except BaseException as error:
+            self._close(error)
             raise
 
     def _take_lock(self) -> None:
@@ -219,6 +246,8 @@ class Trainer:
             print(text, flush=True)
 
     def _install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT ask the loop to stop at the next step; the caller's handlers are kept to be
+        put back by _close (signal handlers can only be set from the main thread)."""
         if threading.current_thread() is not threading.main_thread():
             return
 
@@ -226,7 +255,14 @@ class Trainer:
             self._signal = signum
 
         for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous_handlers.setdefault(sig, signal.getsignal(sig))
             signal.signal(sig, request_stop)
+
+    def _restore_signal_handlers(self) -> None:
+        handlers, self._previous_handlers = self._previous_handlers, {}
+        for sig, handler in handlers.items():
+            # None: a handler set outside Python, which cannot be put back; the default is the closest.
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
     def _stop_requested(self, sync: bool) -> bool:
         """A signal reached this process, or (at sync points) any process: all stop at the same step."""
@@ -248,11 +284,42 @@ class Trainer:
     # ------------------------------------------------------------ loop
 
     def run(self) -> dict[str, Any]:
-        """Train from the initial state to `train.steps` (or a stop); returns the run summary."""
+        """Train from the initial state to `train.steps` (or a stop); returns the run summary.
+
+        Raises CheckpointWriteError when a checkpoint cannot be written (the previous committed one
+        is kept). Whatever ends the run, _close releases what it holds before this returns or raises."""
         try:
-            return self._run()
-        finally:
-            self.lock.release()
+            summary = self._run()
+        except BaseException as error:
+            self._close(error)
+            raise
+        self._close(None)
+        return summary
+
+    def _close(self, error: BaseException | None) -> None:
+        """Release everything the run holds; safe to call twice (the normal end already closed most).
+
+        The watchdog goes first: an armed one would end the calling process (os._exit) once the loop
+        stops reporting progress. A closer that fails never hides `error` (its failure becomes a note
+        on it) nor keeps the later closers from running; with no `error`, the first failure is raised."""
+        closers = [("watchdog", self.watchdog.close), ("signal handlers", self._restore_signal_handlers),
+                   ("checkpoints", self.ckpt.close if self.ckpt else None),
+                   ("data workers", getattr(self.train_iter, "close", None)),
+                   ("progress bar", self.bar.close if self.bar else None),
+                   ("metrics", self.logger.close if self.logger else None), ("run-dir lock", self.lock.release)]
+        first: BaseException | None = None
+        for name, close in closers:
+            if close is None:
+                continue
+            try:
+                close()
+            except BaseException as e:  # noqa: BLE001 - even Ctrl-C here must not skip the lock's release
+                if error is None and first is None:
+                    first = e
+                else:
+                    (error or first).add_note(f"jaxinfra: closing the {name} failed too: {type(e).__name__}: {e}")
+        if first is not None:
+            raise first
 
     def _run(self) -> dict[str, Any]:
         start_step, state, meta = self.initial_state()  # before anything is written: a refusal changes nothing
@@ -450,7 +517,11 @@ def train(cfg: Config, run_dir: str | os.PathLike, devices: Sequence[jax.Device]
     except bad_input_errors() as e:
         # Every process reads the same config and checkpoint, so each one says the same line.
         _leave(EXIT_BAD_INPUT, f"jaxinfra: error: {e}", peers_alive=True)
+    except write_errors() as e:  # peers may be waiting in the save's barrier: leave without them
+        _leave(EXIT_WRITE_FAILED, f"jaxinfra: error: process {jax.process_index()}: {e}")
     except Exception as e:  # noqa: BLE001 - anything else here is most likely a lost peer
+        if is_write_failure(e):  # the run dir's own files on a full or read-only disk
+            _leave(EXIT_WRITE_FAILED, f"jaxinfra: error: process {jax.process_index()}: {write_failure_line(e)}")
         step, phase = (trainer.watchdog_step, trainer.watchdog_phase) if trainer else (0, "start")
         _leave(EXIT_HUNG, f"jaxinfra: error: process {jax.process_index()} failed at step {step}, phase '{phase}': "
                           f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]} (a peer process may have "

@@ -5,6 +5,9 @@ daemon thread checks that progress happens at least every `timeout_s`. When it d
 not, the watchdog prints one line naming the step and phase, dumps every thread's
 Python stack (faulthandler), and ends the process with EXIT_HUNG. It is armed after
 the first step, so compilation time does not count.
+
+`close()` must run on every way out of the loop (the Trainer's `_close` does it): an armed
+watchdog left behind would end an in-process caller (a sweep, a notebook) with exit 70.
 """
 
 from __future__ import annotations
@@ -40,12 +43,17 @@ class Watchdog:
         self._armed = True
 
     def close(self) -> None:
+        """Stop watching; returns once the thread has ended, so it can no longer end the process.
+        Idempotent, and a no-op for a watchdog that never started (timeout 0)."""
+        self._armed = False
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
 
     def _watch(self) -> None:
         while not self._stop.wait(min(1.0, self.timeout_s / 4)):
             stalled = time.monotonic() - self._last
-            if self._armed and stalled > self.timeout_s:
+            if self._armed and stalled > self.timeout_s and not self._stop.is_set():
                 print(f"jaxinfra: error: process {self.process_index} made no progress for {stalled:.0f}s at step "
                       f"{self.step}, phase '{self.phase}' (train.step_timeout_s={self.timeout_s:g}); a peer process "
                       f"may have died or a collective never completed. Python stacks follow.",
