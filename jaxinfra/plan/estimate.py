@@ -73,7 +73,7 @@ def make_plan(cfg: Config, devices: int, spec: DeviceSpec, measured: Measured | 
               components: list[Fn] | None = None, inference: bool = False) -> Plan:
     """Validate `cfg` for `devices` (a refused layout raises the trainer's ConfigError), then price
     a training step, or with `inference` a decode step of `jaxinfra generate`."""
-    lay = Layout.of(cfg, devices, spec.platform)
+    lay = Layout.of(cfg, devices, spec.platform, target=spec.kernel_target)
     if inference:
         from jaxinfra.plan.inference import INFERENCE_COMPONENTS, decode_time
 

@@ -158,7 +158,7 @@ def activations(lay: Layout, state: StateBytes) -> Component:
         return Component("activations", per_call, "step", f"remat {policy}, {dense + sparse} layers")
     micro, repeats = lay.pipeline
     stream = lay.tokens * lay.model.d_model * lay.compute_bytes  # one microbatch's residual stream
-    prefix = outside * act.saved_per_layer(lay, False) * micro  # the dense prefix runs on the whole batch
+    prefix = outside * act.saved_per_layer(lay, False, staged=False) * micro  # the dense prefix: whole batch
     if lay.cfg.parallelism.pipeline_schedule == "1f1b":  # inputs of every microbatch + the stash
         kept = micro * stream + (2 * lay.pp - 1) * stream
         return Component("activations", prefix + kept, "step", f"1f1b: {micro} inputs + {2 * lay.pp - 1} stashed")
