@@ -141,8 +141,11 @@ class Layout:
         """What `model.attention_impl` runs as in the train step on this layout's device, asked of
         the kernels (kernels/facts.py: `auto` by their table, Mosaic GPU's fallback). The model's
         call: causal, the batch's segment ids (always passed in training), no softcap, q and k/v
-        in the compute dtype; under context parallelism the local queries against all keys."""
+        in the compute dtype; under context parallelism the local queries against all keys. Ring
+        context attention (sharding/context.py) runs its own jnp blocks whatever the impl: "xla"."""
         m = self.model
+        if self.cp > 1 and self.cfg.parallelism.context_impl == "ring":
+            return "xla"
         d_qk, d_v = ((m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim) if m.is_mla
                      else (m.resolved_head_dim, m.resolved_head_dim))
         call = kernel_facts.Call(m.dtype, d_qk, d_v, make_band(True, None, self.seq, self.kv_seq), "shared")
