@@ -55,6 +55,7 @@ class Plan:
             "devices": lay.devices, "device_kind": self.spec.kind,
             "mesh": {a: s for a, s in lay.sizes.items() if s > 1},
             "strategy": lay.cfg.parallelism.strategy, "remat_policy": lay.model.remat_policy,
+            "attention_impl": lay.attention_impl,  # what model.attention_impl runs as there (kernels/facts.py)
             "memory_bytes_per_device": self.memory.as_dict(), "memory_peak_phase": self.memory.peak_phase,
             "device_memory_bytes": int(self.spec.memory_bytes), "fits": self.fits,
             "step_time_s": t.step_s, "compute_s": t.compute_s, "bubble_s": t.bubble_s, "update_s": t.update_s,

@@ -153,7 +153,9 @@ def activations(lay: Layout, state: StateBytes) -> Component:
     the layer calls alive at once: pipeline ticks (gpipe, circular) or stashed inputs (1f1b)."""
     outside, dense, sparse = lay.layer_counts
     per_call = dense * act.saved_per_layer(lay, False) + sparse * act.saved_per_layer(lay, True)
-    policy = lay.model.remat_policy
+    policy = lay.model.remat_policy + ("" if act.effective_policy(lay) == lay.model.remat_policy else
+                                       f" (as {act.effective_policy(lay)} under the stage vmap)")
+    policy += f", attention {lay.attention_impl}"
     if lay.pp == 1:
         return Component("activations", per_call, "step", f"remat {policy}, {dense + sparse} layers")
     micro, repeats = lay.pipeline
