@@ -155,7 +155,8 @@ def activations(lay: Layout, state: StateBytes) -> Component:
     per_call = dense * act.saved_per_layer(lay, False) + sparse * act.saved_per_layer(lay, True)
     policy = lay.model.remat_policy + ("" if act.effective_policy(lay) == lay.model.remat_policy else
                                        f" (as {act.effective_policy(lay)} under the stage vmap)")
-    policy += f", attention {lay.attention_impl}"
+    if lay.attention_impl != lay.model.attention_impl:  # auto, or a fallback: name what the kernels run
+        policy += f", attention {lay.model.attention_impl} -> {lay.attention_impl}"
     if lay.pp == 1:
         return Component("activations", per_call, "step", f"remat {policy}, {dense + sparse} layers")
     micro, repeats = lay.pipeline
