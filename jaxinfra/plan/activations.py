@@ -4,14 +4,17 @@ A layer is described as the tensors JAX's autodiff would save for it (its residu
 each one, its bytes on this device for one layer call (one microbatch), whether it is the
 output of a weight matmul ("dot"), of a batched matmul inside attention or the expert
 dispatch ("bdot"), or of an elementwise op (None), its `checkpoint_name` if it has one, and
-whether the un-rematerialised layer keeps it (`none`). The remat policies of
-models/transformer.py then select:
+whether the un-rematerialised layer keeps it (`none`). The remat policies (models/config.py,
+models/remat.py) then select:
 
     none                 the `none` tensors (everything the backward reads, elementwise included)
     full                 nothing but the layer input (the scan carry)
     save_dots            layer input + every dot and bdot output
     save_dots_no_batch   layer input + weight-matmul (dot) outputs
-    save_qkv_*           layer input + the tensors with those checkpoint names
+    save_qkv_*           layer input + the tensors with those checkpoint names (SAVED_NAMES)
+
+inside a pipeline's stage vmap save_dots_no_batch selects as full (`effective_policy`); the
+attention keeps what kernels/facts.py says the implementation it resolves to keeps.
 
 The lists follow the model code (models/attention.py, mla.py, layers.py, moe.py and
 kernels/attention.py's XLA path), and tests/test_plan.py checks them against the residuals
