@@ -1,6 +1,6 @@
 """`jaxinfra plan` against the compiler and the clock, on this CPU with 8 fake devices.
 
-    python benchmarks/plan.py memory            # analytic vs compiled memory_analysis, the layout table
+    python benchmarks/plan.py memory [--rows pipeline]  # analytic vs compiled memory_analysis (rows naming it)
     python benchmarks/plan.py time [--steps 5]  # predicted vs measured median step time, 4 configs
     python benchmarks/plan.py search [--top 5]  # --search's top layouts for small and mixtral-tiny, measured
     python benchmarks/plan.py presets           # full-size presets on 8/64/256 H100 and TPU v5p (no compile)
@@ -106,9 +106,11 @@ def memory_layouts() -> list[tuple[str, Config]]:
     return out
 
 
-def memory_table() -> None:
+def memory_table(only: str = "") -> None:
     rows = []
     for name, cfg in memory_layouts():
+        if only not in name:
+            continue
         mem = estimate(Layout.of(cfg, 8, "cpu"))
         compiled = analyse(cfg, jax.devices()[:8])["total_bytes"]
         rows.append((name, size(mem.total), size(compiled), f"{mem.total / compiled:.3f}", mem.peak_phase))
@@ -203,7 +205,7 @@ def search_table(preset: str, top: int, steps: int) -> None:
 PRESETS = ("llama3-8b", "deepseek-v3", "mixtral-8x7b", "qwen3-30b-a3b")
 # On accelerators the presets would run a flash kernel and a chunked loss: XLA attention keeps
 # [rows, heads, seq, seq] float32 scores per layer, and whole-sequence logits are ~10 GiB per row.
-KERNELS = {"h100": "pallas_triton", "tpu-v5p": "pallas_mosaic_tpu"}
+# `auto` is what the kernels pick on each device kind (kernels/facts.py: Triton on H100, Mosaic on TPU).
 
 
 def presets_table(kinds: tuple[str, ...] = ("h100", "tpu-v5p"), counts: tuple[int, ...] = (8, 64, 256)) -> None:
@@ -211,7 +213,7 @@ def presets_table(kinds: tuple[str, ...] = ("h100", "tpu-v5p"), counts: tuple[in
     rows = []
     for preset in PRESETS:
         for kind in kinds:
-            extra = [f"model.attention_impl={KERNELS[kind]}", "model.loss_chunk_size=512"]
+            extra = ["model.attention_impl=auto", "model.loss_chunk_size=512"]
             cfg = load_config(preset, extra)
             spec = device_spec(kind)
             for count in counts:
@@ -236,9 +238,10 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=5)
     parser.add_argument("--presets", default="small,mixtral-tiny")
+    parser.add_argument("--rows", default="", help="memory: only the layouts whose name contains this")
     args = parser.parse_args()
     if args.what == "memory":
-        memory_table()
+        memory_table(args.rows)
     elif args.what == "time":
         time_table(args.steps)
     elif args.what == "search":

@@ -42,15 +42,15 @@ import logging
 import math
 import numbers
 from collections.abc import Sequence
-from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
 
 from kernels import block_sizes as block_table
-from kernels import cudnn_packing
+from kernels import cudnn_packing, facts
 from kernels import flash_mosaic_gpu as mosaic_gpu
 from kernels.block_sizes import BlockSizes
+from kernels.facts import IMPLEMENTATIONS, AttentionImpl
 from kernels.flash import FlashParams, flash_attention
 from kernels.logs import log_once
 from kernels.masks import Band, dense_mask, make_band, may_have_empty_rows
@@ -59,9 +59,6 @@ from kernels.reference import dense_attention, reference_attention
 __all__ = ["IMPLEMENTATIONS", "AttentionImpl", "attention", "attention_with_lse", "reference_attention", "resolve_impl",
            "validate_attention_args"]
 
-AttentionImpl = Literal["xla", "auto", "pallas_triton", "pallas_mosaic_tpu", "pallas_mosaic_gpu", "cudnn"]
-IMPLEMENTATIONS: tuple[str, ...] = get_args(AttentionImpl)
-MAX_PALLAS_HEAD_DIM = 256  # larger tiles do not fit GPU shared memory / TPU VMEM at useful blocks
 
 logger = logging.getLogger(__name__)
 _logged: set[str] = set()  # messages already logged (kernels.logs.log_once)
@@ -154,68 +151,35 @@ def _compute_capability() -> str | None:
     return getattr(jax.devices()[0], "compute_capability", None)
 
 
+def _target() -> facts.Target:
+    """This process's device, as kernels/facts.py's dispatch reads it (kind and capability on GPUs)."""
+    platform = _platform()
+    if platform != "gpu":
+        return facts.Target(platform)
+    return facts.Target(platform, _device_kind(), _compute_capability())
+
+
+def _call(q, v, band: Band, q_seg, kv_seg, softcap, need_lse: bool) -> facts.Call:
+    segments = "none" if q_seg is None and kv_seg is None else "shared" if q_seg is kv_seg else "pair"
+    return facts.Call(jnp.dtype(q.dtype).name, q.shape[-1], v.shape[-1], band, segments, softcap, need_lse)
+
+
 def _pallas_unsupported(q: jax.Array, v: jax.Array) -> str | None:
-    if max(q.shape[-1], v.shape[-1]) > MAX_PALLAS_HEAD_DIM:
-        return f"head dim {max(q.shape[-1], v.shape[-1])} > {MAX_PALLAS_HEAD_DIM}"
-    return None
-
-
-def _mosaic_gpu_unsupported(q: jax.Array, v: jax.Array) -> str | None:
-    return mosaic_gpu.unsupported(q.dtype, q.shape[-1], v.shape[-1], _platform(),
-                                  _compute_capability() if _platform() == "gpu" else None)
+    return facts.pallas_unsupported(q.shape[-1], v.shape[-1])
 
 
 def _cudnn_unsupported(q, v, band: Band, q_seg, kv_seg, softcap, need_lse: bool) -> str | None:
-    if _platform() != "gpu":
-        return f"cudnn needs a GPU (platform is {_platform()})"
-    if need_lse:
-        return "cudnn does not return the log-sum-exp here"
-    if softcap is not None:
-        return "cudnn has no softcap"
-    if q_seg is not kv_seg:
-        return "cudnn's packed layout takes one shared segment_ids array (the same ids for q and kv)"
-    if q.shape[-1] != v.shape[-1]:
-        return "cudnn path needs d_qk == d_v"
-    if q.dtype not in (jnp.bfloat16, jnp.float16):
-        return f"cudnn needs bfloat16/float16, got {q.dtype}"
-    if band.right not in (None, 0) or (band.right is None and band.left is not None):
-        return "cudnn supports only left windows (causal)"
-    if band.right == 0 and band.q_len != band.kv_len:
-        return "cudnn causal mask alignment for length_q != length_kv"
-    return None
-
-
-def _auto(q, v, band: Band, q_seg, kv_seg, softcap, need_lse: bool) -> str:
-    platform = _platform()
-    if platform == "gpu":
-        preferred = block_table.preferred_impl(_device_kind(), jnp.dtype(q.dtype).name, q.shape[-1], v.shape[-1],
-                                               band.kind)
-        if (preferred == "cudnn" and q_seg is None
-                and _cudnn_unsupported(q, v, band, q_seg, kv_seg, softcap, need_lse) is None):
-            return "cudnn"
-        if preferred == "pallas_mosaic_gpu" and _mosaic_gpu_unsupported(q, v) is None:
-            return "pallas_mosaic_gpu"
-    chosen = {"gpu": "pallas_triton", "tpu": "pallas_mosaic_tpu"}.get(platform, "xla")
-    if chosen != "xla":
-        reason = _pallas_unsupported(q, v)
-        if reason is not None:
-            log_once(logger, _logged,
-                     f"attention(impl='auto'): {chosen} does not support this call ({reason}); using xla")
-            return "xla"
-    return chosen
+    return facts.cudnn_unsupported(_target(), _call(q, v, band, q_seg, kv_seg, softcap, need_lse))
 
 
 def _resolve(impl: str, q, v, band: Band, q_seg, kv_seg, softcap, need_lse: bool) -> str:
+    """kernels/facts.py decides (the planner asks it the same question); fallbacks log once here."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"attention: impl={impl!r}; choose one of {IMPLEMENTATIONS}")
-    if impl == "auto":
-        return _auto(q, v, band, q_seg, kv_seg, softcap, need_lse)
-    if impl == "pallas_mosaic_gpu":
-        reason = _mosaic_gpu_unsupported(q, v)
-        if reason is not None:
-            log_once(logger, _logged, f"attention(impl='pallas_mosaic_gpu'): {reason}; using pallas_triton")
-            return "pallas_triton"
-    return impl
+    chosen, note = facts.resolve(impl, _target(), _call(q, v, band, q_seg, kv_seg, softcap, need_lse))
+    if note is not None:
+        log_once(logger, _logged, note)
+    return chosen
 
 
 def resolve_impl(impl: str, q: jax.Array, v: jax.Array, *, causal: bool = True, segment_ids: SegmentIds = None,

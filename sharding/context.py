@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import kernels
+from kernels.facts import CUSTOM_KERNELS
 from sharding.rules import active, constrain, logical_to_mesh
 
 CONTEXT = "context"
@@ -87,8 +88,8 @@ def _ring_attention_local(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Arr
 
 
 # Custom kernels XLA cannot partition (cuDNN's packed layout: its per-row segment tables are
-# built from the local batch, so each shard must build its own).
-PER_SHARD_IMPLS = ("pallas_triton", "pallas_mosaic_tpu", "pallas_mosaic_gpu", "cudnn")
+# built from the local batch, so each shard must build its own): the kernels' own list.
+PER_SHARD_IMPLS = CUSTOM_KERNELS
 
 
 def _per_shard_kernel(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, impl: str,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 import io
 import json
 import math
@@ -27,6 +28,8 @@ from jaxinfra import cli
 from jaxinfra.config import ConfigError, load_config, validate
 from jaxinfra.metrics.flops import flops_per_token
 from jaxinfra.plan import activations as act
+from jaxinfra.plan import devices as plan_devices
+from jaxinfra.plan.cli import preflight
 from jaxinfra.plan.compiled import analyse, compiled_figures
 from jaxinfra.plan.devices import device_spec
 from jaxinfra.plan.estimate import make_plan
@@ -37,11 +40,14 @@ from jaxinfra.plan.search import overrides, search
 from jaxinfra.plan.time import accumulate_bytes, collectives, layer_flops, pipeline_ticks
 from jaxinfra.runtime import build_runtime
 from jaxinfra.state import abstract_params
+from kernels import facts as kernel_facts
 from models import ModelConfig
 from models import cache as kv_cache
 from models.layers import rope_frequencies
 from models.remat import remat_policy
 from models.transformer import Block, MoEBlock
+
+attention_module = importlib.import_module("kernels.attention")  # the module (kernels.attention is the function)
 
 # Shapes for the compiled comparisons (benchmarks/plan.py LAYOUTS uses the same).
 BASE = ["model.vocab_size=2048", "model.d_model=256", "model.mlp_dim=1024", "model.num_heads=4",
@@ -63,6 +69,16 @@ LAYOUTS = [
                                                     "model.remat_policy=save_dots"]),
     ("GQA pipeline 1f1b full", "tiny", GQA + ["mesh.data=4", "mesh.stage=2", "parallelism.microbatches=4",
                                               "parallelism.pipeline_schedule=1f1b", "model.remat_policy=full"]),
+    # save_dots_no_batch under the stage vmap saves no weight matmul (activations.effective_policy);
+    # `small` (6 untied layers, save_dots_no_batch) in gpipe, 1f1b and circular.
+    ("GQA pipeline gpipe save_dots_no_batch", "tiny", GQA + ["mesh.data=4", "mesh.stage=2",
+                                                             "parallelism.microbatches=4",
+                                                             "model.remat_policy=save_dots_no_batch"]),
+    ("small pipeline gpipe", "small", ["mesh.data=4", "mesh.stage=2", "parallelism.microbatches=4"]),
+    ("small pipeline 1f1b", "small", ["mesh.data=4", "mesh.stage=2", "parallelism.microbatches=4",
+                                      "parallelism.pipeline_schedule=1f1b"]),
+    ("small pipeline circular", "small", ["mesh.data=4", "mesh.stage=2", "parallelism.microbatches=4",
+                                          "parallelism.pipeline_schedule=circular", "parallelism.pipeline_repeats=3"]),
     ("MLA dp full", "deepseek-tiny", ["mesh.data=8", "model.remat_policy=full"]),
     ("MLA dp none", "deepseek-tiny", ["mesh.data=8"]),
     ("MoE expert none", "mixtral-tiny", GQA + ["mesh.data=4", "mesh.expert=2"]),
@@ -73,7 +89,7 @@ LAYOUTS = [
 ]
 # Known gap (docs/plan.md): MoE capacity dispatch under save_dots is underestimated by 16-21%.
 # The default run's share of the table; the collective counts below reuse the same compiles.
-FAST = ("GQA fsdp full", "GQA pipeline gpipe save_dots", "MoE expert none")
+FAST = ("GQA fsdp full", "GQA pipeline gpipe save_dots", "MoE expert none", "GQA pipeline gpipe save_dots_no_batch")
 
 
 def layout_config(preset: str, extra: list[str]):
@@ -433,3 +449,68 @@ def test_train_prints_the_plan_line_and_refuses_a_config_far_over_memory(tmp_pat
     err = captured.err.strip().splitlines()
     assert len(err) == 1 and "exceeds the cpu device's" in err[0] and "--force" in err[0]
     assert not run.exists()  # refused before anything was written or compiled
+
+
+# ---------------------------------------------------------------- attention as the kernels keep it
+
+
+def _attention_plan(impl: str, kind: str = "h100"):
+    """tiny's GQA layers in bfloat16 (head dim 64: every flash kernel takes it) on 8 devices of `kind`."""
+    cfg = load_config("tiny", [*BASE, *GQA, "mesh.data=8", "model.dtype=bfloat16", f"model.attention_impl={impl}"])
+    return make_plan(cfg, 8, device_spec(kind))
+
+
+def _kernels_run(monkeypatch, impl: str, kind: str, lay: Layout, segments: bool = True) -> str:
+    """What kernels.attention itself dispatches `impl` to for the model's call on that device."""
+    spec = device_spec(kind)
+    monkeypatch.setattr(attention_module, "_platform", lambda: spec.platform)
+    monkeypatch.setattr(attention_module, "_device_kind", lambda: spec.name)
+    monkeypatch.setattr(attention_module, "_compute_capability", lambda: spec.compute_capability)
+    m = lay.model
+    q = jax.ShapeDtypeStruct((lay.rows, lay.seq, lay.heads, m.resolved_head_dim), jnp.dtype(m.dtype))
+    seg = jax.ShapeDtypeStruct((lay.rows, lay.seq), jnp.int32) if segments else None
+    return attention_module.resolve_impl(impl, q, q, segment_ids=seg)
+
+
+def test_attention_memory_is_priced_as_the_kernels_keep_it(monkeypatch):
+    """Mosaic GPU (and every flash kernel) keeps its output and log-sum-exp, not the [rows, heads,
+    seq, seq] float32 scores; `auto` is priced as the implementation the kernels pick on that device
+    (training passes segment ids, so never cuDNN's bounded packed layout: Triton on H100 and H200)."""
+    plans = {impl: _attention_plan(impl) for impl in ("xla", "pallas_triton", "pallas_mosaic_gpu")}
+    act = {impl: p.memory.as_dict()["activations"] for impl, p in plans.items()}
+    lay = plans["xla"].layout
+    scores = lay.model.num_layers * lay.tokens * lay.heads * lay.kv_seq * 4
+    assert plans["pallas_mosaic_gpu"].layout.attention_impl == "pallas_mosaic_gpu"
+    assert act["pallas_mosaic_gpu"] == act["pallas_triton"]
+    assert scores < act["xla"] - act["pallas_mosaic_gpu"] < 5 * scores  # scores and their softmax pieces
+    for kind in ("h100", "h200"):
+        auto = _attention_plan("auto", kind)
+        assert auto.layout.attention_impl == _kernels_run(monkeypatch, "auto", kind, auto.layout) == "pallas_triton"
+        assert auto.memory.as_dict()["activations"] == act["pallas_triton"]
+    # Without segment ids the H200's measured IMPL_TABLE row picks cuDNN, in the kernels and in facts alike.
+    call = kernel_facts.Call("bfloat16", 64, 64, kernels_band(lay))
+    assert kernel_facts.resolve("auto", device_spec("h200").kernel_target, call)[0] == "cudnn"
+    assert _kernels_run(monkeypatch, "auto", "h200", lay, segments=False) == "cudnn"
+    assert set(kernel_facts.KEEPS) == set(kernel_facts.IMPLEMENTATIONS) - {"auto"}
+
+
+def kernels_band(lay: Layout):
+    from kernels.masks import make_band
+
+    return make_band(True, None, lay.seq, lay.kv_seq)
+
+
+def test_preflight_accepts_a_flash_run_that_compiles_within_the_device_memory(monkeypatch):
+    """A Mosaic GPU config whose compiled step fits the device exactly: the pre-flight used to price
+    float32 scores per layer for it (the xla figure, > 110% of the device) and refused it."""
+    extra = [*BASE, *GQA, "mesh.data=8", "train.seq_len=1024", "model.num_layers=2"]
+    flash = load_config("tiny", [*extra, "model.attention_impl=pallas_mosaic_gpu"])
+    dense = load_config("tiny", [*extra, "model.attention_impl=xla"])
+    compiled = analyse(flash, jax.devices()[:8])["total_bytes"]  # float32 on CPU: Triton, interpreted
+    capacity = compiled  # the device holds exactly what XLA allocates
+    assert estimate(Layout.of(dense, 8, "cpu")).total > 1.1 * capacity  # what it was priced at
+    assert estimate(Layout.of(flash, 8, "cpu")).total <= 1.1 * capacity
+    monkeypatch.setattr(plan_devices, "host_memory_bytes", lambda: capacity * jax.local_device_count())
+    preflight(flash, force=False)  # accepted
+    with pytest.raises(ConfigError, match="exceeds the cpu device's"):
+        preflight(dense, force=False)

@@ -4,14 +4,17 @@ A layer is described as the tensors JAX's autodiff would save for it (its residu
 each one, its bytes on this device for one layer call (one microbatch), whether it is the
 output of a weight matmul ("dot"), of a batched matmul inside attention or the expert
 dispatch ("bdot"), or of an elementwise op (None), its `checkpoint_name` if it has one, and
-whether the un-rematerialised layer keeps it (`none`). The remat policies of
-models/transformer.py then select:
+whether the un-rematerialised layer keeps it (`none`). The remat policies (models/config.py,
+models/remat.py) then select:
 
     none                 the `none` tensors (everything the backward reads, elementwise included)
     full                 nothing but the layer input (the scan carry)
     save_dots            layer input + every dot and bdot output
     save_dots_no_batch   layer input + weight-matmul (dot) outputs
-    save_qkv_*           layer input + the tensors with those checkpoint names
+    save_qkv_*           layer input + the tensors with those checkpoint names (SAVED_NAMES)
+
+inside a pipeline's stage vmap save_dots_no_batch selects as full (`effective_policy`); the
+attention keeps what kernels/facts.py says the implementation it resolves to keeps.
 
 The lists follow the model code (models/attention.py, mla.py, layers.py, moe.py and
 kernels/attention.py's XLA path), and tests/test_plan.py checks them against the residuals
@@ -27,13 +30,12 @@ import math
 
 from jaxinfra.plan.layout import F32_BYTES as F32
 from jaxinfra.plan.layout import Layout, split
+from models.config import REMAT_POLICIES, SAVED_NAMES
 
-POLICY_NAMES = {
-    "save_qkv_proj": {"query_proj", "key_proj", "value_proj"},
-    "save_qkv_attn_out": {"query_proj", "key_proj", "value_proj", "attn_out"},
-    "save_qkv_attn_mlp": {"query_proj", "key_proj", "value_proj", "attn_out", "mlp_hidden"},
-}
-FLASH_IMPLS = ("pallas_triton", "pallas_mosaic_tpu", "cudnn")
+# The policies by name and the checkpoint names each keeps come from the model (models/config.py,
+# the same table models/remat.py builds the jax policies from); the rest select by matmul kind.
+BY_KIND = ("none", "full", "save_dots", "save_dots_no_batch")
+assert set(REMAT_POLICIES) == {*BY_KIND, *SAVED_NAMES}, "a remat policy the planner does not price"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,12 +68,13 @@ def _norm(lay: Layout, what: str) -> list[Tensor]:
 
 
 def _scores(lay: Layout, heads: int, v_dim: int, fused: bool) -> list[Tensor]:
-    """Softmax attention over kv_seq keys. The XLA path materialises [rows, heads, seq, kv_seq]
-    float32 scores (jax.nn.dot_product_attention, or the dense reference for MLA's unequal head
-    dims); a flash kernel keeps only its output and log-sum-exp."""
+    """Softmax attention over kv_seq keys, as the kernels say the resolved implementation keeps
+    it (kernels/facts.py KEEPS): the XLA path materialises [rows, heads, seq, kv_seq] float32
+    scores (jax.nn.dot_product_attention, or the dense reference for MLA's unequal head dims);
+    a flash kernel (Pallas, cuDNN) keeps only its output and log-sum-exp."""
     n, c, scores = lay.tokens, lay.compute_bytes, lay.tokens * heads * lay.kv_seq
     out = Tensor("attention output", n * heads * v_dim * c, "bdot", "attn_out", True)
-    if lay.model.attention_impl in FLASH_IMPLS:
+    if not lay.attention_keeps.scores:
         return [Tensor("log-sum-exp", n * heads * F32, none=True), dataclasses.replace(out, kind=None)]
     elementwise = 3 if fused else 2  # jax.nn keeps masked scores, exp and probabilities; the reference 2
     return [Tensor("scores", scores * F32, "bdot"),
@@ -177,9 +180,21 @@ def layer_tensors(lay: Layout, moe: bool) -> tuple[Tensor, ...]:
     return tuple(attention_tensors(lay) + [dataclasses.replace(t, block="ffn") for t in ffn])
 
 
-def saved_per_layer(lay: Layout, moe: bool, policy: str | None = None) -> float:
-    """Bytes one layer keeps for the backward on this device (one microbatch)."""
+def effective_policy(lay: Layout, policy: str | None = None, staged: bool = True) -> str:
+    """The policy as jax applies it to a layer. A pipeline stage runs its layers under
+    `jax.vmap(..., spmd_axis_name="stage")` (sharding/pipeline.py), which gives every weight
+    matmul a batch dimension (the stage), so `dots_with_no_batch_dims_saveable` saves none of
+    them: save_dots_no_batch keeps what `full` keeps there (checked with print_saved_residuals).
+    staged=False: a layer outside the pipeline (a MoE model's dense prefix)."""
     policy = policy or lay.model.remat_policy
+    if staged and lay.pp > 1 and policy == "save_dots_no_batch":
+        return "full"
+    return policy
+
+
+def saved_per_layer(lay: Layout, moe: bool, policy: str | None = None, staged: bool = True) -> float:
+    """Bytes one layer keeps for the backward on this device (one microbatch)."""
+    policy = effective_policy(lay, policy, staged)
     kept = saved(layer_tensors(lay, moe), policy)
     return kept if policy == "none" else kept + layer_input(lay)
 
@@ -193,7 +208,7 @@ def backward_working_set(lay: Layout, moe: bool, policy: str | None = None) -> f
     work fuses into its consumers. Then the feed-forward block's backward holds the gradients of
     its matmul outputs together, with three residual-stream buffers (the incoming and outgoing
     gradients and a partial sum). Checked against XLA's memory analysis (tests/test_plan.py)."""
-    policy = policy or lay.model.remat_policy
+    policy = effective_policy(lay, policy)
     tensors = layer_tensors(lay, moe)
     rebuilt = 0.0
     if policy != "none":
@@ -217,4 +232,4 @@ def _keeps(t: Tensor, policy: str) -> bool:
         return t.kind is not None
     if policy == "save_dots_no_batch":
         return t.kind == "dot"
-    return t.name in POLICY_NAMES.get(policy, ())
+    return t.name in SAVED_NAMES.get(policy, ())

@@ -22,6 +22,7 @@ import os
 
 from jaxinfra.config import ConfigError
 from jaxinfra.metrics.peak import PEAK_FLOPS_PER_DEVICE, measure_matmul_flops
+from kernels.facts import Target
 
 GiB = 2**30
 
@@ -38,10 +39,19 @@ class DeviceSpec:
     slow_link: str
     efficiency: float
     shared_host: int = 1  # CPU: devices sharing the host's cores and RAM
+    compute_capability: str | None = None  # CUDA's, for GPUs (kernels/facts.py: Mosaic GPU needs 9.0)
 
     @property
     def platform(self) -> str:
         return "cpu" if self.kind == "cpu" else "tpu" if self.kind.startswith("tpu") else "gpu"
+
+    @property
+    def kernel_target(self) -> Target:
+        """The device as the attention kernels' dispatch sees it (`name` is jax's device_kind
+        prefix the kernels/block_sizes.py tables key on)."""
+        if self.platform == "cpu":
+            return Target("cpu")
+        return Target(self.platform, self.name, self.compute_capability)
 
     def peak(self, dtype: str) -> float:
         """Dense FLOP/s of one device for `dtype`, as MFU counts it (jaxinfra/metrics/peak.py)."""
@@ -52,8 +62,9 @@ class DeviceSpec:
         return self.peak(dtype) * self.efficiency / self.shared_host
 
 
-def _gpu(kind: str, key: str, memory_gib: float, bandwidth: float, fast: str, slow: str) -> DeviceSpec:
-    return DeviceSpec(kind, key, memory_gib * GiB, PEAK_FLOPS_PER_DEVICE[key], bandwidth, 8, fast, slow, 0.45)
+def _gpu(kind: str, key: str, memory_gib: float, bandwidth: float, fast: str, slow: str, cc: str) -> DeviceSpec:
+    return DeviceSpec(kind, key, memory_gib * GiB, PEAK_FLOPS_PER_DEVICE[key], bandwidth, 8, fast, slow, 0.45,
+                      compute_capability=cc)
 
 
 def _tpu(kind: str, key: str, memory_gib: float, bandwidth: float, slice_chips: int) -> DeviceSpec:
@@ -64,9 +75,9 @@ def _tpu(kind: str, key: str, memory_gib: float, bandwidth: float, slice_chips: 
 # Memory as the device reports it (nvidia-smi MiB; TPU docs GiB). On GPUs JAX preallocates 75% of
 # it unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise; the plan counts the whole device.
 DEVICES: dict[str, DeviceSpec] = {
-    "h100": _gpu("h100", "NVIDIA H100 SXM", 79.6, 3.35e12, "nvlink4", "ib-ndr"),
-    "h200": _gpu("h200", "NVIDIA H200", 140.4, 4.8e12, "nvlink4", "ib-ndr"),
-    "a100": _gpu("a100", "NVIDIA A100", 79.2, 2.04e12, "nvlink3", "ib-hdr"),
+    "h100": _gpu("h100", "NVIDIA H100 SXM", 79.6, 3.35e12, "nvlink4", "ib-ndr", "9.0"),
+    "h200": _gpu("h200", "NVIDIA H200", 140.4, 4.8e12, "nvlink4", "ib-ndr", "9.0"),
+    "a100": _gpu("a100", "NVIDIA A100", 79.2, 2.04e12, "nvlink3", "ib-hdr", "8.0"),
     "tpu-v5p": _tpu("tpu-v5p", "TPU v5p", 95, 2.765e12, 6144),
     "tpu-v5e": _tpu("tpu-v5e", "TPU v5e", 16, 0.819e12, 256),
     "tpu-v6e": _tpu("tpu-v6e", "TPU v6e", 32, 1.64e12, 256),

@@ -55,6 +55,7 @@ class Plan:
             "devices": lay.devices, "device_kind": self.spec.kind,
             "mesh": {a: s for a, s in lay.sizes.items() if s > 1},
             "strategy": lay.cfg.parallelism.strategy, "remat_policy": lay.model.remat_policy,
+            "attention_impl": lay.attention_impl,  # what model.attention_impl runs as there (kernels/facts.py)
             "memory_bytes_per_device": self.memory.as_dict(), "memory_peak_phase": self.memory.peak_phase,
             "device_memory_bytes": int(self.spec.memory_bytes), "fits": self.fits,
             "step_time_s": t.step_s, "compute_s": t.compute_s, "bubble_s": t.bubble_s, "update_s": t.update_s,
@@ -73,7 +74,7 @@ def make_plan(cfg: Config, devices: int, spec: DeviceSpec, measured: Measured | 
               components: list[Fn] | None = None, inference: bool = False) -> Plan:
     """Validate `cfg` for `devices` (a refused layout raises the trainer's ConfigError), then price
     a training step, or with `inference` a decode step of `jaxinfra generate`."""
-    lay = Layout.of(cfg, devices, spec.platform)
+    lay = Layout.of(cfg, devices, spec.platform, target=spec.kernel_target)
     if inference:
         from jaxinfra.plan.inference import INFERENCE_COMPONENTS, decode_time
 

@@ -16,6 +16,8 @@ import dataclasses
 import functools
 
 from jaxinfra.config import Config, ConfigError, pipeline_sizes, validate, validate_layout
+from kernels import facts as kernel_facts
+from kernels.masks import make_band
 from models.config import ModelConfig
 from sharding.mesh import MeshError, resolve_mesh_sizes
 
@@ -34,13 +36,17 @@ class Layout:
     devices: int
     sizes: dict[str, int]  # resolved mesh axis sizes (ICI x DCN)
     backend: str = "gpu"  # "cpu", "gpu" or "tpu": what XLA lowers some ops to differs (see activations.py)
+    # The device kind the attention kernels dispatch on (kernels/facts.py); None: the backend alone.
+    target: kernel_facts.Target | None = None
 
     @classmethod
-    def of(cls, cfg: Config, devices: int, backend: str = "gpu", base_checked: bool = False) -> Layout:
+    def of(cls, cfg: Config, devices: int, backend: str = "gpu", base_checked: bool = False,
+           target: kernel_facts.Target | None = None) -> Layout:
         """The layout, or the ConfigError the trainer would raise for this device count.
 
         base_checked: `cfg` differs from a config `validate` accepted only in its layout (mesh,
-        parallelism, remat, accumulation), so only those checks run (`validate_layout`)."""
+        parallelism, remat, accumulation), so only those checks run (`validate_layout`).
+        target: the device (kind, compute capability) `model.attention_impl` resolves on."""
         if devices < 1:
             raise ConfigError(f"--devices={devices} is invalid: must be a positive integer")
         (validate_layout if base_checked else validate)(cfg, devices)
@@ -48,7 +54,7 @@ class Layout:
             sizes = resolve_mesh_sizes(cfg.mesh, devices)
         except MeshError as e:  # pragma: no cover - validate() already resolved the same sizes
             raise ConfigError(str(e)) from None
-        return cls(cfg, devices, sizes, backend)
+        return cls(cfg, devices, sizes, backend, target)
 
     # ------------------------------------------------------------ mesh
     @property
@@ -130,6 +136,26 @@ class Layout:
     def vocab(self) -> int:
         return split(self.model.vocab_size, self.tp)
 
+    @functools.cached_property
+    def attention_impl(self) -> str:
+        """What `model.attention_impl` runs as in the train step on this layout's device, asked of
+        the kernels (kernels/facts.py: `auto` by their table, Mosaic GPU's fallback). The model's
+        call: causal, the batch's segment ids (always passed in training), no softcap, q and k/v
+        in the compute dtype; under context parallelism the local queries against all keys. Ring
+        context attention (sharding/context.py) runs its own jnp blocks whatever the impl: "xla"."""
+        m = self.model
+        if self.cp > 1 and self.cfg.parallelism.context_impl == "ring":
+            return "xla"
+        d_qk, d_v = ((m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim) if m.is_mla
+                     else (m.resolved_head_dim, m.resolved_head_dim))
+        call = kernel_facts.Call(m.dtype, d_qk, d_v, make_band(True, None, self.seq, self.kv_seq), "shared")
+        return kernel_facts.resolve(m.attention_impl, self.target or kernel_facts.Target(self.backend), call)[0]
+
+    @property
+    def attention_keeps(self) -> kernel_facts.Keeps:
+        """What that implementation holds for its backward (scores or only its lse)."""
+        return kernel_facts.KEEPS[self.attention_impl]
+
     @property
     def compute_bytes(self) -> int:
         return DTYPE_BYTES[self.model.dtype]
@@ -157,4 +183,4 @@ class Layout:
         return prefix, (dense - prefix) // stages, sparse // stages
 
     def with_config(self, cfg: Config) -> Layout:
-        return Layout.of(cfg, self.devices, self.backend)
+        return Layout.of(cfg, self.devices, self.backend, target=self.target)

@@ -153,12 +153,15 @@ def activations(lay: Layout, state: StateBytes) -> Component:
     the layer calls alive at once: pipeline ticks (gpipe, circular) or stashed inputs (1f1b)."""
     outside, dense, sparse = lay.layer_counts
     per_call = dense * act.saved_per_layer(lay, False) + sparse * act.saved_per_layer(lay, True)
-    policy = lay.model.remat_policy
+    policy = lay.model.remat_policy + ("" if act.effective_policy(lay) == lay.model.remat_policy else
+                                       f" (as {act.effective_policy(lay)} under the stage vmap)")
+    if lay.attention_impl != lay.model.attention_impl:  # auto, or a fallback: name what the kernels run
+        policy += f", attention {lay.model.attention_impl} -> {lay.attention_impl}"
     if lay.pp == 1:
         return Component("activations", per_call, "step", f"remat {policy}, {dense + sparse} layers")
     micro, repeats = lay.pipeline
     stream = lay.tokens * lay.model.d_model * lay.compute_bytes  # one microbatch's residual stream
-    prefix = outside * act.saved_per_layer(lay, False) * micro  # the dense prefix runs on the whole batch
+    prefix = outside * act.saved_per_layer(lay, False, staged=False) * micro  # the dense prefix: whole batch
     if lay.cfg.parallelism.pipeline_schedule == "1f1b":  # inputs of every microbatch + the stash
         kept = micro * stream + (2 * lay.pp - 1) * stream
         return Component("activations", prefix + kept, "step", f"1f1b: {micro} inputs + {2 * lay.pp - 1} stashed")

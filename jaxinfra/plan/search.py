@@ -74,7 +74,7 @@ def search(cfg: Config, devices: int, spec: DeviceSpec, measured: Measured | Non
     for sizes in meshes(cfg, devices, spec.domain):
         for candidate in variants(cfg, sizes):
             try:
-                lay = Layout.of(candidate, devices, spec.platform, base_checked=True)
+                lay = Layout.of(candidate, devices, spec.platform, base_checked=True, target=spec.kernel_target)
             except ConfigError:
                 continue
             memory = estimate(lay)

@@ -28,11 +28,12 @@ import dataclasses
 import math
 
 from jaxinfra.metrics.flops import flops_per_token
-from jaxinfra.plan.activations import capacity_slots
+from jaxinfra.plan.activations import capacity_slots, effective_policy
 from jaxinfra.plan.devices import DeviceSpec
 from jaxinfra.plan.layout import Layout
 from jaxinfra.plan.links import LINKS, Link, Measured, axis_link, collective_seconds
 from jaxinfra.plan.memory import StateBytes
+from models.config import REMAT_POLICIES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +67,7 @@ def layer_flops(lay: Layout, moe: bool) -> dict[str, float]:
     else:
         qk = dv = m.resolved_head_dim
         qkv = 2 * d * (h + 2 * m.kv_heads) * qk
-    flash = m.attention_impl in ("pallas_triton", "pallas_mosaic_tpu", "cudnn")
+    flash = lay.attention_keeps.skips_masked_blocks  # the kernels say (kernels/facts.py)
     pieces = {"qkv": qkv / tp, "attention": 2 * h * (qk + dv) * t / tp * (0.5 if flash else 1.0),
               "out": 2 * h * dv * d / tp}
     if not moe:
@@ -97,6 +98,7 @@ RECOMPUTED = {  # forward pieces a remat policy runs again in the backward
     "save_qkv_attn_out": ("out", "ffn_up", "ffn_down", "router", "dispatch"),
     "save_qkv_attn_mlp": ("out", "ffn_up", "router", "dispatch"),
 }
+assert set(RECOMPUTED) == set(REMAT_POLICIES), "models/config.py has a remat policy the time model does not price"
 
 
 def _passes(lay: Layout, pieces: dict[str, float]) -> tuple[float, float]:
@@ -107,7 +109,7 @@ def _passes(lay: Layout, pieces: dict[str, float]) -> tuple[float, float]:
     tick (M + 2S - 2 of them) the chunk's forward again, and its VJP (a forward, the policy's
     recompute, and the backward's two)."""
     forward = sum(pieces.values())
-    again = sum(v for k, v in pieces.items() if k in RECOMPUTED[lay.model.remat_policy])
+    again = sum(v for k, v in pieces.items() if k in RECOMPUTED[effective_policy(lay)])
     if lay.pp == 1:
         return 3 * forward + again, 3 * forward + again
     micro, repeats = lay.pipeline
@@ -155,7 +157,7 @@ def collectives(lay: Layout, state: StateBytes) -> list[Collective]:
 def _recompute_sends(lay: Layout) -> int:
     """Forward all-reduces a policy runs again per layer (the out projection, the MLP down)."""
     return {"full": 2, "save_qkv_proj": 2, "save_qkv_attn_out": 2, "save_qkv_attn_mlp": 1}.get(
-        lay.model.remat_policy, 0)
+        effective_policy(lay), 0)
 
 
 def _layer_calls(lay: Layout) -> float:
@@ -257,7 +259,7 @@ def context_collectives(lay: Layout, state: StateBytes) -> list[Collective]:
     width = lay.heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) if m.is_mla else \
         2 * lay.kv_heads * m.resolved_head_dim
     block = lay.rows * lay.seq * width * lay.compute_bytes  # this device's K and V
-    calls = _layer_calls(lay) * (2 + (1 if lay.model.remat_policy in RECOMPUTE_ATTENTION else 0))
+    calls = _layer_calls(lay) * (2 + (1 if effective_policy(lay) in RECOMPUTE_ATTENTION else 0))
     if lay.cfg.parallelism.context_impl == "ring":
         return [Collective("ring K/V shift", "ppermute", ("context",), block, calls * (cp - 1), True)]
     return [Collective("K/V all-gather", "all_gather", ("context",), block * cp, calls, False)]
