@@ -19,13 +19,21 @@ from typing import Any, Literal
 
 import yaml
 
+# Only jax-free modules (tests/test_layout.py): a bad config fails before jax loads.
+from jaxinfra.config_sections import DistillConfig
 from jaxinfra.data.config import DataConfig
-from jaxinfra.distill.config import DistillConfig
 from models.config import REMAT_POLICIES, ModelConfig
 from models.quant_config import QuantConfig, group_size_problem
-from sharding.mesh import MESH_AXES, MeshConfig, MeshError, resolve_mesh_sizes
-from sharding.pipeline import PipelineSettings, Schedule
-from sharding.rules import ContextImpl, Strategy
+from sharding.config import (
+    MESH_AXES,
+    ContextImpl,
+    MeshConfig,
+    MeshError,
+    PipelineSettings,
+    Schedule,
+    Strategy,
+    resolve_mesh_sizes,
+)
 
 
 class ConfigError(ValueError):

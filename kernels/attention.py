@@ -42,7 +42,6 @@ import logging
 import math
 import numbers
 from collections.abc import Sequence
-from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +50,7 @@ from kernels import block_sizes as block_table
 from kernels import cudnn_packing
 from kernels import flash_mosaic_gpu as mosaic_gpu
 from kernels.block_sizes import BlockSizes
+from kernels.config import IMPLEMENTATIONS, AttentionImpl  # jax-free: the run config names them
 from kernels.flash import FlashParams, flash_attention
 from kernels.logs import log_once
 from kernels.masks import Band, dense_mask, make_band, may_have_empty_rows
@@ -59,8 +59,6 @@ from kernels.reference import dense_attention, reference_attention
 __all__ = ["IMPLEMENTATIONS", "AttentionImpl", "attention", "attention_with_lse", "reference_attention", "resolve_impl",
            "validate_attention_args"]
 
-AttentionImpl = Literal["xla", "auto", "pallas_triton", "pallas_mosaic_tpu", "pallas_mosaic_gpu", "cudnn"]
-IMPLEMENTATIONS: tuple[str, ...] = get_args(AttentionImpl)
 MAX_PALLAS_HEAD_DIM = 256  # larger tiles do not fit GPU shared memory / TPU VMEM at useful blocks
 
 logger = logging.getLogger(__name__)
