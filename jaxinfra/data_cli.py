@@ -1,5 +1,8 @@
 """The `data` subcommands (registered by jaxinfra/cli.py's build_parser).
 
+In the command-line layer beside cli.py, not in data/: `data inspect` reads a run config, and
+jaxinfra/config.py imports data/ (its section types, its vocabulary), so data/ cannot import it back.
+
     jaxinfra data prepare INPUT... --out DIR (--tokenizer PATH | --bytes) [--text-key text] [--workers N]
                           [--shard-tokens N] [--eod-token TOKEN]
     jaxinfra data inspect DIR [CONFIG] [KEY=VALUE ...] [--sample N] [--verify]
