@@ -53,7 +53,7 @@ def _join_process_group(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)  # fails before jax is even imported
+    cfg = load_config(args.config, args.overrides)  # bad input fails here: before any device, process group or compile
     _join_process_group(args)
     from jaxinfra.plan.cli import preflight
     from jaxinfra.train import train

@@ -317,8 +317,9 @@ def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool
                        softcap: float | None = None, impl: str = "auto",
                        block_sizes: BlockSizes | None = None) -> tuple[jax.Array, jax.Array]:
     """(out, lse): lse [B, Hq, Tq] float32 is the natural log-sum-exp of the scaled (capped)
-    logits over visible keys, -inf for rows with none, for merging chunks (ring attention):
-    ``out = sum_c exp(lse_c - lse) out_c`` with ``lse = logsumexp_c lse_c``. Differentiable
-    in both outputs. `impl="cudnn"` is not available here."""
+    logits over visible keys, -inf for rows with none, for merging chunks:
+    ``out = sum_c exp(lse_c - lse) out_c`` with ``lse = logsumexp_c lse_c`` (sharding/context.py's
+    ring attention calls this per K/V block and merges the blocks so). Differentiable in both
+    outputs. `impl="cudnn"` is not available here."""
     return _attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window, scale=scale,
                       softcap=softcap, impl=impl, block_sizes=block_sizes, need_lse=True)

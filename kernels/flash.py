@@ -9,8 +9,9 @@ The backward recomputes the probabilities from the saved float32 log-sum-exp
 (``p = exp(s - lse)``), so only q, k, v, out and lse are kept between the passes, never
 the [Tq, Tkv] scores. ``delta = rowsum(out * do) - dlse`` is computed here in XLA (one
 fused elementwise-reduce): the lse cotangent enters the backward only through delta,
-because ``d lse / d s = p`` (see ``_bwd``), so callers may differentiate through the lse
-(ring attention merges chunks by it).
+because ``d lse / d s = p`` (see ``_bwd``), so callers may differentiate through the lse:
+sharding/context.py's ring attention calls `attention_with_lse` per K/V block and merges the
+blocks with the log-sum-exp.
 """
 
 from __future__ import annotations
