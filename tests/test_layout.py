@@ -172,7 +172,7 @@ def test_no_import_cycles_between_units():
 def test_the_graph_checks_see_what_they_should():
     # Guards against a parser that silently finds nothing: known edges, function-level ones too.
     assert "jaxinfra.config" in GRAPH["jaxinfra.cli"]
-    assert "jaxinfra.train" in GRAPH["jaxinfra.cli"]  # imported inside cmd_train
+    assert "jaxinfra.launch" in GRAPH["jaxinfra.cli"]  # imported inside cmd_launch
     assert "kernels" in GRAPH["sharding.context"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
