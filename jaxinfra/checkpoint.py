@@ -41,11 +41,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from jaxinfra.config import CheckpointConfig
+from jaxinfra.distributed import exchange_json  # multi-host utility; re-exported for callers
 from jaxinfra.state import TrainState
 
 
@@ -114,21 +114,6 @@ def _quiet_orbax() -> Iterator[None]:
             yield
     finally:
         absl_logger.setLevel(level)
-
-
-def exchange_json(local: dict[str, Any]) -> dict[str, Any]:
-    """Merge small per-process dicts so every process holds the union (JSON through uint8 arrays)."""
-    if jax.process_count() == 1:
-        return dict(local)
-    blob = np.frombuffer(json.dumps(local).encode(), np.uint8)
-    sizes = multihost_utils.process_allgather(np.array([blob.size], np.int64))
-    padded = np.zeros(int(sizes.max()), np.uint8)
-    padded[: blob.size] = blob
-    gathered = multihost_utils.process_allgather(padded)
-    merged: dict[str, Any] = {}
-    for row, size in zip(gathered, sizes.reshape(-1)):
-        merged.update(json.loads(bytes(row[: int(size)]).decode()))
-    return merged
 
 
 def _reason(error: Exception) -> str:

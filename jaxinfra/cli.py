@@ -61,7 +61,7 @@ def _join_process_group(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)  # fails before jax is even imported
+    cfg = load_config(args.config, args.overrides)  # bad input fails here: before any device, process group or compile
     _join_process_group(args)
     from jaxinfra.plan.cli import preflight
     from jaxinfra.train import train
@@ -85,7 +85,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxinfra", description="JAX/XLA training stack for LLMs")
     sub = parser.add_subparsers(dest="command", required=True)
     presets = ", ".join(preset_names())
+    _add_train(sub, presets)
+    _add_info(sub, presets)
+    _add_checkpoint_tools(sub)
+    _add_bench(sub)
+    _add_launch(sub)
+    _add_package_commands(sub)
+    return parser
 
+
+def _add_train(sub: argparse._SubParsersAction, presets: str) -> None:
     p = sub.add_parser("train", help="train a model from a preset or YAML config")
     p.add_argument("config", nargs="?", default="tiny", help=f"preset name ({presets}) or YAML path; default tiny")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. model.num_layers=8 train.steps=100")
@@ -98,12 +107,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_process_flags(p)
     p.set_defaults(func=cmd_train)
 
+
+def _add_info(sub: argparse._SubParsersAction, presets: str) -> None:
     p = sub.add_parser("info", help="devices, versions, and the mesh and parameter layout a config would get")
     p.add_argument("config", nargs="?", help=f"preset name ({presets}) or YAML path")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     _add_process_flags(p)
     p.set_defaults(func=cmd_info)
 
+
+def _add_checkpoint_tools(sub: argparse._SubParsersAction) -> None:
+    """export-params and quantize: a run's params -> a params-only checkpoint."""
     p = sub.add_parser("export-params", help="write a run's newest params alone (optionally cast) for inference")
     p.add_argument("run_dir")
     p.add_argument("out")
@@ -118,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one scale per N consecutive inputs (must divide each input dimension); 0: per output channel")
     p.set_defaults(func=cmd_quantize)
 
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="micro-benchmarks: `bench collectives` times each collective per mesh axis")
     p.add_argument("what", choices=["collectives"])
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="mesh sizes, e.g. mesh.fsdp=4 mesh.tensor=2")
@@ -127,30 +143,27 @@ def build_parser() -> argparse.ArgumentParser:
     _add_process_flags(p)
     p.set_defaults(func=cmd_bench)
 
+
+def _add_launch(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("launch", help="start N local processes of a jaxinfra command (multi-host testing)")
     p.add_argument("--local-processes", type=int, required=True, metavar="N")
     p.add_argument("--devices-per-process", type=int, default=1, metavar="M", help="fake CPU devices each")
     p.add_argument("command", nargs=argparse.REMAINDER, help="e.g. -- train tiny mesh.data=-1")
     p.set_defaults(func=cmd_launch)
-    from jaxinfra.scaling.cli import add_subcommands  # sweep, scaling {collect,fit,predict}
 
-    add_subcommands(sub)
-    from jaxinfra.hf.cli import add_subcommands as add_hf_subcommands  # hf {import,export}
 
-    add_hf_subcommands(sub)
-    from jaxinfra.infer.cli import add_subcommands as add_inference  # generate, eval
-
-    add_inference(sub)
-    from jaxinfra.plan.cli import add_subcommands as add_plan  # plan
-
-    add_plan(sub)
-    from jaxinfra.data.cli import add_subcommands as add_data  # data {prepare,inspect}
-
-    add_data(sub)
+def _add_package_commands(sub: argparse._SubParsersAction) -> None:
+    """The subcommands each feature package registers itself (their modules load no jax at import)."""
+    from jaxinfra.data_cli import add_subcommands as add_data  # data {prepare,inspect}
     from jaxinfra.distill.cli import add_subcommands as add_distill  # distill save-logits
+    from jaxinfra.hf.cli import add_subcommands as add_hf  # hf {import,export}
+    from jaxinfra.infer.cli import add_subcommands as add_inference  # generate, eval
+    from jaxinfra.plan.cli import add_subcommands as add_plan  # plan
+    from jaxinfra.scaling.cli import add_subcommands as add_scaling  # sweep, scaling {collect,fit,predict}
 
-    add_distill(sub)
-    return parser
+    # In this order: `jaxinfra --help` lists the subcommands as they are added.
+    for add in (add_scaling, add_hf, add_inference, add_plan, add_data, add_distill):
+        add(sub)
 
 
 def _add_process_flags(p: argparse.ArgumentParser) -> None:

@@ -19,13 +19,21 @@ from typing import Any, Literal
 
 import yaml
 
+# Only jax-free modules (tests/test_layout.py): a bad config fails before jax loads.
+from jaxinfra.config_sections import DistillConfig
 from jaxinfra.data.config import DataConfig
-from jaxinfra.distill.config import DistillConfig
 from models.config import REMAT_POLICIES, ModelConfig
 from models.quant_config import QuantConfig, group_size_problem
-from sharding.mesh import MESH_AXES, MeshConfig, MeshError, resolve_mesh_sizes
-from sharding.pipeline import PipelineSettings, Schedule
-from sharding.rules import ContextImpl, Strategy
+from sharding.config import (
+    MESH_AXES,
+    ContextImpl,
+    MeshConfig,
+    MeshError,
+    PipelineSettings,
+    Schedule,
+    Strategy,
+    resolve_mesh_sizes,
+)
 
 
 class ConfigError(ValueError):
@@ -198,9 +206,38 @@ def load_config(source: str | None = "tiny", overrides: list[str] | None = None)
     """Preset or YAML path, then overrides, then type checks and consistency checks."""
     tree = load_yaml(source) if source else {}
     tree = apply_overrides(tree, overrides or [])
-    cfg = from_dict(Config, tree, "")
+    cfg = config_from_tree(tree)
     validate(cfg)
     return cfg
+
+
+def config_from_tree(tree: dict[str, Any]) -> Config:
+    """The typed Config of a YAML tree (not validated), with `model.vocab_size` from the data when
+    the tree leaves it unset (`vocab_left_unset`, `fit_vocab`)."""
+    cfg = from_dict(Config, tree, "")
+    if not vocab_left_unset(tree):
+        return cfg
+    from jaxinfra.data import DataError, vocab_size_of
+
+    try:
+        return fit_vocab(cfg, vocab_size_of(cfg.data))
+    except DataError:
+        return cfg  # validate() reports it, in its order
+
+
+def vocab_left_unset(tree: dict[str, Any]) -> bool:
+    model = tree.get("model")
+    return not isinstance(model, dict) or "vocab_size" not in model
+
+
+def fit_vocab(cfg: Config, data_vocab: int) -> Config:
+    """An unset model.vocab_size: ModelConfig's default (256, byte-level) raised to the data's
+    vocabulary when that is larger, so the byte presets train `data prepare --bytes` output (257
+    ids: 256 ends documents) and tokenizer data as they are. Never lowered: a config that loaded
+    before (the text source's 256 ids, a 64-id synthetic language) keeps its model exactly."""
+    if data_vocab <= cfg.model.vocab_size:
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=data_vocab))
 
 
 def from_dict(cls: type, data: Any, path: str) -> Any:

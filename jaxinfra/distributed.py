@@ -6,15 +6,19 @@ auto-detection, tried only where `_cluster_detected` recognises a cluster: a SLU
 with more than one task (`SLURM_JOB_ID` set, `SLURM_NTASKS` > 1) or a multi-host TPU slice
 (`TPU_WORKER_HOSTNAMES` naming two or more hosts). Anything else, Kubernetes included, sets
 the JAX_* variables (scripts/k8s/train-indexed-job.yaml does). A plain single machine
-initialises nothing.
+initialises nothing. `exchange_json` shares small per-process dicts once the group is up.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+from typing import Any
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 
 class DistributedError(RuntimeError):
@@ -72,3 +76,18 @@ def initialize(group: ProcessGroup, timeout_s: int = 300) -> None:
         return
     if _cluster_detected():
         jax.distributed.initialize(initialization_timeout=timeout_s)
+
+
+def exchange_json(local: dict[str, Any]) -> dict[str, Any]:
+    """Merge small per-process dicts so every process holds the union (JSON through uint8 arrays)."""
+    if jax.process_count() == 1:
+        return dict(local)
+    blob = np.frombuffer(json.dumps(local).encode(), np.uint8)
+    sizes = multihost_utils.process_allgather(np.array([blob.size], np.int64))
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: blob.size] = blob
+    gathered = multihost_utils.process_allgather(padded)
+    merged: dict[str, Any] = {}
+    for row, size in zip(gathered, sizes.reshape(-1)):
+        merged.update(json.loads(bytes(row[: int(size)]).decode()))
+    return merged

@@ -1,5 +1,5 @@
-"""`jaxinfra quantize`: a run's float params -> a weight-only int8 checkpoint; and the quant checks
-that need to know the devices.
+"""`jaxinfra quantize`: a run's float params -> a weight-only int8 checkpoint. (The quant checks
+that need to know the devices are the core's: jaxinfra/quant_checks.py, re-exported here.)
 
     jaxinfra quantize RUN_OR_CKPT OUT --weights int8 [--group-size N]
 
@@ -23,43 +23,12 @@ from flax import nnx
 
 from jaxinfra.checkpoint import CheckpointError, restore_params, save_params_only
 from jaxinfra.config import Config, ConfigError, load_config, validate
+from jaxinfra.infer.loading import inference_mesh, resolve_checkpoint
+from jaxinfra.quant_checks import FP8_GPU_CAPABILITY, check_backend, check_trainable, fp8_dots_native  # noqa: F401
+from jaxinfra.state import abstract_params
 from models.project import WeightScale
 from models.quant import quantize_int8, quantize_int8_grouped
-from models.quant_config import QuantConfig, WeightStorage
-
-FP8_GPU_CAPABILITY = 8.9  # Ada / Hopper and later have fp8 tensor cores
-
-
-def fp8_dots_native(device: jax.Device) -> bool:
-    """Whether XLA runs fp8 dots natively on `device` (an NVIDIA GPU of compute capability >= 8.9).
-    Elsewhere (XLA:CPU, older GPUs, TPUs here) XLA converts fp8 operands to float32 and runs a float32
-    dot: measured exact on XLA:CPU, and no faster than float32."""
-    if device.platform != "gpu":
-        return False
-    try:
-        return float(getattr(device, "compute_capability", "0")) >= FP8_GPU_CAPABILITY
-    except ValueError:
-        return False
-
-
-def check_backend(quant: QuantConfig, devices: Sequence[jax.Device]) -> None:
-    """fp8 on a backend without fp8 dots is refused unless quant.fp8_emulation=true (ConfigError)."""
-    if quant.train != "fp8" or quant.fp8_emulation or fp8_dots_native(devices[0]):
-        return
-    kind = devices[0].device_kind
-    raise ConfigError(f"quant.train=fp8 needs fp8 matmuls, which {kind} ({devices[0].platform}) lacks: XLA would "
-                      f"upcast them to float32 dots (exact, no faster than model.dtype=float32 alone); set "
-                      f"quant.fp8_emulation=true to run that emulation anyway (numerics checks), or use "
-                      f"quant.train=int8, or a GPU of compute capability >= {FP8_GPU_CAPABILITY}")
-
-
-def check_trainable(quant: QuantConfig, devices: Sequence[jax.Device]) -> None:
-    """The quant section of a training run: float weights, and fp8 only where it runs (ConfigError)."""
-    if quant.weights != "none":
-        raise ConfigError(f"quant.weights={quant.weights} marks an inference checkpoint (jaxinfra quantize); "
-                          f"training needs float weights: train from the run it was quantized from")
-    check_backend(quant, devices)
-
+from models.quant_config import WeightStorage
 
 # ---------------------------------------------------------------- the conversion
 
@@ -110,9 +79,6 @@ def quantize_loaded(cfg: Config, params: nnx.State, weights: str = "int8", group
                     devices: Sequence[jax.Device] | None = None,
                     source: str = "the params") -> tuple[Config, nnx.State]:
     """(the quantized config, int8-stored params) from float params already on `cfg`'s mesh."""
-    from jaxinfra.infer.loading import inference_mesh
-    from jaxinfra.state import abstract_params
-
     new = quantized_config(cfg, weights, group_size, source)
     mesh, rules = inference_mesh(cfg, devices)
     target = abstract_params(new.model, mesh, rules, new.quant)
@@ -124,9 +90,6 @@ def quantize_loaded(cfg: Config, params: nnx.State, weights: str = "int8", group
 def quantize_checkpoint(source: str | pathlib.Path, out: str | pathlib.Path, weights: str = "int8",
                         group_size: int = 0, devices: Sequence[jax.Device] | None = None) -> dict[str, Any]:
     """Write OUT (params-only run dir, quant.weights=int8) from RUN_OR_CKPT; returns a small report."""
-    from jaxinfra.infer.loading import inference_mesh, resolve_checkpoint
-    from jaxinfra.state import abstract_params
-
     run_dir, ckpt_dir, step = resolve_checkpoint(source)
     cfg = load_config(str(run_dir / "config.yaml"))
     quantized_config(cfg, weights, group_size, str(source))  # bad input fails before anything is read

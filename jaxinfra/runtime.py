@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfra.config import Config, pipeline_settings, validate
 from jaxinfra.optim import make_optimizer, make_schedule
-from jaxinfra.quantize import check_trainable
+from jaxinfra.quant_checks import check_trainable
 from jaxinfra.state import TrainState, abstract_state, create_train_state, model_graphdef, sharding_rules, shardings_for
 from jaxinfra.step import make_eval_step, make_train_step
 from sharding.context import balanced_order

@@ -50,7 +50,7 @@ from kernels import block_sizes as block_table
 from kernels import cudnn_packing, facts
 from kernels import flash_mosaic_gpu as mosaic_gpu
 from kernels.block_sizes import BlockSizes
-from kernels.facts import IMPLEMENTATIONS, AttentionImpl
+from kernels.config import IMPLEMENTATIONS, AttentionImpl  # jax-free: the run config names them
 from kernels.flash import FlashParams, flash_attention
 from kernels.logs import log_once
 from kernels.masks import Band, dense_mask, make_band, may_have_empty_rows
@@ -283,8 +283,9 @@ def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool
                        softcap: float | None = None, impl: str = "auto",
                        block_sizes: BlockSizes | None = None) -> tuple[jax.Array, jax.Array]:
     """(out, lse): lse [B, Hq, Tq] float32 is the natural log-sum-exp of the scaled (capped)
-    logits over visible keys, -inf for rows with none, for merging chunks (ring attention):
-    ``out = sum_c exp(lse_c - lse) out_c`` with ``lse = logsumexp_c lse_c``. Differentiable
-    in both outputs. `impl="cudnn"` is not available here."""
+    logits over visible keys, -inf for rows with none, for merging chunks:
+    ``out = sum_c exp(lse_c - lse) out_c`` with ``lse = logsumexp_c lse_c`` (sharding/context.py's
+    ring attention calls this per K/V block and merges the blocks so). Differentiable in both
+    outputs. `impl="cudnn"` is not available here."""
     return _attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window, scale=scale,
                       softcap=softcap, impl=impl, block_sizes=block_sizes, need_lse=True)

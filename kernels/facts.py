@@ -15,14 +15,13 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, get_args
+from typing import Literal
 
 from kernels import block_sizes as block_table
 from kernels import flash_mosaic_gpu as mosaic_gpu
+from kernels.config import IMPLEMENTATIONS
 from kernels.masks import Band
 
-AttentionImpl = Literal["xla", "auto", "pallas_triton", "pallas_mosaic_tpu", "pallas_mosaic_gpu", "cudnn"]
-IMPLEMENTATIONS: tuple[str, ...] = get_args(AttentionImpl)
 MAX_PALLAS_HEAD_DIM = 256  # larger tiles do not fit GPU shared memory / TPU VMEM at useful blocks
 Segments = Literal["none", "shared", "pair"]  # no segment ids, one array for q and kv, a (q, kv) pair
 

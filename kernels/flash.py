@@ -9,33 +9,23 @@ The backward recomputes the probabilities from the saved float32 log-sum-exp
 (``p = exp(s - lse)``), so only q, k, v, out and lse are kept between the passes, never
 the [Tq, Tkv] scores. ``delta = rowsum(out * do) - dlse`` is computed here in XLA (one
 fused elementwise-reduce): the lse cotangent enters the backward only through delta,
-because ``d lse / d s = p`` (see ``_bwd``), so callers may differentiate through the lse
-(ring attention merges chunks by it).
+because ``d lse / d s = p`` (see ``_bwd``), so callers may differentiate through the lse:
+sharding/context.py's ring attention calls `attention_with_lse` per K/V block and merges the
+blocks with the log-sum-exp.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from kernels.block_sizes import BlockSizes
-from kernels.masks import Band
+# FlashParams and the padding helpers live in flash_common.py so the backends import them without
+# importing this module (which imports the backends): re-exported here for callers.
+from kernels.flash_common import FlashParams, pad_axis, round_up
 
-
-@dataclasses.dataclass(frozen=True)
-class FlashParams:
-    """Everything static about one call (hashable: it is a nondiff custom_vjp argument)."""
-
-    backend: str  # "triton" | "tpu" | "mosaic_gpu"
-    band: Band
-    scale: float
-    softcap: float | None
-    blocks: BlockSizes
-    interpret: Any  # False, True (HLO / GPU interpreter) or pltpu.InterpretParams()
+__all__ = ["FlashParams", "flash_attention", "pad_axis", "round_up"]
 
 
 def _module(backend: str):
@@ -77,17 +67,3 @@ def _bwd(params, residuals, cotangents):
 
 
 flash_attention.defvjp(_fwd, _bwd)
-
-
-def pad_axis(x: jax.Array, axis: int, size: int, value: float | int = 0) -> jax.Array:
-    """Pad `axis` at the end up to `size` with a constant."""
-    extra = size - x.shape[axis]
-    if extra == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths, constant_values=value)
-
-
-def round_up(n: int, m: int) -> int:
-    return -(-n // m) * m

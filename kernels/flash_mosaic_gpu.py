@@ -49,7 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels.flash import FlashParams, pad_axis, round_up
+from kernels.flash_common import FlashParams, pad_axis, round_up
 from kernels.masks import Band, band_mask, kv_block_range, pad_segments, q_block_range
 
 LOG2E = math.log2(math.e)

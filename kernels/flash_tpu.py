@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels.block_sizes import BlockSizes, _next_pow2
-from kernels.flash import FlashParams, pad_axis, round_up
+from kernels.flash_common import FlashParams, pad_axis, round_up
 from kernels.masks import (
     FULL,
     SKIP,

@@ -37,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels.flash import FlashParams, pad_axis, round_up
+from kernels.flash_common import FlashParams, pad_axis, round_up
 from kernels.masks import (
     FULL,
     MASKED,

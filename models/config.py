@@ -10,7 +10,7 @@ import dataclasses
 import math
 from typing import Literal, get_args
 
-from kernels.attention import AttentionImpl
+from kernels.config import AttentionImpl  # jax-free (kernels.attention would load jax and Pallas)
 
 RematPolicy = Literal[
     "none",  # keep every activation (fastest, most memory)

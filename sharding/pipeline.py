@@ -61,9 +61,8 @@ data. The loss is a token sum, so gradient accumulation over microbatches is exa
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -71,29 +70,14 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from sharding.config import PipelineSettings, Schedule  # noqa: F401 - jax-free, re-exported
 from sharding.rules import active, logical_to_mesh
 
 STAGE = "stage"
-Schedule = Literal["gpipe", "circular", "1f1b"]
 
 # layer(h [micro, length, embed], one layer's params, side inputs of this microbatch) -> h
 # (or -> (h, stats) with apply_layers(..., with_stats=True))
 Layer = Callable[[jax.Array, Any, Any], Any]
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineSettings:
-    """The schedule, microbatches per step (0: one per stage) and circular repeats."""
-
-    schedule: Schedule = "gpipe"
-    microbatches: int = 0
-    repeats: int = 1
-
-    def resolved(self, stages: int) -> tuple[int, int]:
-        """(microbatches, repeats) for `stages` stages: the one place that resolves the defaults."""
-        micro = self.microbatches or stages
-        repeats = self.repeats if self.schedule == "circular" else 1
-        return micro, repeats
 
 
 def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:

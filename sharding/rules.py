@@ -38,15 +38,15 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from sharding.config import ContextImpl, Strategy  # jax-free names: the run config embeds them
+
 Table = Mapping[str, tuple[str, ...]]
 
-Strategy = Literal["dp", "zero1", "fsdp"]
-ContextImpl = Literal["allgather", "ring"]
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 CONTEXT_IMPLS: tuple[str, ...] = get_args(ContextImpl)
 

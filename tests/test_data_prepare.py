@@ -213,7 +213,10 @@ def test_inspect_reports_and_checks_against_a_config(corpus, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "75 documents" in out and "length" in out and "| doc 1-0: " in out
     assert "FAIL" not in out and "shard sha256 match" in out
-    assert cli.main(["data", "inspect", str(tmp_path / "out"), "tiny"]) == 2
+    # tiny leaves model.vocab_size unset (it takes the data's 257); an explicit 256 fails the check.
+    assert cli.main(["data", "inspect", str(tmp_path / "out"), "tiny"]) == 0
+    capsys.readouterr()
+    assert cli.main(["data", "inspect", str(tmp_path / "out"), "tiny", "model.vocab_size=256"]) == 2
     captured = capsys.readouterr()
     assert "FAIL model.vocab_size=256" in captured.out
     assert captured.err.strip().splitlines() == [
@@ -287,9 +290,28 @@ def prepared_bytes(corpus, tmp_path):
 
 
 def test_model_vocab_smaller_than_the_data_is_refused(prepared_bytes):
+    data = ["data.source=tokens", f"data.paths=[{prepared_bytes}]"]
     with pytest.raises(ConfigError, match=r"model\.vocab_size=256 is smaller than the data's vocabulary \(257"):
-        load_config("tiny", ["data.source=tokens", f"data.paths=[{prepared_bytes}]"])
-    load_config("tiny", ["data.source=tokens", f"data.paths=[{prepared_bytes}]", "model.vocab_size=264"])
+        load_config("tiny", [*data, "model.vocab_size=256"])
+    assert load_config("tiny", [*data, "model.vocab_size=264"]).model.vocab_size == 264
+    assert load_config("tiny", data).model.vocab_size == 257  # unset: raised to the data's vocabulary
+    assert load_config("tiny", ["data.source=synthetic"]).model.vocab_size == 256  # never lowered (64 ids)
+
+
+def test_bytes_output_trains_with_the_tiny_preset_as_is(corpus, tmp_path, capsys):
+    # `data prepare --bytes` ends documents with id 256 (257 ids) while the default text source
+    # has 256: tiny leaves model.vocab_size unset, so it takes the prepared data's 257.
+    out = tmp_path / "prepared"
+    assert cli.main(["data", "prepare", *corpus["files"], "--out", str(out), "--bytes", "--workers", "1",
+                     "--no-progress"]) == 0
+    run = tmp_path / "run"
+    assert cli.main(["train", "tiny", "data.source=tokens", f"data.paths=[{out}]", "train.steps=3", "log.every=1",
+                     "train.batch_size=8", "train.seq_len=32", "train.eval_every=0", "schedule.warmup_steps=1",
+                     "--run-dir", str(run)]) == 0
+    assert load_config(str(run / "config.yaml")).model.vocab_size == 257
+    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
+              if "loss" in json.loads(line)]
+    assert len(losses) == 3 and all(np.isfinite(losses))
 
 
 def test_token_id_out_of_range_in_a_shard_names_it(prepared_bytes):

@@ -16,7 +16,7 @@ from jaxinfra.checkpoint import save_params_only
 from jaxinfra.config import ConfigError, load_config
 from jaxinfra.infer import Generator, load_model
 from jaxinfra.info import describe
-from jaxinfra.quantize import check_trainable
+from jaxinfra.quant_checks import check_trainable
 from jaxinfra.state import init_params
 from models.quant_config import QuantConfig
 

@@ -104,40 +104,15 @@ def _rules_for_block(cfg: ModelConfig, stack: str, hf_layers: list[int], family:
 
     add("attn_norm/scale", "input_layernorm.weight", vector())
     add("mlp_norm/scale", "post_attention_layernorm.weight", vector())
-    h, kv, dh, d = cfg.num_heads, cfg.kv_heads, cfg.resolved_head_dim, cfg.d_model
-    if cfg.is_mla:
-        nope, rope, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        r = rope if interleaved else 0
-        if cfg.q_lora_rank is None:
-            add("attn/wq", "self_attn.q_proj.weight", linear(h, nope + rope, rope=r))
-        else:
-            add("attn/wq_a", "self_attn.q_a_proj.weight", linear(cfg.q_lora_rank))
-            add("attn/q_norm", "self_attn.q_a_layernorm.weight", vector())
-            add("attn/wq_b", "self_attn.q_b_proj.weight", linear(h, nope + rope, rope=r))
-        add("attn/wkv_a", "self_attn.kv_a_proj_with_mqa.weight", linear(cfg.kv_lora_rank + rope, rope=r))
-        add("attn/kv_norm", "self_attn.kv_a_layernorm.weight", vector())
-        add("attn/wkv_b", "self_attn.kv_b_proj.weight", linear(h, nope + dv))
-        add("attn/wo", "self_attn.o_proj.weight", out_linear(h, dv))
-    else:
-        add("attn/wq", "self_attn.q_proj.weight", linear(h, dh))
-        add("attn/wk", "self_attn.k_proj.weight", linear(kv, dh))
-        add("attn/wv", "self_attn.v_proj.weight", linear(kv, dh))
-        add("attn/wo", "self_attn.o_proj.weight", out_linear(h, dh))
-        if cfg.qkv_bias:
-            add("attn/bq", "self_attn.q_proj.bias", vector(h, dh))
-            add("attn/bk", "self_attn.k_proj.bias", vector(kv, dh))
-            add("attn/bv", "self_attn.v_proj.bias", vector(kv, dh))
-        if cfg.qk_norm:
-            add("attn/q_norm", "self_attn.q_norm.weight", vector())
-            add("attn/k_norm", "self_attn.k_norm.weight", vector())
+    _add_attention(cfg, add, interleaved)
     if stack == "layers":
-        f = cfg.mlp_dim
+        f, d = cfg.mlp_dim, cfg.d_model
         add("mlp/w_gate", "mlp.gate_proj.weight", linear(f))
         add("mlp/w_up", "mlp.up_proj.weight", linear(f))
         add("mlp/w_down", "mlp.down_proj.weight", linear(d))
         return rules
-    # MoE block
-    e, f = cfg.moe_num_experts, cfg.expert_dim
+    # MoE block: the routed experts have a second stacked axis, so they take their own Rule.
+    e, f, d = cfg.moe_num_experts, cfg.expert_dim, cfg.d_model
     moe = "block_sparse_moe" if family == "mixtral" else "mlp"
     gate, up, down = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
     add("moe/router/w", f"{moe}.gate.weight", linear(e))
@@ -153,6 +128,37 @@ def _rules_for_block(cfg: ModelConfig, stack: str, hf_layers: list[int], family:
         add("moe/shared/w_up", "mlp.shared_experts.up_proj.weight", linear(sf))
         add("moe/shared/w_down", "mlp.shared_experts.down_proj.weight", linear(d))
     return rules
+
+
+def _add_attention(cfg: ModelConfig, add: Callable[[str, str, tuple[Convert, Split]], None],
+                   interleaved: bool) -> None:
+    """The attention block's rules, MLA or MHA/GQA, through `add(our path, HF name, conversion)`."""
+    h, kv, dh = cfg.num_heads, cfg.kv_heads, cfg.resolved_head_dim
+    if cfg.is_mla:
+        nope, rope, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        r = rope if interleaved else 0
+        if cfg.q_lora_rank is None:
+            add("attn/wq", "self_attn.q_proj.weight", linear(h, nope + rope, rope=r))
+        else:
+            add("attn/wq_a", "self_attn.q_a_proj.weight", linear(cfg.q_lora_rank))
+            add("attn/q_norm", "self_attn.q_a_layernorm.weight", vector())
+            add("attn/wq_b", "self_attn.q_b_proj.weight", linear(h, nope + rope, rope=r))
+        add("attn/wkv_a", "self_attn.kv_a_proj_with_mqa.weight", linear(cfg.kv_lora_rank + rope, rope=r))
+        add("attn/kv_norm", "self_attn.kv_a_layernorm.weight", vector())
+        add("attn/wkv_b", "self_attn.kv_b_proj.weight", linear(h, nope + dv))
+        add("attn/wo", "self_attn.o_proj.weight", out_linear(h, dv))
+        return
+    add("attn/wq", "self_attn.q_proj.weight", linear(h, dh))
+    add("attn/wk", "self_attn.k_proj.weight", linear(kv, dh))
+    add("attn/wv", "self_attn.v_proj.weight", linear(kv, dh))
+    add("attn/wo", "self_attn.o_proj.weight", out_linear(h, dh))
+    if cfg.qkv_bias:
+        add("attn/bq", "self_attn.q_proj.bias", vector(h, dh))
+        add("attn/bk", "self_attn.k_proj.bias", vector(kv, dh))
+        add("attn/bv", "self_attn.v_proj.bias", vector(kv, dh))
+    if cfg.qk_norm:
+        add("attn/q_norm", "self_attn.q_norm.weight", vector())
+        add("attn/k_norm", "self_attn.k_norm.weight", vector())
 
 
 def rules(cfg: ModelConfig, family: str, interleaved: bool = True) -> list[Rule]:

@@ -18,26 +18,23 @@ text.py         the run's text codec (byte-level UTF-8 or tokenizer.json)
 cli.py          `jaxinfra generate` and `jaxinfra eval`
 """
 
-from jaxinfra.infer.generation import (
-                                    MAX_CONTEXT,
-                                    PROMPT_BUCKET,
-                                    GenerationResult,
-                                    Generator,
-                                    Sampling,
-                                    cache_len,
-                                    sample,
-)
-from jaxinfra.infer.loading import (
-                                    InferenceError,
-                                    inference_devices,
-                                    inference_mesh,
-                                    inference_model_config,
-                                    load_model,
-                                    resolve_checkpoint,
-)
-from jaxinfra.infer.scoring import check_token_array, score, token_rows
-from jaxinfra.infer.text import text_codec
+import importlib
+from typing import Any
 
-__all__ = ["MAX_CONTEXT", "PROMPT_BUCKET", "GenerationResult", "Generator", "InferenceError", "Sampling", "cache_len",
-           "check_token_array", "inference_devices", "inference_mesh", "inference_model_config", "load_model",
-           "resolve_checkpoint", "sample", "score", "text_codec", "token_rows"]
+# Everything loads on first use (PEP 562): `jaxinfra.infer.cli` registers its subcommands on the
+# parser without loading jax.
+_LAZY = {
+    "generation": ("MAX_CONTEXT", "PROMPT_BUCKET", "GenerationResult", "Generator", "Sampling", "cache_len", "sample"),
+    "loading": ("InferenceError", "inference_devices", "inference_mesh", "inference_model_config", "load_model",
+                "resolve_checkpoint"),
+    "scoring": ("check_token_array", "score", "token_rows"),
+    "text": ("text_codec",),
+}
+_MODULE_OF = {name: module for module, names in _LAZY.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MODULE_OF:
+        return getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

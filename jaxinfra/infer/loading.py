@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxinfra.checkpoint import CheckpointError, restore_params
 from jaxinfra.config import Config, ConfigError, load_config, validate
-from jaxinfra.quantize import check_backend
+from jaxinfra.quant_checks import check_backend
 from jaxinfra.state import abstract_params, sharding_rules, tree_shardings
 from models import ModelConfig
 from sharding.mesh import make_mesh, resolve_mesh_sizes

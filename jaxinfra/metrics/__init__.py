@@ -3,11 +3,18 @@
 Step profiles and memory (docs/profiling.md), imported by module: `hlo` (what each op of a
 compiled program is), `trace` (a jax.profiler trace -> each category's share of the step),
 `memory` (compiled memory estimates, the allocator's peak, the largest batch that fits).
+
+The FLOP counts are jax-free and load with the package; the rest loads on first use (PEP 562),
+so the planner, the scaling tools and the CLI's parser can count FLOPs without loading jax.
 """
 
+import importlib
+from typing import Any
+
 from jaxinfra.metrics.flops import flops_per_token, param_counts
-from jaxinfra.metrics.peak import PEAK_FLOPS_PER_DEVICE, measure_matmul_flops, peak_flops_per_device
-from jaxinfra.metrics.writers import MetricsLogger, ProgressBar, mfu, write_summary
+
+_LAZY = {"PEAK_FLOPS_PER_DEVICE": "peak", "measure_matmul_flops": "peak", "peak_flops_per_device": "peak",
+         "MetricsLogger": "writers", "ProgressBar": "writers", "mfu": "writers", "write_summary": "writers"}
 
 __all__ = [
     "PEAK_FLOPS_PER_DEVICE",
@@ -20,3 +27,9 @@ __all__ = [
     "peak_flops_per_device",
     "write_summary",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

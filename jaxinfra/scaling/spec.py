@@ -42,7 +42,7 @@ from typing import Any
 
 import yaml
 
-from jaxinfra.config import Config, ConfigError, apply_overrides, from_dict, load_yaml, validate
+from jaxinfra.config import Config, ConfigError, apply_overrides, config_from_tree, from_dict, load_yaml, validate
 from jaxinfra.metrics.flops import flops_per_token, param_counts
 from jaxinfra.metrics.table import Column, format_table
 from jaxinfra.scaling.sizes import (
@@ -200,7 +200,7 @@ def _parse(data: dict[str, Any], spec_dir: pathlib.Path, cli_overrides: list[str
     base_tree = _base_tree(special.get("base", "tiny"), spec_dir)
     base_tree = apply_overrides(base_tree, [*top.overrides, *cli_overrides])
     try:
-        base_config = from_dict(Config, base_tree, "")
+        base_config = config_from_tree(base_tree)  # as `jaxinfra train` loads it (vocabulary from the data)
         validate(base_config)
     except ConfigError as e:
         raise ConfigError(f"base config: {e}") from None

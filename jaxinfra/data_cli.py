@@ -1,5 +1,8 @@
 """The `data` subcommands (registered by jaxinfra/cli.py's build_parser).
 
+In the command-line layer beside cli.py, not in data/: `data inspect` reads a run config, and
+jaxinfra/config.py imports data/ (its section types, its vocabulary), so data/ cannot import it back.
+
     jaxinfra data prepare INPUT... --out DIR (--tokenizer PATH | --bytes) [--text-key text] [--workers N]
                           [--shard-tokens N] [--eod-token TOKEN]
     jaxinfra data inspect DIR [CONFIG] [KEY=VALUE ...] [--sample N] [--verify]
@@ -31,12 +34,16 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from jaxinfra.config import Config, apply_overrides, from_dict, load_yaml
+    from jaxinfra.config import Config, apply_overrides, fit_vocab, from_dict, load_yaml, vocab_left_unset
     from jaxinfra.data.inspect import inspect, raise_failures
+    from jaxinfra.data.prepared import load_meta
 
     cfg = None
     if args.config or args.overrides:  # types are checked, cross-checks are this command's report
-        cfg = from_dict(Config, apply_overrides(load_yaml(args.config) if args.config else {}, args.overrides), "")
+        tree = apply_overrides(load_yaml(args.config) if args.config else {}, args.overrides)
+        cfg = from_dict(Config, tree, "")
+        if vocab_left_unset(tree):  # the vocabulary a run reading this directory would get
+            cfg = fit_vocab(cfg, int(load_meta(args.directory)["vocab_size"]))
     report, failures = inspect(args.directory, cfg, sample=args.sample, verify=args.verify)
     print(report)
     raise_failures(failures, args.directory)

@@ -1,0 +1,69 @@
+"""Config sections of the feature packages: the `distill` section (jaxinfra/distill/).
+
+The run config (jaxinfra/config.py) embeds these sections, and the core never imports a feature
+package (tests/test_layout.py), so their types live here, in the core, without jax;
+`jaxinfra/distill/config.py` re-exports them for the distillation modules."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+DistillSchedule = Literal["linear", "cosine"]
+TeacherDType = Literal["float32", "bfloat16"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillConfig:
+    """Logit distillation (Hinton et al. 2015): loss = alpha * T^2 * KL(softmax(t/T) || softmax(s/T))
+    + (1 - alpha) * cross-entropy, with t the teacher's and s the student's logits.
+
+    Off unless `teacher` (online: the teacher runs inside the train step) or `logits` (offline:
+    top-k logits written by `jaxinfra distill save-logits`) is set; never both."""
+
+    # A run directory, one checkpoint step directory (RUN/checkpoints/N) or an `hf import` output.
+    # Its own config.yaml gives its architecture; only the vocabulary must match the student's.
+    teacher: str | None = None
+    # A directory written by `jaxinfra distill save-logits` for this run's data, seq_len, batch, seed.
+    logits: str | None = None
+    alpha: float = 0.5  # weight of the soft loss; 1 - alpha weighs the cross-entropy on the labels
+    temperature: float = 1.0
+    # Optional schedules: alpha and temperature move from their start values to these over
+    # train.steps (linearly or by a half cosine); null keeps them constant.
+    alpha_end: float | None = None
+    temperature_end: float | None = None
+    schedule: DistillSchedule = "linear"
+    # 0: KL over the whole vocabulary; k > 0: over the teacher's k most likely tokens, both
+    # distributions renormalised over them (offline: at most the saved k; 0 takes all saved).
+    top_k: int = 0
+    teacher_dtype: TeacherDType = "bfloat16"  # the teacher's params and compute dtype (logits in float32)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.teacher or self.logits)
+
+    @property
+    def online(self) -> bool:
+        return bool(self.teacher)
+
+    def problems(self, vocab_size: int) -> list[tuple[str, object, str]]:
+        """Inconsistent values as (key, value, what is allowed); empty when valid."""
+        out: list[tuple[str, object, str]] = []
+        if self.teacher is not None and self.logits is not None:
+            out.append(("logits", self.logits, "null when distill.teacher is set (online and offline "
+                                               "distillation exclude each other)"))
+        for key in ("teacher", "logits"):
+            value = getattr(self, key)
+            if value is not None and not value.strip():
+                out.append((key, value, "null or a directory path"))
+        for key in ("alpha", "alpha_end"):
+            value = getattr(self, key)
+            if value is not None and not 0 <= value <= 1:
+                out.append((key, value, "in [0, 1]"))
+        for key in ("temperature", "temperature_end"):
+            value = getattr(self, key)
+            if value is not None and not value > 0:
+                out.append((key, value, "> 0"))
+        if not 0 <= self.top_k <= vocab_size:
+            out.append(("top_k", self.top_k, f"in [0, model.vocab_size={vocab_size}] (0: the full vocabulary)"))
+        return out
