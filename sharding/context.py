@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import kernels
+from sharding.ring import ring_attention_local
 from sharding.rules import active, constrain, logical_to_mesh
 
 CONTEXT = "context"
@@ -52,38 +53,10 @@ def _token_index(device: jax.Array, local_len: int, ring: int, balanced: bool) -
 
 
 def _ring_attention_local(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array, *, ring: int,
-                          balanced: bool, scale: float) -> jax.Array:
-    """Per-device body: local q [B, Tl, H, D] against every K/V block of the ring."""
-    b, tl, h, d = q.shape
-    kv_heads = k.shape[2]
-    groups = h // kv_heads
-    me = jax.lax.axis_index(CONTEXT)
-    q_idx = _token_index(me, tl, ring, balanced)
-    qg = q.reshape(b, tl, kv_heads, groups, d).astype(jnp.float32)
-    out = jnp.zeros((b, kv_heads, groups, tl, v.shape[-1]), jnp.float32)
-    row_max = jnp.full((b, kv_heads, groups, tl), -jnp.inf, jnp.float32)
-    row_sum = jnp.zeros((b, kv_heads, groups, tl), jnp.float32)
-    kv_seg = seg
-    shift = [(j, (j + 1) % ring) for j in range(ring)]
-    for step in range(ring):
-        source = (me - step) % ring  # whose K/V block this device holds now
-        kv_idx = _token_index(source, tl, ring, balanced)
-        scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32), precision="highest") * scale
-        visible = (kv_idx[None, :] <= q_idx[:, None])[None] & (seg[:, :, None] == kv_seg[:, None, :])
-        visible = visible[:, None, None]  # [B, 1, 1, Tq, Tk]
-        block_max = jnp.max(jnp.where(visible, scores, -jnp.inf), axis=-1)
-        new_max = jnp.maximum(row_max, block_max)
-        safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)  # rows with nothing visible yet
-        probs = jnp.where(visible, jnp.exp(scores - safe_max[..., None]), 0.0)
-        rescale = jnp.exp(jnp.where(jnp.isfinite(row_max), row_max - safe_max, -jnp.inf))
-        row_sum = row_sum * rescale + jnp.sum(probs, axis=-1)
-        out = out * rescale[..., None] + jnp.einsum("bkgts,bskd->bkgtd", probs, v.astype(jnp.float32),
-                                                    precision="highest")
-        row_max = new_max
-        if step + 1 < ring:
-            k, v, kv_seg = (jax.lax.ppermute(x, CONTEXT, shift) for x in (k, v, kv_seg))
-    out = out / jnp.where(row_sum > 0, row_sum, 1.0)[..., None]
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, tl, h, v.shape[-1]).astype(q.dtype)
+                          balanced: bool, scale: float, impl: str = "auto") -> jax.Array:
+    """Per-device body: local q [B, Tl, H, D] against every K/V block of the ring, one
+    `kernels.attention_with_lse` call per ring step (`sharding/ring.py`)."""
+    return ring_attention_local(q, k, v, seg, axis=CONTEXT, ring=ring, balanced=balanced, scale=scale, impl=impl)
 
 
 # Custom kernels XLA cannot partition (cuDNN's packed layout: its per-row segment tables are
@@ -140,8 +113,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Arra
         segment_ids = jnp.ones(q.shape[:2], jnp.int32)
     body = jax.shard_map(
         lambda q, k, v, s: _ring_attention_local(q, k, v, s, ring=ring, balanced=rules.load_balance,
-                                                 scale=q.shape[-1] ** -0.5),
+                                                 scale=q.shape[-1] ** -0.5, impl=impl),
         mesh=mesh, axis_names={CONTEXT},
         in_specs=(P(None, CONTEXT), P(None, CONTEXT), P(None, CONTEXT), P(None, CONTEXT)),
-        out_specs=P(None, CONTEXT))
+        out_specs=P(None, CONTEXT), check_vma=False)  # Pallas outputs carry no varying-axes annotation
     return body(q, k, v, segment_ids)
