@@ -5,9 +5,9 @@ device holds a local block of Tl queries and, at ring step t, the K/V block of d
 ``source = (me - t) % n``; K/V (and their segment ids) move one device along the ring with
 `ppermute` between steps, so K/V memory stays at one block.
 
-Which local queries see which visiting keys is known per *chunk pair*, not per token, so each
-step is one call of `kernels.attention_with_lse` (any `impl`: xla, Pallas, auto) on a
-contiguous (q rows, kv rows) rectangle with a static mask, never a [Tl, Tl] mask:
+**Visibility per chunk pair.** Which local queries see which visiting keys is known per chunk,
+not per token, so each step is one call of `kernels.attention_with_lse` (any `impl`: xla,
+Pallas, auto) on a contiguous (q rows, kv rows) rectangle with a static mask (a `Pair`):
 
 - step 0 (source == me): the local block against itself, causal. With load balancing (device
   i holds chunks i and 2n-1-i of 2n) this is exact too: the local tokens are in increasing
@@ -17,22 +17,30 @@ contiguous (q rows, kv rows) rectangle with a static mask, never a [Tl, Tl] mask
   chunk of the block (full, Tl x c); ``source > me`` -> only the second local chunk sees
   anything, and it sees the whole block (full, c x Tl). Both are Tl x c of work: balanced.
 
-The device index is traced, so the choice is a `lax.cond` between kernel calls of static
-shapes (rows a branch does not compute get output 0 and lse -inf: they merge as nothing).
-Segment ids go to the kernel as a (q, kv) pair, so packed sequences and GQA work unchanged.
+The device index is traced, so a later step is a `lax.cond` between the two pairs' kernel calls
+(static shapes each). Segment ids go to the kernel as a (q, kv) pair, so packed sequences
+(and GQA, which the kernels take natively) work unchanged.
 
-Merging: with lse_t the natural log-sum-exp of each piece, ``out = sum_t w_t out_t / sum_t
-w_t`` with ``w_t = exp(lse_t - m)`` for any m; m = the running max of the lse, held under
-`stop_gradient` (the result does not depend on m, so its gradient is exact without it) and
-0 where still -inf, so the weights are <= 1, pieces with lse -inf weigh exactly 0 and a row
-with nothing visible anywhere ends as 0 / 1 = 0 with finite gradients. The gradient reaches
-each kernel through both outputs: d/d out_t is w_t / sum w, d/d lse_t is w_t (out_t - out) .
-dO / sum w; `attention_with_lse`'s custom VJP takes the lse cotangent (it enters the
-backward kernels through delta = rowsum(O dO) - dlse, `kernels/flash.py`).
+**Merge.** With lse_t the natural log-sum-exp of piece t, ``out = sum_t w_t out_t / sum_t w_t``
+with ``w_t = exp(lse_t - m)`` for any m: m is the running max (0 while still -inf), so weights
+are <= 1, a piece with lse -inf weighs exactly 0 and a row with nothing visible ends 0 / 1 = 0.
+
+**Gradients** (`_ring` is a custom VJP; the forward keeps only q, k, v, the ids, the merged out
+and its lse L): the backward sends K/V around the ring again with their float32 gradients
+travelling beside them; each step recomputes its piece (out_t, lse_t) and backpropagates
+through `attention_with_lse` with the cotangents of the merge, ``d out_t = w_t dO`` and
+``d lse_t = w_t (out_t - out) . dO`` where ``w_t = exp(lse_t - L)``. The kernels' VJP takes
+the lse cotangent (it enters through delta = rowsum(out_t d out_t) - d lse_t, here
+w_t rowsum(out dO): the global softmax's delta, `kernels/flash.py`), so the result is the
+exact gradient of the merged attention. Everything per step (the piece's residuals) lives
+inside the step's `cond` branch, so the backward holds one block's worth at a time instead of
+every step's residuals, the cost of one extra forward kernel per step.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 
 import jax
@@ -44,8 +52,8 @@ from kernels.logs import log_once
 logger = logging.getLogger(__name__)
 _logged: set[str] = set()
 
-Piece = tuple[jax.Array, jax.Array]  # (out [B, T, H, Dv] in q.dtype, lse [B, H, T] float32)
 State = tuple[jax.Array, jax.Array, jax.Array]  # (weighted sum, weight total, running max lse)
+Grads = tuple[jax.Array, jax.Array, jax.Array]  # float32 (dq, dk, dv) accumulators
 
 
 def ring_impl(impl: str) -> str:
@@ -57,69 +65,149 @@ def ring_impl(impl: str) -> str:
     return impl
 
 
-def _piece(q: jax.Array, k: jax.Array, v: jax.Array, q_seg: jax.Array, kv_seg: jax.Array, *, causal: bool,
-           scale: float, impl: str) -> Piece:
-    return kernels.attention_with_lse(q, k, v, causal=causal, segment_ids=(q_seg, kv_seg), scale=scale, impl=impl)
+@dataclasses.dataclass(frozen=True)
+class RingConfig:
+    """Everything static about one ring call (hashable: a nondiff custom_vjp argument)."""
+
+    axis: str
+    ring: int
+    balanced: bool
+    scale: float
+    impl: str
 
 
-def _nothing(q: jax.Array, v: jax.Array, rows: int, axis: str) -> Piece:
-    """`rows` query rows that see no key: output 0, lse -inf (they merge as nothing). Cast to
-    varying over `axis` so both `cond` branches have the type of a kernel's output."""
-    b, _, h, _ = q.shape
-    piece = (jnp.zeros((b, rows, h, v.shape[-1]), q.dtype), jnp.full((b, h, rows), -jnp.inf, jnp.float32))
-    return jax.lax.pcast(piece, axis, to="varying")
+@dataclasses.dataclass(frozen=True)
+class Pair:
+    """Local query rows [q0, q1) attend to visiting key rows [k0, k1): all of them, or causally."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    causal: bool = False
 
 
-def _visiting_block(q: jax.Array, k: jax.Array, v: jax.Array, q_seg: jax.Array, kv_seg: jax.Array,
-                    earlier: jax.Array, *, axis: str, balanced: bool, scale: float, impl: str) -> Piece:
-    """The local queries against another device's K/V block; `earlier`: traced source < me."""
-    call = dict(causal=False, scale=scale, impl=impl)
-    if not balanced:  # the block lies wholly before (all visible) or after (none) the local one
-        return jax.lax.cond(earlier, lambda: _piece(q, k, v, q_seg, kv_seg, **call),
-                            lambda: _nothing(q, v, q.shape[1], axis))
-    c = q.shape[1] // 2
-
-    def first_chunk_only() -> Piece:  # source < me: chunk `source` precedes both local chunks
-        return _piece(q, k[:, :c], v[:, :c], q_seg, kv_seg[:, :c], **call)
-
-    def second_half_sees_all() -> Piece:  # source > me: both chunks precede only local chunk 2n-1-me
-        out, lse = _piece(q[:, c:], k, v, q_seg[:, c:], kv_seg, **call)
-        none_out, none_lse = _nothing(q, v, c, axis)
-        return jnp.concatenate([none_out, out], axis=1), jnp.concatenate([none_lse, lse], axis=2)
-
-    return jax.lax.cond(earlier, first_chunk_only, second_half_sees_all)
+def _pairs(cfg: RingConfig, step: int, tl: int) -> tuple[Pair | None, ...]:
+    """Step 0: (the causal diagonal,); later steps: (the pair if source < me, if source > me)."""
+    if step == 0:
+        return (Pair(0, tl, 0, tl, causal=True),)
+    if not cfg.balanced:
+        return Pair(0, tl, 0, tl), None
+    c = tl // 2
+    return Pair(0, tl, 0, c), Pair(c, tl, 0, tl)
 
 
-def _merge(state: State, piece: Piece) -> State:
-    """Add one piece to the running log-sum-exp merge (see the module docstring)."""
-    acc, total, top = state
-    out, lse = piece
-    lse = jnp.swapaxes(lse, 1, 2)  # [B, T, H], the layout of out's leading axes
-    new_top = jnp.maximum(top, jax.lax.stop_gradient(lse))
+def _choose(cfg: RingConfig, step: int, me: jax.Array, tl: int, branch):
+    """`branch(pair)` for this step's pair, chosen by the traced device index where it varies."""
+    options = _pairs(cfg, step, tl)
+    if len(options) == 1:
+        return branch(options[0])
+    earlier = (me - step) % cfg.ring < me  # the visiting block is device (me - step) % ring's
+    return jax.lax.cond(earlier, lambda: branch(options[0]), lambda: branch(options[1]))
+
+
+def _kernel(cfg: RingConfig, pair: Pair, q, k, v, q_seg, kv_seg) -> tuple[jax.Array, jax.Array]:
+    """(out [B, Tq, H, Dv], lse [B, Tq, H]) of already-sliced rows and keys."""
+    out, lse = kernels.attention_with_lse(q, k, v, causal=pair.causal, segment_ids=(q_seg, kv_seg), scale=cfg.scale,
+                                          impl=cfg.impl)
+    return out, jnp.swapaxes(lse, 1, 2)
+
+
+def _piece(cfg: RingConfig, pair: Pair, q, k, v, q_seg, kv_seg) -> tuple[jax.Array, jax.Array]:
+    """The pair's rectangle: rows [q0, q1) of the local block against keys [k0, k1) of the visiting one."""
+    rows, cols = slice(pair.q0, pair.q1), slice(pair.k0, pair.k1)
+    return _kernel(cfg, pair, q[:, rows], k[:, cols], v[:, cols], q_seg[:, rows], kv_seg[:, cols])
+
+
+def _merge(state: State, pair: Pair, out: jax.Array, lse: jax.Array) -> State:
+    """Add one piece to the running log-sum-exp merge of rows [q0, q1) (module docstring)."""
+    rows = slice(pair.q0, pair.q1)
+    acc, total, top = (x[:, rows] for x in state)
+    new_top = jnp.maximum(top, lse)
     base = jnp.where(jnp.isfinite(new_top), new_top, 0.0)  # -inf only while nothing was visible
-    rescale = jnp.exp(top - base)  # constant (no gradient): top and base are stopped
-    weight = jnp.exp(lse - base)  # 0 (and gradient 0) for lse = -inf
+    rescale, weight = jnp.exp(top - base), jnp.exp(lse - base)  # 0 for -inf
     acc = acc * rescale[..., None] + weight[..., None] * out.astype(jnp.float32)
-    return acc, total * rescale + weight, new_top
+    return tuple(s.at[:, rows].set(x) for s, x in zip(state, (acc, total * rescale + weight, new_top)))
+
+
+def _rotate(cfg: RingConfig, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """Send every array one device along the ring (device j -> j + 1)."""
+    shift = [(j, (j + 1) % cfg.ring) for j in range(cfg.ring)]
+    return tuple(jax.lax.ppermute(x, cfg.axis, shift) for x in xs)
+
+
+def _ring_forward(cfg: RingConfig, q: jax.Array, k: jax.Array, v: jax.Array,
+                  seg: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(out [B, Tl, H, Dv] float32, lse [B, Tl, H] float32, -inf where nothing is visible)."""
+    b, tl, h, _ = q.shape
+    me = jax.lax.axis_index(cfg.axis)
+    state = (jnp.zeros((b, tl, h, v.shape[-1]), jnp.float32), jnp.zeros((b, tl, h), jnp.float32),
+             jnp.full((b, tl, h), -jnp.inf, jnp.float32))
+    kv = (k, v, seg)
+    for step in range(cfg.ring):
+        if step:
+            kv = _rotate(cfg, kv)
+
+        def branch(pair: Pair | None, state=state, kv=kv) -> State:
+            return state if pair is None else _merge(state, pair, *_piece(cfg, pair, q, kv[0], kv[1], seg, kv[2]))
+        state = _choose(cfg, step, me, tl, branch)
+    acc, total, top = state
+    seen = total > 0
+    lse = jnp.where(seen, jnp.where(jnp.isfinite(top), top, 0.0) + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
+    return acc / jnp.where(seen, total, 1.0)[..., None], lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(cfg: RingConfig, q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array) -> jax.Array:
+    return _ring_forward(cfg, q, k, v, seg)[0].astype(q.dtype)
+
+
+def _ring_fwd(cfg: RingConfig, q, k, v, seg):
+    out, lse = _ring_forward(cfg, q, k, v, seg)
+    return out.astype(q.dtype), (q, k, v, seg, out, lse)
+
+
+def _pair_grads(cfg: RingConfig, pair: Pair, grads: Grads, q, k, v, q_seg, kv_seg, out, norm, d_out) -> Grads:
+    """Recompute one piece and add its gradients: cotangents d out_t = w dO, d lse_t = w (out_t - out) . dO."""
+    rows, cols = slice(pair.q0, pair.q1), slice(pair.k0, pair.k1)
+    (out_t, lse_t), piece_vjp = jax.vjp(
+        lambda q_, k_, v_: _kernel(cfg, pair, q_, k_, v_, q_seg[:, rows], kv_seg[:, cols]),
+        q[:, rows], k[:, cols], v[:, cols])
+    weight = jnp.exp(lse_t - norm[:, rows])  # this piece's share of each row: 0 where it saw nothing
+    d_o = d_out[:, rows]
+    d_lse = weight * jnp.sum((out_t.astype(jnp.float32) - out[:, rows]) * d_o, axis=-1)
+    dq, dk, dv = piece_vjp(((weight[..., None] * d_o).astype(out_t.dtype), d_lse))
+    return (grads[0].at[:, rows].add(dq.astype(jnp.float32)), grads[1].at[:, cols].add(dk.astype(jnp.float32)),
+            grads[2].at[:, cols].add(dv.astype(jnp.float32)))
+
+
+def _ring_bwd(cfg: RingConfig, residuals, d_out: jax.Array):
+    """K/V go around the ring again, their float32 gradients travelling with them."""
+    q, k, v, seg, out, lse = residuals
+    me = jax.lax.axis_index(cfg.axis)
+    d_out = d_out.astype(jnp.float32)
+    norm = jnp.where(jnp.isneginf(lse), jnp.inf, lse)  # rows that saw nothing: every weight 0
+    grads = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    kv = (k, v, seg)
+    for step in range(cfg.ring):
+        if step:
+            kv, (dk, dv) = _rotate(cfg, kv), _rotate(cfg, grads[1:])
+            grads = (grads[0], dk, dv)
+
+        def branch(pair: Pair | None, grads=grads, kv=kv) -> Grads:
+            return grads if pair is None else _pair_grads(cfg, pair, grads, q, kv[0], kv[1], seg, kv[2], out, norm,
+                                                          d_out)
+        grads = _choose(cfg, step, me, q.shape[1], branch)
+    dk, dv = _rotate(cfg, grads[1:])  # the last holder of block j is device j - 1: one more step home
+    return grads[0].astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def ring_attention_local(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array, *, axis: str, ring: int,
                          balanced: bool, scale: float, impl: str) -> jax.Array:
     """Per-device body: local q [B, Tl, H, D] against every K/V block of the ring -> [B, Tl, H, Dv]."""
-    b, tl, h, _ = q.shape
-    if balanced and tl % 2:
-        raise ValueError(f"ring attention: balanced local length {tl} must be even (two chunks)")
-    impl = ring_impl(impl)
-    me = jax.lax.axis_index(axis)
-    state = (jnp.zeros((b, tl, h, v.shape[-1]), jnp.float32), jnp.zeros((b, tl, h), jnp.float32),
-             jnp.full((b, tl, h), -jnp.inf, jnp.float32))
-    state = _merge(state, _piece(q, k, v, seg, seg, causal=True, scale=scale, impl=impl))
-    kv_seg = seg
-    shift = [(j, (j + 1) % ring) for j in range(ring)]
-    for step in range(1, ring):
-        k, v, kv_seg = (jax.lax.ppermute(x, axis, shift) for x in (k, v, kv_seg))
-        earlier = (me - step) % ring < me  # whose block this is: device (me - step) % ring
-        state = _merge(state, _visiting_block(q, k, v, seg, kv_seg, earlier, axis=axis, balanced=balanced,
-                                              scale=scale, impl=impl))
-    acc, total, _ = state
-    return (acc / jnp.where(total > 0, total, 1.0)[..., None]).astype(q.dtype)
+    if balanced and q.shape[1] % 2:
+        raise ValueError(f"ring attention: balanced local length {q.shape[1]} must be even (two chunks)")
+    return _ring(RingConfig(axis, ring, balanced, float(scale), ring_impl(impl)), q, k, v, seg)
