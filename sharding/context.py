@@ -7,9 +7,17 @@ Two exact variants, chosen by `parallelism.context_impl`:
   Simple, and the all-gather overlaps with the Q projection; K/V memory is the
   full sequence per device.
 - `ring`: K/V blocks travel around the context ring with `ppermute` inside
-  `shard_map`; each step attends the local queries to one K/V block and merges
-  the partial results with the log-sum-exp trick (Liu et al. 2023, "Ring
-  Attention"). K/V memory stays at one block per device.
+  `shard_map`; each step attends the local queries to one K/V block with the
+  configured kernel (`kernels.attention_with_lse`: xla, Pallas, auto; cuDNN, which
+  returns no log-sum-exp, runs as auto) and merges the partial results with the
+  log-sum-exp trick (Liu et al. 2023, "Ring Attention"). Per step the visibility
+  between the local and the visiting chunks is full, causal-diagonal or none, so
+  each step is one kernel call on a static rectangle, chosen by a `lax.cond` on the
+  device index (`sharding/ring.py`). Its custom VJP sends K/V around the ring again
+  with their gradients, recomputing each step's piece, so a device holds one block's
+  residuals at a time: no [Tl, Tl] scores, and memory O(T / n) per device with a
+  flash kernel (`benchmarks/ring_memory.py`). The shard_map is manual over the
+  (batch, heads) axes too, so a custom kernel runs on its shard.
 
 Causal load balancing (ring): the sequence is cut into 2n chunks and device i
 holds chunks i and 2n-1-i, so every device has the same amount of visible
@@ -64,22 +72,29 @@ def _ring_attention_local(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Arr
 PER_SHARD_IMPLS = ("pallas_triton", "pallas_mosaic_tpu", "pallas_mosaic_gpu", "cudnn")
 
 
-def _per_shard_kernel(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, impl: str,
-                      mesh, rules) -> jax.Array:
-    """Run a custom kernel (Pallas, cuDNN) on each device's (batch, heads) shard.
+def _kernel_axes(q: jax.Array, k: jax.Array, mesh, rules) -> tuple[object, object, set[str]]:
+    """Mesh axes of the batch and heads dimensions a custom kernel runs split over, and their set.
 
-    XLA cannot partition a custom kernel, so without this it would gather the full batch
-    onto every device. Heads are split over their mesh axes only when the K/V heads split
-    evenly too, so each shard keeps whole GQA groups.
-    """
+    Heads are split only when the K/V heads split the same way, so each shard keeps whole GQA groups."""
     batch = logical_to_mesh(("batch",), rules.activations, mesh, q.shape[:1])[0]
     heads = logical_to_mesh(("heads",), rules.activations, mesh, q.shape[2:3])[0]
     kv_heads = logical_to_mesh(("kv_heads",), rules.activations, mesh, k.shape[2:3])[0]
     if heads != kv_heads:
         heads = None
+    used = {a for axes in (batch, heads) if axes for a in (axes if isinstance(axes, tuple) else (axes,))}
+    return batch, heads, used
+
+
+def _per_shard_kernel(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, impl: str,
+                      mesh, rules) -> jax.Array:
+    """Run a custom kernel (Pallas, cuDNN) on each device's (batch, heads) shard.
+
+    XLA cannot partition a custom kernel, so without this it would gather the full batch
+    onto every device. Heads are split as `_kernel_axes` says.
+    """
+    batch, heads, used = _kernel_axes(q, k, mesh, rules)
     spec = P(batch, None, heads, None)
     seg_spec = P(batch, None)
-    used = {a for axes in (batch, heads) if axes for a in (axes if isinstance(axes, tuple) else (axes,))}
     if not used:
         return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl)
     args, specs = (q, k, v), (spec, spec, spec)
@@ -90,6 +105,23 @@ def _per_shard_kernel(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
         mesh=mesh, axis_names=used, in_specs=specs, out_specs=spec,
         check_vma=False)  # custom-call outputs carry no varying-axes annotation
     return body(*args)
+
+
+def _ring(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, impl: str, mesh,
+          rules) -> jax.Array:
+    """Ring attention (`sharding/ring.py`) in a shard_map manual over `context` and over the
+    (batch, heads) axes a custom kernel must run split over (`_kernel_axes`, as `_per_shard_kernel`)."""
+    kernels.validate_attention_args(q, k, v, segment_ids)
+    if segment_ids is None:
+        segment_ids = jnp.ones(q.shape[:2], jnp.int32)
+    batch, heads, used = _kernel_axes(q, k, mesh, rules)
+    spec, seg_spec = P(batch, CONTEXT, heads, None), P(batch, CONTEXT)
+    body = jax.shard_map(
+        lambda q, k, v, s: _ring_attention_local(q, k, v, s, ring=mesh.shape[CONTEXT], balanced=rules.load_balance,
+                                                 scale=q.shape[-1] ** -0.5, impl=impl),
+        mesh=mesh, axis_names={CONTEXT, *used}, in_specs=(spec, spec, spec, seg_spec), out_specs=spec,
+        check_vma=False)  # custom-call outputs carry no varying-axes annotation
+    return body(q, k, v, segment_ids)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Array | None,
@@ -107,14 +139,4 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Arra
         k = constrain(k, ("batch", "kv_length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "kv_length", "kv_heads", "head_dim"))
         return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl)
-    kernels.validate_attention_args(q, k, v, segment_ids)
-    ring = mesh.shape[CONTEXT]
-    if segment_ids is None:
-        segment_ids = jnp.ones(q.shape[:2], jnp.int32)
-    body = jax.shard_map(
-        lambda q, k, v, s: _ring_attention_local(q, k, v, s, ring=ring, balanced=rules.load_balance,
-                                                 scale=q.shape[-1] ** -0.5, impl=impl),
-        mesh=mesh, axis_names={CONTEXT},
-        in_specs=(P(None, CONTEXT), P(None, CONTEXT), P(None, CONTEXT), P(None, CONTEXT)),
-        out_specs=P(None, CONTEXT), check_vma=False)  # Pallas outputs carry no varying-axes annotation
-    return body(q, k, v, segment_ids)
+    return _ring(q, k, v, segment_ids, impl, mesh, rules)
