@@ -40,7 +40,8 @@ def _loss_and_grads(fn, q, k, v, seg, cot):
 
 @pytest.mark.parametrize("impl,balanced,mesh_sizes", [
     ("xla", True, dict(context=RING)), ("xla", False, dict(context=RING)), ("pallas_triton", True, dict(context=RING)),
-    ("pallas_triton", False, dict(data=2, context=2))])
+    ("pallas_triton", False, dict(data=2, context=2)),
+    ("cudnn", True, dict(context=RING))])  # no lse from cuDNN: the ring runs `auto` (xla on CPU)
 def test_ring_matches_reference(impl: str, balanced: bool, mesh_sizes: dict):
     q, k, v, seg = _inputs()
     cot = jnp.asarray(np.random.default_rng(1).standard_normal((B, T, H, D)), jnp.float32)
