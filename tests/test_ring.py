@@ -62,6 +62,27 @@ def test_ring_matches_reference(impl: str, balanced: bool, mesh_sizes: dict):
         np.testing.assert_allclose(np.asarray(g)[:, back], np.asarray(w), rtol=2e-5, atol=2e-5, err_msg=name)
 
 
+def test_ring_bfloat16_close_to_float32_reference():
+    """bfloat16 inputs: pieces come back in bfloat16, the merge and the travelling dK/dV stay float32."""
+    q, k, v, seg = _inputs()
+    cot = jnp.asarray(np.random.default_rng(1).standard_normal((B, T, H, D)), jnp.float32)
+    q16, k16, v16 = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    want, want_grads = _loss_and_grads(
+        lambda q, k, v, s: kernels.reference_attention(q, k, v, causal=True, segment_ids=s, out_dtype=jnp.float32),
+        *(x.astype(jnp.float32) for x in (q16, k16, v16)), seg, cot)
+    mesh = make_mesh(MeshConfig(data=1, context=RING), jax.devices()[:RING])
+
+    def ring(q, k, v, s):
+        with activation_sharding(mesh, rules_for(context_impl="ring", load_balance=False)):
+            return context.attention(q, k, v, segment_ids=s, impl="xla")
+
+    got, got_grads = _loss_and_grads(ring, q16, k16, v16, seg, cot)
+    assert got.dtype == jnp.bfloat16 and got_grads[1].dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=3e-2)
+    for name, g, w in zip("qkv", got_grads, want_grads):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w), atol=6e-2, err_msg=name)
+
+
 def test_ring_steps_call_the_kernel():
     """The Pallas kernel runs per ring step: once for the diagonal step, then one per branch of
     each later step's `cond` (which chunk pair the visiting block meets); the shard_map is manual
