@@ -42,6 +42,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from collections.abc import Callable
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +56,7 @@ _logged: set[str] = set()
 
 State = tuple[jax.Array, jax.Array, jax.Array]  # (weighted sum, weight total, running max lse)
 Grads = tuple[jax.Array, jax.Array, jax.Array]  # float32 (dq, dk, dv) accumulators
+T = TypeVar("T")
 
 
 def ring_impl(impl: str) -> str:
@@ -97,7 +100,7 @@ def _pairs(cfg: RingConfig, step: int, tl: int) -> tuple[Pair | None, ...]:
     return Pair(0, tl, 0, c), Pair(c, tl, 0, tl)
 
 
-def _choose(cfg: RingConfig, step: int, me: jax.Array, tl: int, branch):
+def _choose(cfg: RingConfig, step: int, me: jax.Array, tl: int, branch: Callable[[Pair | None], T]) -> T:
     """`branch(pair)` for this step's pair, chosen by the traced device index where it varies."""
     options = _pairs(cfg, step, tl)
     if len(options) == 1:
@@ -106,14 +109,16 @@ def _choose(cfg: RingConfig, step: int, me: jax.Array, tl: int, branch):
     return jax.lax.cond(earlier, lambda: branch(options[0]), lambda: branch(options[1]))
 
 
-def _kernel(cfg: RingConfig, pair: Pair, q, k, v, q_seg, kv_seg) -> tuple[jax.Array, jax.Array]:
+def _kernel(cfg: RingConfig, pair: Pair, q: jax.Array, k: jax.Array, v: jax.Array, q_seg: jax.Array,
+            kv_seg: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(out [B, Tq, H, Dv], lse [B, Tq, H]) of already-sliced rows and keys."""
     out, lse = kernels.attention_with_lse(q, k, v, causal=pair.causal, segment_ids=(q_seg, kv_seg), scale=cfg.scale,
                                           impl=cfg.impl)
     return out, jnp.swapaxes(lse, 1, 2)
 
 
-def _piece(cfg: RingConfig, pair: Pair, q, k, v, q_seg, kv_seg) -> tuple[jax.Array, jax.Array]:
+def _piece(cfg: RingConfig, pair: Pair, q: jax.Array, k: jax.Array, v: jax.Array, q_seg: jax.Array,
+           kv_seg: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The pair's rectangle: rows [q0, q1) of the local block against keys [k0, k1) of the visiting one."""
     rows, cols = slice(pair.q0, pair.q1), slice(pair.k0, pair.k1)
     return _kernel(cfg, pair, q[:, rows], k[:, cols], v[:, cols], q_seg[:, rows], kv_seg[:, cols])
@@ -162,12 +167,14 @@ def _ring(cfg: RingConfig, q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Ar
     return _ring_forward(cfg, q, k, v, seg)[0].astype(q.dtype)
 
 
-def _ring_fwd(cfg: RingConfig, q, k, v, seg):
+def _ring_fwd(cfg: RingConfig, q: jax.Array, k: jax.Array, v: jax.Array,
+              seg: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     out, lse = _ring_forward(cfg, q, k, v, seg)
     return out.astype(q.dtype), (q, k, v, seg, out, lse)
 
 
-def _pair_grads(cfg: RingConfig, pair: Pair, grads: Grads, q, k, v, q_seg, kv_seg, out, norm, d_out) -> Grads:
+def _pair_grads(cfg: RingConfig, pair: Pair, grads: Grads, q: jax.Array, k: jax.Array, v: jax.Array,
+                q_seg: jax.Array, kv_seg: jax.Array, out: jax.Array, norm: jax.Array, d_out: jax.Array) -> Grads:
     """Recompute one piece and add its gradients: cotangents d out_t = w dO, d lse_t = w (out_t - out) . dO."""
     rows, cols = slice(pair.q0, pair.q1), slice(pair.k0, pair.k1)
     (out_t, lse_t), piece_vjp = jax.vjp(
@@ -181,7 +188,8 @@ def _pair_grads(cfg: RingConfig, pair: Pair, grads: Grads, q, k, v, q_seg, kv_se
             grads[2].at[:, cols].add(dv.astype(jnp.float32)))
 
 
-def _ring_bwd(cfg: RingConfig, residuals, d_out: jax.Array):
+def _ring_bwd(cfg: RingConfig, residuals: tuple[jax.Array, ...],
+              d_out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, None]:
     """K/V go around the ring again, their float32 gradients travelling with them."""
     q, k, v, seg, out, lse = residuals
     me = jax.lax.axis_index(cfg.axis)
