@@ -119,3 +119,30 @@ def test_ring_memory_with_a_pallas_kernel():
     """Also below the all-gather through the same (interpreted) Pallas kernel: O(Tl) per device, not O(T)."""
     mib = _temp_mib(2048, ["pallas_triton"])
     assert mib[("ring (kernels)", "pallas_triton")] < 0.75 * mib[("allgather", "pallas_triton")], mib
+
+
+def test_ring_lowers_to_triton_for_gpu(monkeypatch):
+    """The ring with the Triton kernel lowered for CUDA on this CPU machine (the kernel module told
+    it runs on an H100): forward 1 + 2 (n-1) kernels (the diagonal, both branches of each
+    later step's cond), backward 3 per branch (recomputed forward, dq, dk/dv); K/V and ids shift
+    n-1 times forward, K/V and their gradients n-1 times backward, the gradients once more home."""
+    import sys
+    module = sys.modules["kernels.attention"]
+    monkeypatch.setattr(module, "_platform", lambda: "gpu")
+    monkeypatch.setattr(module, "_device_kind", lambda: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(module, "_compute_capability", lambda: "9.0")
+    mesh = make_mesh(MeshConfig(data=1, context=RING), jax.devices()[:RING])
+    q = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 256, 2, 64), jnp.bfloat16)
+
+    def grads(q, k, v, s):
+        def loss(q, k, v):
+            with activation_sharding(mesh, rules_for(context_impl="ring")):
+                return jnp.sum(context.attention(q, k, v, segment_ids=s, impl="pallas_triton").astype(jnp.float32))
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    seg = jax.ShapeDtypeStruct((2, 256), jnp.int32)
+    text = jax.jit(grads).trace(q, kv, kv, seg).lower(lowering_platforms=("cuda",)).as_text()
+    steps = 1 + 2 * (RING - 1)
+    assert text.count("custom_call @__gpu$xla.gpu.triton") == steps + 3 * steps
+    assert text.count("collective_permute") == 3 * (RING - 1) + 5 * (RING - 1) + 2
