@@ -26,8 +26,8 @@ with ``w_t = exp(lse_t - m)`` for any m: m is the running max (0 while still -in
 are <= 1, a piece with lse -inf weighs exactly 0 and a row with nothing visible ends 0 / 1 = 0.
 
 **Gradients** (`_ring` is a custom VJP; the forward keeps only q, k, v, the ids, the merged out
-and its lse L): the backward sends K/V around the ring again with their float32 gradients
-travelling beside them; each step recomputes its piece (out_t, lse_t) and backpropagates
+and its lse L): the backward sends K/V around the ring again, the other way round, with their
+float32 gradients travelling beside them; each step recomputes its piece (out_t, lse_t) and backpropagates
 through `attention_with_lse` with the cotangents of the merge, ``d out_t = w_t dO`` and
 ``d lse_t = w_t (out_t - out) . dO`` where ``w_t = exp(lse_t - L)``. The kernels' VJP takes
 the lse cotangent (it enters through delta = rowsum(out_t d out_t) - d lse_t, here
@@ -100,13 +100,14 @@ def _pairs(cfg: RingConfig, step: int, tl: int) -> tuple[Pair | None, ...]:
     return Pair(0, tl, 0, c), Pair(c, tl, 0, tl)
 
 
-def _choose(cfg: RingConfig, step: int, me: jax.Array, tl: int, branch: Callable[[Pair | None], T]) -> T:
+def _choose(cfg: RingConfig, step: int, me: jax.Array, tl: int, branch: Callable[[Pair | None], T], *,
+            back: bool = False) -> T:
     """`branch(pair)` for this step's pair, chosen by the traced device index where it varies."""
     options = _pairs(cfg, step, tl)
     if len(options) == 1:
         return branch(options[0])
-    earlier = (me - step) % cfg.ring < me  # the visiting block is device (me - step) % ring's
-    return jax.lax.cond(earlier, lambda: branch(options[0]), lambda: branch(options[1]))
+    source = (me + step if back else me - step) % cfg.ring  # whose block this device holds now
+    return jax.lax.cond(source < me, lambda: branch(options[0]), lambda: branch(options[1]))
 
 
 def _kernel(cfg: RingConfig, pair: Pair, q: jax.Array, k: jax.Array, v: jax.Array, q_seg: jax.Array,
@@ -135,9 +136,9 @@ def _merge(state: State, pair: Pair, out: jax.Array, lse: jax.Array) -> State:
     return tuple(s.at[:, rows].set(x) for s, x in zip(state, (acc, total * rescale + weight, new_top)))
 
 
-def _rotate(cfg: RingConfig, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-    """Send every array one device along the ring (device j -> j + 1)."""
-    shift = [(j, (j + 1) % cfg.ring) for j in range(cfg.ring)]
+def _rotate(cfg: RingConfig, xs: tuple[jax.Array, ...], *, back: bool = False) -> tuple[jax.Array, ...]:
+    """Send every array one device along the ring: j -> j + 1, or j -> j - 1 with `back`."""
+    shift = [(j, (j - 1 if back else j + 1) % cfg.ring) for j in range(cfg.ring)]
     return tuple(jax.lax.ppermute(x, cfg.axis, shift) for x in xs)
 
 
@@ -190,7 +191,10 @@ def _pair_grads(cfg: RingConfig, pair: Pair, grads: Grads, q: jax.Array, k: jax.
 
 def _ring_bwd(cfg: RingConfig, residuals: tuple[jax.Array, ...],
               d_out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, None]:
-    """K/V go around the ring again, their float32 gradients travelling with them."""
+    """K/V go around the ring again, their float32 gradients travelling with them. The other way
+    round: the same ppermutes as the forward's would be merged with them by XLA's CSE, which
+    then keeps every visiting block alive from the forward to the backward (all-gather memory
+    for K/V); an optimization barrier did not stop that on XLA:CPU."""
     q, k, v, seg, out, lse = residuals
     me = jax.lax.axis_index(cfg.axis)
     d_out = d_out.astype(jnp.float32)
@@ -199,14 +203,14 @@ def _ring_bwd(cfg: RingConfig, residuals: tuple[jax.Array, ...],
     kv = (k, v, seg)
     for step in range(cfg.ring):
         if step:
-            kv, (dk, dv) = _rotate(cfg, kv), _rotate(cfg, grads[1:])
+            kv, (dk, dv) = _rotate(cfg, kv, back=True), _rotate(cfg, grads[1:], back=True)
             grads = (grads[0], dk, dv)
 
         def branch(pair: Pair | None, grads=grads, kv=kv) -> Grads:
             return grads if pair is None else _pair_grads(cfg, pair, grads, q, kv[0], kv[1], seg, kv[2], out, norm,
                                                           d_out)
-        grads = _choose(cfg, step, me, q.shape[1], branch)
-    dk, dv = _rotate(cfg, grads[1:])  # the last holder of block j is device j - 1: one more step home
+        grads = _choose(cfg, step, me, q.shape[1], branch, back=True)
+    dk, dv = _rotate(cfg, grads[1:], back=True)  # the last holder of block j is device j + 1: one step home
     return grads[0].astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
