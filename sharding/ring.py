@@ -34,7 +34,8 @@ the lse cotangent (it enters through delta = rowsum(out_t d out_t) - d lse_t, he
 w_t rowsum(out dO): the global softmax's delta, `kernels/flash.py`), so the result is the
 exact gradient of the merged attention. Everything per step (the piece's residuals) lives
 inside the step's `cond` branch, so the backward holds one block's worth at a time instead of
-every step's residuals, the cost of one extra forward kernel per step.
+every step's residuals, the cost of one extra forward kernel per step. Each rotation is tied to
+the previous step's result (`_after`), so XLA cannot send all blocks up front and hold them.
 """
 
 from __future__ import annotations
@@ -136,6 +137,15 @@ def _merge(state: State, pair: Pair, out: jax.Array, lse: jax.Array) -> State:
     return tuple(s.at[:, rows].set(x) for s, x in zip(state, (acc, total * rescale + weight, new_top)))
 
 
+def _after(xs: tuple[jax.Array, ...], dep: jax.Array) -> tuple[jax.Array, ...]:
+    """`xs` unchanged, but computed after `dep`: XLA would otherwise send every block of the ring
+    as early as it likes (they depend on K/V alone) and keep them all alive at once. Adds
+    0 x one element of `dep` to the floating arrays (exact; XLA does not fold x * 0 for floats;
+    a non-finite `dep` makes the blocks NaN, where the gradients being built are non-finite anyway)."""
+    tie = 0 * dep.reshape(-1)[0]
+    return tuple(x + tie.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in xs)
+
+
 def _rotate(cfg: RingConfig, xs: tuple[jax.Array, ...], *, back: bool = False) -> tuple[jax.Array, ...]:
     """Send every array one device along the ring: j -> j + 1, or j -> j - 1 with `back`."""
     shift = [(j, (j - 1 if back else j + 1) % cfg.ring) for j in range(cfg.ring)]
@@ -152,7 +162,7 @@ def _ring_forward(cfg: RingConfig, q: jax.Array, k: jax.Array, v: jax.Array,
     kv = (k, v, seg)
     for step in range(cfg.ring):
         if step:
-            kv = _rotate(cfg, kv)
+            kv = _rotate(cfg, _after(kv, state[1]))  # state[1], the weight total, is always finite
 
         def branch(pair: Pair | None, state=state, kv=kv) -> State:
             return state if pair is None else _merge(state, pair, *_piece(cfg, pair, q, kv[0], kv[1], seg, kv[2]))
@@ -203,7 +213,7 @@ def _ring_bwd(cfg: RingConfig, residuals: tuple[jax.Array, ...],
     kv = (k, v, seg)
     for step in range(cfg.ring):
         if step:
-            kv, (dk, dv) = _rotate(cfg, kv, back=True), _rotate(cfg, grads[1:], back=True)
+            kv, (dk, dv) = _rotate(cfg, _after(kv, grads[1]), back=True), _rotate(cfg, grads[1:], back=True)
             grads = (grads[0], dk, dv)
 
         def branch(pair: Pair | None, grads=grads, kv=kv) -> Grads:
