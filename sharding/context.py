@@ -15,14 +15,17 @@ Two exact variants, chosen by `parallelism.context_impl`:
   each step is one kernel call on a static rectangle, chosen by a `lax.cond` on the
   device index (`sharding/ring.py`). Its custom VJP sends K/V around the ring again
   with their gradients, recomputing each step's piece, so a device holds one block's
-  residuals at a time: no [Tl, Tl] scores, and memory O(T / n) per device with a
-  flash kernel (`benchmarks/ring_memory.py`). The shard_map is manual over the
+  residuals at a time: with a flash kernel no scores at all and memory O(T / n) per
+  device (the all-gather's is O(T); `benchmarks/ring_memory.py`), with `xla` one
+  chunk pair's scores. The shard_map is manual over the
   (batch, heads) axes too, so a custom kernel runs on its shard.
 
 Causal load balancing (ring): the sequence is cut into 2n chunks and device i
 holds chunks i and 2n-1-i, so every device has the same amount of visible
 (causal) work. `balanced_order` gives that token order; the training loop
-applies it to the batch, and this module masks with the original indices.
+applies it to the batch, and `sharding/ring.py` picks each step's visible chunk
+pair from the two devices' indices (`_token_index` maps a device's tokens back to
+their original positions, for the guide and its tests).
 """
 
 from __future__ import annotations

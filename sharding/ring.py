@@ -27,8 +27,8 @@ are <= 1, a piece with lse -inf weighs exactly 0 and a row with nothing visible 
 
 **Gradients** (`_ring` is a custom VJP; the forward keeps only q, k, v, the ids, the merged out
 and its lse L): the backward sends K/V around the ring again, the other way round, with their
-float32 gradients travelling beside them; each step recomputes its piece (out_t, lse_t) and backpropagates
-through `attention_with_lse` with the cotangents of the merge, ``d out_t = w_t dO`` and
+float32 gradients travelling beside them; each step recomputes its piece (out_t, lse_t) and
+backpropagates through `attention_with_lse` with the cotangents of the merge, ``d out_t = w_t dO`` and
 ``d lse_t = w_t (out_t - out) . dO`` where ``w_t = exp(lse_t - L)``. The kernels' VJP takes
 the lse cotangent (it enters through delta = rowsum(out_t d out_t) - d lse_t, here
 w_t rowsum(out dO): the global softmax's delta, `kernels/flash.py`), so the result is the
