@@ -7,14 +7,25 @@ Two exact variants, chosen by `parallelism.context_impl`:
   Simple, and the all-gather overlaps with the Q projection; K/V memory is the
   full sequence per device.
 - `ring`: K/V blocks travel around the context ring with `ppermute` inside
-  `shard_map`; each step attends the local queries to one K/V block and merges
-  the partial results with the log-sum-exp trick (Liu et al. 2023, "Ring
-  Attention"). K/V memory stays at one block per device.
+  `shard_map`; each step attends the local queries to one K/V block with the
+  configured kernel (`kernels.attention_with_lse`: xla, Pallas, auto; cuDNN, which
+  returns no log-sum-exp, runs as auto) and merges the partial results with the
+  log-sum-exp trick (Liu et al. 2023, "Ring Attention"). Per step the visibility
+  between the local and the visiting chunks is full, causal-diagonal or none, so
+  each step is one kernel call on a static rectangle, chosen by a `lax.cond` on the
+  device index (`sharding/ring.py`). Its custom VJP sends K/V around the ring again
+  with their gradients, recomputing each step's piece, so a device holds one block's
+  residuals at a time: with a flash kernel no scores at all and memory O(T / n) per
+  device (the all-gather's is O(T); `benchmarks/ring_memory.py`), with `xla` one
+  chunk pair's scores. The shard_map is manual over the
+  (batch, heads) axes too, so a custom kernel runs on its shard.
 
 Causal load balancing (ring): the sequence is cut into 2n chunks and device i
 holds chunks i and 2n-1-i, so every device has the same amount of visible
 (causal) work. `balanced_order` gives that token order; the training loop
-applies it to the batch, and this module masks with the original indices.
+applies it to the batch, and `sharding/ring.py` picks each step's visible chunk
+pair from the two devices' indices (`_token_index` maps a device's tokens back to
+their original positions, for the guide and its tests).
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 import kernels
 from kernels.facts import CUSTOM_KERNELS
+from sharding.ring import ring_attention_local
 from sharding.rules import active, constrain, logical_to_mesh
 
 CONTEXT = "context"
@@ -53,38 +65,10 @@ def _token_index(device: jax.Array, local_len: int, ring: int, balanced: bool) -
 
 
 def _ring_attention_local(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array, *, ring: int,
-                          balanced: bool, scale: float) -> jax.Array:
-    """Per-device body: local q [B, Tl, H, D] against every K/V block of the ring."""
-    b, tl, h, d = q.shape
-    kv_heads = k.shape[2]
-    groups = h // kv_heads
-    me = jax.lax.axis_index(CONTEXT)
-    q_idx = _token_index(me, tl, ring, balanced)
-    qg = q.reshape(b, tl, kv_heads, groups, d).astype(jnp.float32)
-    out = jnp.zeros((b, kv_heads, groups, tl, v.shape[-1]), jnp.float32)
-    row_max = jnp.full((b, kv_heads, groups, tl), -jnp.inf, jnp.float32)
-    row_sum = jnp.zeros((b, kv_heads, groups, tl), jnp.float32)
-    kv_seg = seg
-    shift = [(j, (j + 1) % ring) for j in range(ring)]
-    for step in range(ring):
-        source = (me - step) % ring  # whose K/V block this device holds now
-        kv_idx = _token_index(source, tl, ring, balanced)
-        scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32), precision="highest") * scale
-        visible = (kv_idx[None, :] <= q_idx[:, None])[None] & (seg[:, :, None] == kv_seg[:, None, :])
-        visible = visible[:, None, None]  # [B, 1, 1, Tq, Tk]
-        block_max = jnp.max(jnp.where(visible, scores, -jnp.inf), axis=-1)
-        new_max = jnp.maximum(row_max, block_max)
-        safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)  # rows with nothing visible yet
-        probs = jnp.where(visible, jnp.exp(scores - safe_max[..., None]), 0.0)
-        rescale = jnp.exp(jnp.where(jnp.isfinite(row_max), row_max - safe_max, -jnp.inf))
-        row_sum = row_sum * rescale + jnp.sum(probs, axis=-1)
-        out = out * rescale[..., None] + jnp.einsum("bkgts,bskd->bkgtd", probs, v.astype(jnp.float32),
-                                                    precision="highest")
-        row_max = new_max
-        if step + 1 < ring:
-            k, v, kv_seg = (jax.lax.ppermute(x, CONTEXT, shift) for x in (k, v, kv_seg))
-    out = out / jnp.where(row_sum > 0, row_sum, 1.0)[..., None]
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, tl, h, v.shape[-1]).astype(q.dtype)
+                          balanced: bool, scale: float, impl: str = "auto") -> jax.Array:
+    """Per-device body: local q [B, Tl, H, D] against every K/V block of the ring, one
+    `kernels.attention_with_lse` call per ring step (`sharding/ring.py`)."""
+    return ring_attention_local(q, k, v, seg, axis=CONTEXT, ring=ring, balanced=balanced, scale=scale, impl=impl)
 
 
 # Custom kernels XLA cannot partition (cuDNN's packed layout: its per-row segment tables are
@@ -92,22 +76,29 @@ def _ring_attention_local(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Arr
 PER_SHARD_IMPLS = CUSTOM_KERNELS
 
 
-def _per_shard_kernel(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, impl: str,
-                      mesh, rules) -> jax.Array:
-    """Run a custom kernel (Pallas, cuDNN) on each device's (batch, heads) shard.
+def _kernel_axes(q: jax.Array, k: jax.Array, mesh, rules) -> tuple[object, object, set[str]]:
+    """Mesh axes of the batch and heads dimensions a custom kernel runs split over, and their set.
 
-    XLA cannot partition a custom kernel, so without this it would gather the full batch
-    onto every device. Heads are split over their mesh axes only when the K/V heads split
-    evenly too, so each shard keeps whole GQA groups.
-    """
+    Heads are split only when the K/V heads split the same way, so each shard keeps whole GQA groups."""
     batch = logical_to_mesh(("batch",), rules.activations, mesh, q.shape[:1])[0]
     heads = logical_to_mesh(("heads",), rules.activations, mesh, q.shape[2:3])[0]
     kv_heads = logical_to_mesh(("kv_heads",), rules.activations, mesh, k.shape[2:3])[0]
     if heads != kv_heads:
         heads = None
+    used = {a for axes in (batch, heads) if axes for a in (axes if isinstance(axes, tuple) else (axes,))}
+    return batch, heads, used
+
+
+def _per_shard_kernel(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, impl: str,
+                      mesh, rules) -> jax.Array:
+    """Run a custom kernel (Pallas, cuDNN) on each device's (batch, heads) shard.
+
+    XLA cannot partition a custom kernel, so without this it would gather the full batch
+    onto every device. Heads are split as `_kernel_axes` says.
+    """
+    batch, heads, used = _kernel_axes(q, k, mesh, rules)
     spec = P(batch, None, heads, None)
     seg_spec = P(batch, None)
-    used = {a for axes in (batch, heads) if axes for a in (axes if isinstance(axes, tuple) else (axes,))}
     if not used:
         return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl)
     args, specs = (q, k, v), (spec, spec, spec)
@@ -118,6 +109,23 @@ def _per_shard_kernel(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
         mesh=mesh, axis_names=used, in_specs=specs, out_specs=spec,
         check_vma=False)  # custom-call outputs carry no varying-axes annotation
     return body(*args)
+
+
+def _ring(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, impl: str, mesh,
+          rules) -> jax.Array:
+    """Ring attention (`sharding/ring.py`) in a shard_map manual over `context` and over the
+    (batch, heads) axes a custom kernel must run split over (`_kernel_axes`, as `_per_shard_kernel`)."""
+    kernels.validate_attention_args(q, k, v, segment_ids)
+    if segment_ids is None:
+        segment_ids = jnp.ones(q.shape[:2], jnp.int32)
+    batch, heads, used = _kernel_axes(q, k, mesh, rules)
+    spec, seg_spec = P(batch, CONTEXT, heads, None), P(batch, CONTEXT)
+    body = jax.shard_map(
+        lambda q, k, v, s: _ring_attention_local(q, k, v, s, ring=mesh.shape[CONTEXT], balanced=rules.load_balance,
+                                                 scale=q.shape[-1] ** -0.5, impl=impl),
+        mesh=mesh, axis_names={CONTEXT, *used}, in_specs=(spec, spec, spec, seg_spec), out_specs=spec,
+        check_vma=False)  # custom-call outputs carry no varying-axes annotation
+    return body(q, k, v, segment_ids)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Array | None,
@@ -135,14 +143,4 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Arra
         k = constrain(k, ("batch", "kv_length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "kv_length", "kv_heads", "head_dim"))
         return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl)
-    kernels.validate_attention_args(q, k, v, segment_ids)
-    ring = mesh.shape[CONTEXT]
-    if segment_ids is None:
-        segment_ids = jnp.ones(q.shape[:2], jnp.int32)
-    body = jax.shard_map(
-        lambda q, k, v, s: _ring_attention_local(q, k, v, s, ring=ring, balanced=rules.load_balance,
-                                                 scale=q.shape[-1] ** -0.5),
-        mesh=mesh, axis_names={CONTEXT},
-        in_specs=(P(None, CONTEXT), P(None, CONTEXT), P(None, CONTEXT), P(None, CONTEXT)),
-        out_specs=P(None, CONTEXT))
-    return body(q, k, v, segment_ids)
+    return _ring(q, k, v, segment_ids, impl, mesh, rules)

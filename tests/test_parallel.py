@@ -139,3 +139,12 @@ def test_pallas_kernel_runs_per_shard_and_matches(baseline):
     np.testing.assert_allclose(result["losses"], baseline["losses"], rtol=1e-5)
     text = result["rt"].lower_train_step(result["state"], result["rt"].to_global(BATCHES[0])).as_text()
     assert "manual_computation" in text  # the kernel ran inside shard_map, not on gathered inputs
+
+
+def test_ring_runs_the_pallas_kernel_and_matches(baseline):
+    """Ring attention calls the configured kernel per ring step (sharding/ring.py), here Pallas
+    (interpreted), inside a shard_map manual over context and the batch axes: same training."""
+    mesh, parallelism = LAYOUTS["context2-fsdp4-ring"]
+    cfg = dataclasses.replace(make_cfg(mesh, **parallelism),
+                              model=dataclasses.replace(MODEL, attention_impl="pallas_triton"))
+    assert_matches(run(cfg, jax.devices()), baseline, "context2-fsdp4-ring-pallas")
