@@ -105,8 +105,11 @@ class Layout:
 
     @property
     def kv_seq(self) -> int:
-        """Key positions each local query is scored against over the step: all of them (ring
-        attention sees them one block per ring step, and the backward keeps every step's)."""
+        """Key positions each local query is scored against in one attention call: all of them,
+        except under ring attention, which calls the kernel once per visiting K/V block and whose
+        custom VJP recomputes each step's piece (sharding/ring.py): one block's keys at a time."""
+        if self.cp > 1 and self.cfg.parallelism.context_impl == "ring":
+            return self.seq
         return self.cfg.train.seq_len
 
     @property
@@ -141,15 +144,17 @@ class Layout:
         """What `model.attention_impl` runs as in the train step on this layout's device, asked of
         the kernels (kernels/facts.py: `auto` by their table, Mosaic GPU's fallback). The model's
         call: causal, the batch's segment ids (always passed in training), no softcap, q and k/v
-        in the compute dtype; under context parallelism the local queries against all keys. Ring
-        context attention (sharding/context.py) runs its own jnp blocks whatever the impl: "xla"."""
+        in the compute dtype; under context parallelism the local queries against all keys (ring
+        attention: against one visiting block, with a (q, kv) segment pair; it runs cuDNN, which
+        returns no log-sum-exp, as `auto`: sharding/ring.py)."""
         m = self.model
+        impl, segments = m.attention_impl, "shared"
         if self.cp > 1 and self.cfg.parallelism.context_impl == "ring":
-            return "xla"
+            impl, segments = ("auto" if impl == "cudnn" else impl), "pair"
         d_qk, d_v = ((m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim) if m.is_mla
                      else (m.resolved_head_dim, m.resolved_head_dim))
-        call = kernel_facts.Call(m.dtype, d_qk, d_v, make_band(True, None, self.seq, self.kv_seq), "shared")
-        return kernel_facts.resolve(m.attention_impl, self.target or kernel_facts.Target(self.backend), call)[0]
+        call = kernel_facts.Call(m.dtype, d_qk, d_v, make_band(True, None, self.seq, self.kv_seq), segments)
+        return kernel_facts.resolve(impl, self.target or kernel_facts.Target(self.backend), call)[0]
 
     @property
     def attention_keeps(self) -> kernel_facts.Keeps:

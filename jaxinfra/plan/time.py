@@ -251,7 +251,8 @@ def tensor_collectives(lay: Layout, state: StateBytes) -> list[Collective]:
 
 def context_collectives(lay: Layout, state: StateBytes) -> list[Collective]:
     """All-gather of K/V per layer (and the reduce-scatter of their gradients), or the ring's
-    cp - 1 shifts of a K/V block each way."""
+    cp - 1 shifts of a K/V block per forward (and rematerialised forward), cp - 1 more in its
+    custom VJP, which also passes the float32 dK/dV round the ring (sharding/ring.py)."""
     cp = lay.cp
     if cp == 1:
         return []
@@ -261,7 +262,9 @@ def context_collectives(lay: Layout, state: StateBytes) -> list[Collective]:
     block = lay.rows * lay.seq * width * lay.compute_bytes  # this device's K and V
     calls = _layer_calls(lay) * (2 + (1 if effective_policy(lay) in RECOMPUTE_ATTENTION else 0))
     if lay.cfg.parallelism.context_impl == "ring":
-        return [Collective("ring K/V shift", "ppermute", ("context",), block, calls * (cp - 1), True)]
+        grads = block * 4 // lay.compute_bytes  # dK/dV travel in float32
+        return [Collective("ring K/V shift", "ppermute", ("context",), block, calls * (cp - 1), True),
+                Collective("ring dK/dV shift", "ppermute", ("context",), grads, _layer_calls(lay) * cp, True)]
     return [Collective("K/V all-gather", "all_gather", ("context",), block * cp, calls, False)]
 
 
