@@ -94,8 +94,6 @@ class TrainConfig:
     # Watchdog: a process that makes no progress for this long (after the first step) dumps its
     # Python stacks, names the step and phase it is stuck in, and exits. 0 disables it.
     step_timeout_s: float = 1800.0
-    # Fault injection for tests: these loop steps get NaN gradients.
-    nan_steps: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

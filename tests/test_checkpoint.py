@@ -16,6 +16,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from nan_steps import NanSteps
 from subprocs import cli_env
 
 from jaxinfra.checkpoint import Checkpointer, abstract_with_shardings, export_params
@@ -181,7 +182,7 @@ def test_corrupted_latest_checkpoint_is_reported_and_skipped(tmp_path, reference
 
 
 def test_one_nan_step_is_skipped(tmp_path, reference):
-    summary = train(cfg("train.nan_steps=[5]"), tmp_path, one_device())
+    summary = train(cfg(), tmp_path, one_device(), extensions=[NanSteps([5])])
     assert summary["exit_code"] == 0 and summary["skipped_steps"] == 1
     got = losses(tmp_path)
     assert all(np.isfinite(v) for v in got.values())
@@ -191,8 +192,8 @@ def test_one_nan_step_is_skipped(tmp_path, reference):
 
 
 def test_persistent_nans_stop_with_last_good_checkpoint(tmp_path):
-    summary = train(cfg("train.nan_steps=[5,6,7,8,9,10,11,12]", "train.max_bad_steps=3", "checkpoint.every=4"),
-                    tmp_path, one_device())
+    summary = train(cfg("train.max_bad_steps=3", "checkpoint.every=4"), tmp_path, one_device(),
+                    extensions=[NanSteps(range(5, 13))])
     assert summary["exit_code"] == EXIT_DIVERGED and summary["steps"] == 7
     rt = build_runtime(cfg(), one_device())
     ckpt = Checkpointer(tmp_path / "checkpoints", cfg().checkpoint)
