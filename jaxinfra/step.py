@@ -76,7 +76,8 @@ def _trainable(params: nnx.State, trainable: Any) -> tuple[nnx.State, nnx.State]
 def _update(state: TrainState, sums: dict, grads: nnx.State, observed: nnx.State, tx: optax.GradientTransformation,
             extensions: Sequence[StepExtension], trainable: Any) -> tuple[TrainState, jax.Array, jax.Array, jax.Array]:
     """(new state, grad norm, finite, tokens): the summed gradients scaled, the optimizer applied, the
-    extensions' post-update hooks run, and the old state kept where the step is not finite."""
+    extensions' post-update hooks run, and the old state kept where the step is not finite (the
+    step count is the caller's to advance)."""
     tokens = jnp.maximum(sums["tokens"], 1.0)
     scale = 1.0 / tokens
     grads = jax.tree.map(lambda g: g * scale, grads)
@@ -94,7 +95,7 @@ def _update(state: TrainState, sums: dict, grads: nnx.State, observed: nnx.State
     finite = (jnp.isfinite(sums["loss_sum"]) & jnp.isfinite(grad_norm)
               & tree_all_finite((new.params, new.stats, new.ext)))
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
-    new = TrainState(step=state.step + 1, params=keep(new.params, state.params),
+    new = TrainState(step=state.step, params=keep(new.params, state.params),
                      opt_state=keep(new.opt_state, state.opt_state), stats=keep(new.stats, state.stats),
                      ext=keep(new.ext, state.ext))
     return new, grad_norm, finite, tokens
@@ -154,7 +155,7 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig, tx: optax.Gradient
         }
         for e in extensions:
             metrics.update(e.metrics(sums, tokens))
-        return new, metrics
+        return new.replace(step=state.step + 1), metrics
 
     return train_step
 

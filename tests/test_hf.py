@@ -28,7 +28,7 @@ from jaxinfra.hf.safetensors_io import SafetensorsDir
 from jaxinfra.hf.tensors import rope_perm
 from jaxinfra.loss import cross_entropy_sums
 from jaxinfra.metrics import param_counts
-from jaxinfra.state import init_params, model_graphdef
+from jaxinfra.state import init_params, model_graphdef, model_state
 from models.config import ModelConfig
 from models.layers import apply_rope
 
@@ -246,7 +246,7 @@ def test_sharded_import_gives_the_reference_loss(tmp_path, name):
     rt = build_runtime(cfg)
     _, params = restore_params(tmp_path / "run", jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        jax.eval_shape(lambda: init_params(cfg.model, jax.random.key(0))), rt.state_shardings.params))
+        jax.eval_shape(lambda: init_params(cfg.model, jax.random.key(0))), model_state(rt.state_shardings)))
     assert params["moe_layers"]["moe"]["w_gate"][...].sharding.spec != jax.sharding.PartitionSpec()
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": np.ones((8, 15), np.int32),
              "positions": np.broadcast_to(np.arange(15, dtype=np.int32), (8, 15)).copy()}
