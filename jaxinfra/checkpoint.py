@@ -194,8 +194,12 @@ class Checkpointer:
         for step in reversed(self.steps()):
             step_dir = self.directory / str(step)
             try:
-                check_fits(step_dir, target, config)
-                state, data, meta = self.restore(step, target)
+                legacy = _pre_stats_target(step_dir, target)
+                if legacy is None:
+                    check_fits(step_dir, target, config)
+                    state, data, meta = self.restore(step, target)
+                else:
+                    state, data, meta = self._restore_pre_stats(step, target, legacy)
             except CheckpointFitError:
                 raise
             except Exception as e:  # noqa: BLE001 - tensorstore / json / metadata errors: the files are damaged
@@ -205,6 +209,24 @@ class Checkpointer:
                 continue
             return step, state, data, meta
         return None
+
+    def _restore_pre_stats(self, step: int, target: TrainState, legacy: dict[str, Any]
+                           ) -> tuple[TrainState, dict[str, Any], dict[str, Any]]:
+        """A checkpoint written before Stats left the params: its `params/` hold them too, and its
+        optimizer state has moments for them, which are dropped (the step never used them)."""
+        with _quiet_orbax():  # a manager of its own: this one's `state` item stays bound to StandardSave
+            reader = ocp.CheckpointManager(self.directory, item_names=("state", "data", "meta"),
+                                           options=ocp.CheckpointManagerOptions(read_only=True, create=False))
+            out = reader.restore(step, args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(
+                    item=legacy, partial_restore=True,
+                    restore_args=jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), legacy)),
+                data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
+        reader.close()
+        old = out["state"]
+        params, stats = split_model_state(old["params"])
+        state = TrainState(step=old["step"], params=params, opt_state=old["opt_state"], stats=stats, ext=target.ext)
+        return state, dict(out["data"]), dict(out["meta"])
 
     def _move_aside(self, step: int) -> pathlib.Path:
         """Keep the evidence, but out of the way: it must not be 'latest' or block a new save of that step.
@@ -290,6 +312,27 @@ def restore_params(directory: str | pathlib.Path, target_params: Any, step: int 
             print(f"jaxinfra: warning: checkpoint {directory / str(step)} is unreadable ({_reason(e)}); "
                   f"trying the previous one", flush=True)
     raise CheckpointError(f"no readable checkpoint under {directory}")
+
+
+def _pre_stats_target(step_dir: pathlib.Path, target: TrainState) -> dict[str, Any] | None:
+    """The restore target in the layout before Stats (router bias, amax histories) left the params,
+    when `step_dir` holds that layout and it fits the target but for the Stats' optimizer moments;
+    None otherwise (a current checkpoint, or one that does not fit: `check_fits` says why)."""
+    stats = ocp.tree.to_flat_dict(target.stats, sep="/")
+    if not stats or jax.tree.leaves(target.ext):
+        return None
+    saved = _saved_shapes(step_dir)
+    if any(k.startswith("stats/") for k in saved):
+        return None
+    legacy = {"step": target.step, "params": nnx.merge_state(target.params, target.stats),
+              "opt_state": target.opt_state}
+    wanted = {k: tuple(v.shape) for k, v in ocp.tree.to_flat_dict(legacy, sep="/").items()}
+    if any(saved.get(k) != v for k, v in wanted.items()):
+        return None
+    extra = [k for k in saved if k not in wanted]
+    if not all(k.startswith("opt_state/") and k.endswith(tuple("/" + s for s in stats)) for k in extra):
+        return None
+    return legacy
 
 
 def _model_items(step_dir: pathlib.Path, variables: Any) -> dict[str, Any]:

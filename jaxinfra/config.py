@@ -195,10 +195,22 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
 def load_config(source: str | None = "tiny", overrides: list[str] | None = None) -> Config:
     """Preset or YAML path, then overrides, then type checks and consistency checks."""
     tree = load_yaml(source) if source else {}
-    tree = apply_overrides(tree, overrides or [])
+    tree = _drop_retired(apply_overrides(tree, overrides or []))
     cfg = from_dict(Config, tree, "")
     validate(cfg)
     return cfg
+
+
+def _drop_retired(tree: dict[str, Any]) -> dict[str, Any]:
+    """Keys earlier versions wrote into every run's config.yaml: accepted while they hold their old
+    default (so those runs still load), refused in one line otherwise."""
+    train = tree.get("train")
+    if isinstance(train, dict) and "nan_steps" in train:
+        if train["nan_steps"] not in (None, [], ()):
+            raise ConfigError("train.nan_steps was removed: NaN injection is a test-only step extension now "
+                              "(tests/nan_steps.py)")
+        tree = {**tree, "train": {k: v for k, v in train.items() if k != "nan_steps"}}
+    return tree
 
 
 def from_dict(cls: type, data: Any, path: str) -> Any:
