@@ -8,8 +8,12 @@ Modules of `jaxinfra/` (see docs/architecture.md for how one run goes through th
     config.py      preset YAML + dotted overrides -> one frozen, typed, validated Config
     presets/       the named configs (tiny, small, llama3-8b, mixtral-tiny, deepseek-v3, ...)
     runtime.py     build_runtime: mesh, sharding rules, optimizer and jitted steps, built once
-    state.py       TrainState, params created in their sharded layout, abstract (shape-only) trees
+    state.py       TrainState (params, opt state, model stats, extension state) created in its sharded
+                   layout, abstract (shape-only) trees
     step.py        the jitted train step (gradient accumulation, NaN guard) and eval step
+    extensions.py  the train step's extension seam: loss terms, batch fields, frozen inputs, own state,
+                   post-update, trainable subset; ModelStats (router bias, amax histories)
+    features.py    extensions_for(cfg): the feature extensions a config asks for (distillation)
     loss.py        token-sum cross-entropy with z-loss; MoE router losses and metrics
     optim.py       learning-rate schedules and AdamW with its decay mask and clipping
     train.py       the training loop: resume, logging, evaluation, checkpoints, signals
