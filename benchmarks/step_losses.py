@@ -29,7 +29,10 @@ CASES = {
                                     "quant.fp8_emulation=true", "train.grad_accum_steps=2"], 10),
     "distill_online": ("tiny", [*TINY, "distill.alpha=0.5", "distill.temperature=2.0",
                                 "distill.teacher_dtype=float32", "model.loss_chunk_size=16"], 10),
+    "distill_offline": ("tiny", [*TINY, "distill.alpha=0.5", "distill.temperature=2.0", "model.loss_chunk_size=16",
+                                 "data.source=synthetic", "data.synthetic_vocab=256"], 10),
 }
+DATA = ["data.source=synthetic", "data.synthetic_vocab=256", "train.seq_len=64", "train.batch_size=8"]
 
 
 def random_batch(cfg: Config, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -50,29 +53,58 @@ def _teacher(cfg: Config) -> str:
     return out
 
 
-def _start_teacher(rt) -> None:
+def _start_teacher(rt):
+    """The tree's distillation host object, started: (host_batch(local, step) -> the full local batch)."""
     try:
         from jaxinfra.extensions import HostContext
 
-        rt.extension("distill").start(HostContext(rt, [], 0, rt.cfg.train.batch_size), {})
+        ext = rt.extension("distill")
+        ext.start(HostContext(rt, [], 0, rt.cfg.train.batch_size), {})
+        return lambda local, step: {**local, **ext.host_batch(local, step)}
     except ImportError:  # the tree before the seam
         from jaxinfra.distill.run import DistillRun
 
-        DistillRun(rt, [], 0, rt.cfg.train.batch_size).start({})
+        run = DistillRun(rt, [], 0, rt.cfg.train.batch_size)
+        run.start({})
+        return run.host_batch
+
+
+def _offline_config(preset: str, overrides: list[str], steps: int) -> Config:
+    """Save the teacher's top-k logits of `steps` synthetic batches (this tree's save-logits)."""
+    from jaxinfra.distill.save import save_logits
+
+    cfg = load_config(preset, [*overrides, f"train.steps={steps}"])
+    out = tempfile.mkdtemp(prefix="logits-") + "/logits"
+    save_logits(_teacher(cfg), DATA, out, top_k=8, steps=steps, teacher_dtype="float32", progress=False,
+                devices=jax.devices()[:1])
+    return load_config(preset, [*overrides, f"train.steps={steps}", f"distill.logits={out}"])
+
+
+def _batches(cfg: Config, name: str, steps: int):
+    if name != "distill_offline":
+        rng = np.random.default_rng(0)
+        return (random_batch(cfg, rng) for _ in range(steps))
+    from jaxinfra.data import make_train_iterator
+
+    t = cfg.train
+    it = make_train_iterator(cfg.data, seq_len=t.seq_len, global_batch_size=t.batch_size,
+                             vocab_size=cfg.model.vocab_size, seed=t.seed, process_index=0, process_count=1)
+    return (next(it) for _ in range(steps))
 
 
 def losses(name: str) -> dict[str, list[str]]:
     preset, overrides, steps = CASES[name]
     cfg = load_config(preset, [*overrides, f"train.steps={steps}"])
-    if name.startswith("distill"):
+    if name == "distill_online":
         cfg = load_config(preset, [*overrides, f"train.steps={steps}", f"distill.teacher={_teacher(cfg)}"])
+    elif name == "distill_offline":
+        cfg = _offline_config(preset, overrides, steps)
     rt = build_runtime(cfg, jax.devices()[:1])
-    if name.startswith("distill"):
-        _start_teacher(rt)
-    state, rng = rt.init_state(), np.random.default_rng(0)
+    host_batch = _start_teacher(rt) if name.startswith("distill") else (lambda local, step: local)
+    state = rt.init_state()
     out: dict[str, list[str]] = {}
-    for _ in range(steps):
-        state, m = rt.train_step(state, rt.to_global(random_batch(cfg, rng)))
+    for step, local in enumerate(_batches(cfg, name, steps), 1):
+        state, m = rt.train_step(state, rt.to_global(host_batch(local, step)))
         for k, v in jax.device_get(m).items():
             if np.ndim(v) == 0:
                 out.setdefault(k, []).append(float(v).hex())
