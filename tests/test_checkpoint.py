@@ -292,3 +292,28 @@ def test_run_without_eval_batches(tmp_path):
     assert summary["exit_code"] == 0 and summary["first_eval_loss"] is None and summary["final_eval_loss"] is None
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert not any("eval_loss" in row for row in rows) and len([r for r in rows if "loss" in r]) == 2
+
+
+def test_checkpoint_from_before_stats_left_the_params_restores(tmp_path):
+    """The old main saved the router bias (and fp8 amax histories) under `params/`, with optimizer
+    moments: a full restore maps them to `stats/` and drops those moments; a params restore reads them."""
+    from jaxinfra.checkpoint import restore_params
+    from jaxinfra.state import model_state
+
+    moe = cfg("model.moe_num_experts=4", "model.moe_top_k=2", "model.moe_mlp_dim=32", "model.moe_bias_update_rate=0.01")
+    rt = build_runtime(moe, one_device())
+    state = rt.init_state()
+    state = state.replace(stats=jax.tree.map(lambda x: x + 0.25, state.stats))  # a moved bias
+    variables = model_state(state)
+    old = {"step": state.step, "params": variables, "opt_state": rt.tx.init(variables)}  # the old layout
+    ckpt = Checkpointer(tmp_path / "checkpoints", moe.checkpoint)
+    ckpt.save(3, old, {}, {"step": 3})
+    ckpt.close()
+    target = abstract_with_shardings(rt.abstract_state(), rt.state_shardings)
+    step, restored, _, _ = Checkpointer(tmp_path / "checkpoints", moe.checkpoint).restore_latest(target)
+    assert step == 3 and jax.tree.structure(restored) == jax.tree.structure(state)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _, params = restore_params(tmp_path, model_state(target))
+    for a, b in zip(jax.tree.leaves(variables), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
