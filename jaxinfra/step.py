@@ -45,7 +45,8 @@ def forward_sums(graphdef: nnx.GraphDef, cfg: ModelConfig, extensions: Sequence[
                 ext_state: dict | None = None) -> dict[str, jax.Array]:
         model = nnx.merge(graphdef, *variables)
         h, moe_stats = model.hidden(batch["inputs"], batch["positions"], batch["segment_ids"])
-        ctxs = [StepContext(model, batch, step, x, (ext_state or {}).get(e.name)) for e, x in zip(extensions, inputs)]
+        ctxs = [StepContext(model, batch, step, x, (ext_state or {}).get(e.name))
+                for e, x in zip(extensions, inputs or ((),) * len(extensions), strict=True)]
         extra = [e.per_token(c, h) for e, c in zip(extensions, ctxs)]
         counts, flat = [len(x) for x in extra], [a for x in extra for a in x]
 
