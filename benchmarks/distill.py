@@ -137,19 +137,16 @@ def _step_memory(overrides: list[str], batch: int, seq: int) -> tuple[float, flo
     """(temporary MiB, compile s) of the compiled train step of a tiny-based config, not run."""
     from jaxinfra.checkpoint import abstract_with_shardings
     from jaxinfra.runtime import build_runtime
-    from jaxinfra.state import abstract_params, abstract_state
 
     cfg = load_config("tiny", [f"train.seq_len={seq}", f"train.batch_size={batch}", "mesh.data=1",
                                "data.source=synthetic", *overrides])
     rt = build_runtime(cfg, jax.devices()[:1])
-    if rt.distill is not None:
-        rt.step_inputs = rt.distill.step_inputs(
-            abstract_params(rt.distill.teacher.compute_model("bfloat16"), rt.mesh, rt.rules))
-    state = abstract_with_shardings(abstract_state(cfg.model, rt.tx), rt.state_shardings)
+    state = abstract_with_shardings(rt.abstract_state(), rt.state_shardings)
     ids = jax.ShapeDtypeStruct((batch, seq), jax.numpy.int32, sharding=rt.batch_sharding)
     start = time.perf_counter()
-    analysis = rt.lower_train_step(state, {k: ids for k in ("inputs", "targets", "segment_ids", "positions")}
-                                   ).compile().memory_analysis()
+    inputs = tuple(e.abstract_inputs() for e in rt.extensions)  # e.g. the teacher's params, not loaded
+    analysis = rt.lower_train_step(state, {k: ids for k in ("inputs", "targets", "segment_ids", "positions")},
+                                   inputs).compile().memory_analysis()
     return analysis.temp_size_in_bytes / 2**20, time.perf_counter() - start
 
 

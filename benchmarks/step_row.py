@@ -165,7 +165,7 @@ def _timed_steps(rt, compiled, state, batch, cfg: Config, steps: int, flags: set
     losses = []
     t0 = time.perf_counter()
     for i in range(steps):
-        state, metrics = compiled(state, rt.to_global(host[i % 2]) if host else batch)
+        state, metrics = compiled(state, rt.to_global(host[i % 2]) if host else batch, rt.step_inputs())
         losses.append(metrics["loss"])
         if "sync_each_step" in flags:
             jax.block_until_ready(metrics)
@@ -274,7 +274,7 @@ def measure(spec: RowSpec, opts: RowOptions) -> dict[str, Any]:
 def _run_row(out: dict[str, Any], rt, compiled, state, batch, cfg: Config, spec: RowSpec, opts: RowOptions,
              work: Path, flags: set[str]) -> None:
     """Warm-up, timed steps, the allocator's peak and (opts.profile_steps) the profile, into `out`."""
-    state, first = compiled(state, batch)
+    state, first = compiled(state, batch, rt.step_inputs())  # + the step extensions' frozen inputs
     state, losses, out["step_s"] = _timed_steps(rt, compiled, state, batch, cfg, opts.steps, flags,
                                                 opts.docs_per_row)
     out["losses"] = [float(x) for x in jax.device_get([first["loss"], *losses])]

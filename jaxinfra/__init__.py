@@ -21,8 +21,11 @@ Modules of `jaxinfra/` (see docs/architecture.md for how one run goes through th
     metrics/       FLOP counts, device peaks, MFU, JSONL/TensorBoard writers, table formatting
     optim.py       learning-rate schedules and AdamW with its decay mask and clipping
     loss.py        token-sum cross-entropy with z-loss; MoE router losses and metrics
-    state.py       TrainState, params created in their sharded layout, abstract (shape-only) trees
+    state.py       TrainState (params, opt state, model stats, extension state) created in its sharded
+                   layout, abstract (shape-only) trees
     step.py        the jitted train step (gradient accumulation, NaN guard) and eval step
+    extensions.py  the train step's extension seam: loss terms, batch fields, frozen inputs, own state,
+                   post-update, trainable subset; ModelStats (router bias, amax histories)
     quant_checks.py  the quant section's checks that need the devices (fp8 support)
     runtime.py     build_runtime: mesh, sharding rules, optimizer and jitted steps, built once
     checkpoint.py  Orbax checkpoints of state + data position + config; restore, export-params

@@ -42,11 +42,12 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from flax import nnx
 from jax.experimental import multihost_utils
 
 from jaxinfra.config import CheckpointConfig
 from jaxinfra.distributed import exchange_json  # multi-host utility; re-exported for callers
-from jaxinfra.state import TrainState
+from jaxinfra.state import TrainState, split_model_state
 
 
 class CheckpointError(RuntimeError):
@@ -163,16 +164,19 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any], sections: tup
 
 
 def check_fits(step_dir: pathlib.Path, target: Any, current_config: dict[str, Any] | None,
-               item_prefix: str = "") -> None:
+               item_prefix: str | tuple[str, ...] = "") -> None:
     """CheckpointFitError if the arrays saved in `step_dir` do not have the target's names and shapes.
 
-    `target` is a tree of ShapeDtypeStructs (the whole TrainState, or the params alone with
-    item_prefix="params/"). I/O and format errors propagate: the caller counts them as damage.
+    `target` is a tree of ShapeDtypeStructs (the whole TrainState, or a part of it: then
+    `item_prefix` names the subtrees compared, e.g. ("params/", "stats/"); a str prefixes the
+    target's names). I/O and format errors propagate: the caller counts them as damage.
     """
     saved = _saved_shapes(step_dir)
-    wanted = {item_prefix + k: tuple(v.shape) for k, v in ocp.tree.to_flat_dict(target, sep="/").items()}
+    prefix = item_prefix if isinstance(item_prefix, str) else ""
+    wanted = {prefix + k: tuple(v.shape) for k, v in ocp.tree.to_flat_dict(target, sep="/").items()}
     if item_prefix:
-        saved = {k: v for k, v in saved.items() if k.startswith(item_prefix)}
+        keep = (item_prefix,) if isinstance(item_prefix, str) else tuple(item_prefix)
+        saved = {k: v for k, v in saved.items() if k.startswith(keep)}
     bad = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
     if not bad:
         return
@@ -299,8 +303,12 @@ class Checkpointer:
         for step in reversed(self.steps()):
             step_dir = self.directory / str(step)
             try:
-                check_fits(step_dir, target, config)
-                state, data, meta = self.restore(step, target)
+                legacy = _pre_stats_target(step_dir, target)
+                if legacy is None:
+                    check_fits(step_dir, target, config)
+                    state, data, meta = self.restore(step, target)
+                else:
+                    state, data, meta = self._restore_pre_stats(step, target, legacy)
             except CheckpointFitError:
                 raise
             except Exception as e:  # noqa: BLE001 - tensorstore / json / metadata errors: the files are damaged
@@ -310,6 +318,24 @@ class Checkpointer:
                 continue
             return step, state, data, meta
         return None
+
+    def _restore_pre_stats(self, step: int, target: TrainState, legacy: dict[str, Any]
+                           ) -> tuple[TrainState, dict[str, Any], dict[str, Any]]:
+        """A checkpoint written before Stats left the params: its `params/` hold them too, and its
+        optimizer state has moments for them, which are dropped (the step never used them)."""
+        with _quiet_orbax():  # a manager of its own: this one's `state` item stays bound to StandardSave
+            reader = ocp.CheckpointManager(self.directory, item_names=("state", "data", "meta"),
+                                           options=ocp.CheckpointManagerOptions(read_only=True, create=False))
+            out = reader.restore(step, args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(
+                    item=legacy, partial_restore=True,
+                    restore_args=jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), legacy)),
+                data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
+        reader.close()
+        old = out["state"]
+        params, stats = split_model_state(old["params"])
+        state = TrainState(step=old["step"], params=params, opt_state=old["opt_state"], stats=stats, ext=target.ext)
+        return state, dict(out["data"]), dict(out["meta"])
 
     def _move_aside(self, step: int) -> pathlib.Path:
         """Keep the evidence, but out of the way: it must not be 'latest' or block a new save of that step.
@@ -370,8 +396,9 @@ def is_params_only(directory: str | pathlib.Path) -> bool:
 
 def restore_params(directory: str | pathlib.Path, target_params: Any, step: int | None = None,
                    config: dict[str, Any] | None = None) -> tuple[int, Any]:
-    """Params only from the newest readable checkpoint under `directory` (a run dir, its
-    checkpoints/, or one step directory RUN/checkpoints/N), or from checkpoint `step` alone.
+    """The model's variables (params and stats, jaxinfra/state.py model_state) only, from the newest
+    readable checkpoint under `directory` (a run dir, its checkpoints/, or one step directory
+    RUN/checkpoints/N), or from checkpoint `step` alone.
 
     Like `Checkpointer.restore_latest`: params of other shapes raise CheckpointFitError (naming the
     differing keys of `config`, the current resolved config as a dict); an unreadable checkpoint is
@@ -391,21 +418,54 @@ def restore_params(directory: str | pathlib.Path, target_params: Any, step: int 
         steps = [step]
     for step in steps:
         try:
-            check_fits(directory / str(step), target_params, config, item_prefix="params/")
+            item = _model_items(directory / str(step), target_params)
+            check_fits(directory / str(step), item, config, item_prefix=("params/", "stats/"))
             with _quiet_orbax():
                 restored = manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.PyTreeRestore(
-                        item={"params": target_params},
-                        restore_args=jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding),
-                                                  {"params": target_params}),
+                        item=item,
+                        restore_args=jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), item),
                         partial_restore=True)))
-            return step, restored["state"]["params"]
+            return step, nnx.merge_state(*restored["state"].values())
         except CheckpointFitError:
             raise
         except Exception as e:  # noqa: BLE001 - any read error: this checkpoint is damaged, try the previous
             print(f"jaxinfra: warning: checkpoint {directory / str(step)} is unreadable ({_reason(e)}); "
                   f"trying the previous one", flush=True)
     raise CheckpointError(f"no readable checkpoint under {directory}")
+
+
+def _pre_stats_target(step_dir: pathlib.Path, target: TrainState) -> dict[str, Any] | None:
+    """The restore target in the layout before Stats (router bias, amax histories) left the params,
+    when `step_dir` holds that layout and it fits the target but for the Stats' optimizer moments;
+    None otherwise (a current checkpoint, or one that does not fit: `check_fits` says why)."""
+    stats = ocp.tree.to_flat_dict(target.stats, sep="/")
+    if not stats or jax.tree.leaves(target.ext):
+        return None
+    saved = _saved_shapes(step_dir)
+    if any(k.startswith("stats/") for k in saved):
+        return None
+    legacy = {"step": target.step, "params": nnx.merge_state(target.params, target.stats),
+              "opt_state": target.opt_state}
+    wanted = {k: tuple(v.shape) for k, v in ocp.tree.to_flat_dict(legacy, sep="/").items()}
+    if any(saved.get(k) != v for k, v in wanted.items()):
+        return None
+    extra = [k for k in saved if k not in wanted]
+    if not all(k.startswith("opt_state/") and k.endswith(tuple("/" + s for s in stats)) for k in extra):
+        return None
+    return legacy
+
+
+def _model_items(step_dir: pathlib.Path, variables: Any) -> dict[str, Any]:
+    """The saved items holding a model's variables: `params` and `stats` (models/stat.py), or, in a
+    checkpoint written before Stats left the params (router bias, amax histories under `params/`),
+    `params` alone with every variable."""
+    params, stats = split_model_state(variables)
+    if not jax.tree.leaves(stats):
+        return {"params": params}
+    if any(k.startswith("stats/") for k in _saved_shapes(step_dir)):
+        return {"params": params, "stats": stats}
+    return {"params": variables}
 
 
 def export_params(run_dir: str | pathlib.Path, out: str | pathlib.Path, dtype: str | None = None) -> pathlib.Path:
@@ -449,12 +509,14 @@ def save_params_only(out: str | pathlib.Path, cfg: Any, params: Any, meta: dict[
     # Orbax copies arrays to the host before writing them; by default all at once (a full host copy
     # of the model). Bounding the copies in flight to the largest parameter (at least 256 MiB) keeps
     # the host to about one tensor at a time. Same PyTree format as StandardSave.
+    params, stats = split_model_state(params)  # the items a TrainState has (Stats beside the params)
+    items = {"params": params, **({"stats": stats} if jax.tree.leaves(stats) else {})}
     largest = max(x.nbytes for x in jax.tree.leaves(params))
     budget = (max(largest, 2**28) + 2**20) / 10**9  # the limiter refuses a single array above its budget
     handler = ocp.PyTreeCheckpointHandler(save_device_host_concurrent_gb=budget, save_concurrent_gb=budget)
     manager = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(create=True),
                                     item_names=("state", "data", "meta"), item_handlers={"state": handler})
-    manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave({"params": params}),
+    manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(items),
                                                meta=ocp.args.JsonSave({**meta, "config": cfg.to_yaml()})))
     manager.wait_until_finished()
     manager.close()

@@ -102,8 +102,6 @@ class TrainConfig:
     # Watchdog: a process that makes no progress for this long (after the first step) dumps its
     # Python stacks, names the step and phase it is stuck in, and exits. 0 disables it.
     step_timeout_s: float = 1800.0
-    # Fault injection for tests: these loop steps get NaN gradients.
-    nan_steps: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,7 +203,7 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
 def load_config(source: str | None = "tiny", overrides: list[str] | None = None) -> Config:
     """Preset or YAML path, then overrides, then type checks and consistency checks."""
     tree = load_yaml(source) if source else {}
-    tree = apply_overrides(tree, overrides or [])
+    tree = _drop_retired(apply_overrides(tree, overrides or []))
     cfg = config_from_tree(tree)
     validate(cfg)
     return cfg
@@ -238,6 +236,18 @@ def fit_vocab(cfg: Config, data_vocab: int) -> Config:
     if data_vocab <= cfg.model.vocab_size:
         return cfg
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=data_vocab))
+
+
+def _drop_retired(tree: dict[str, Any]) -> dict[str, Any]:
+    """Keys earlier versions wrote into every run's config.yaml: accepted while they hold their old
+    default (so those runs still load), refused in one line otherwise."""
+    train = tree.get("train")
+    if isinstance(train, dict) and "nan_steps" in train:
+        if train["nan_steps"] not in (None, [], ()):
+            raise ConfigError("train.nan_steps was removed: NaN injection is a test-only step extension now "
+                              "(tests/nan_steps.py)")
+        tree = {**tree, "train": {k: v for k, v in train.items() if k != "nan_steps"}}
+    return tree
 
 
 def from_dict(cls: type, data: Any, path: str) -> Any:

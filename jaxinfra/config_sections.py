@@ -9,6 +9,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+# Sections whose `enabled` turns on a step extension of the same name (jaxinfra/extensions.py
+# check_sections_claimed: a section that is on with no extension to run it is refused).
+FEATURE_SECTIONS: tuple[str, ...] = ("distill",)
+
 DistillSchedule = Literal["linear", "cosine"]
 TeacherDType = Literal["float32", "bfloat16"]
 

@@ -15,7 +15,7 @@ from jaxinfra.config import Config, pipeline_settings, validate
 from jaxinfra.metrics import flops_per_token, param_counts
 from jaxinfra.metrics.table import format_table
 from jaxinfra.optim import make_optimizer, make_schedule
-from jaxinfra.state import abstract_state, sharding_rules, shardings_for
+from jaxinfra.state import abstract_state, model_state, sharding_rules, shardings_for
 from sharding.mesh import make_mesh
 from sharding.pipeline import Schedule, bubble_fraction
 
@@ -43,15 +43,18 @@ def _tree_bytes(abstract: Any, shardings: Any) -> tuple[int, int]:
 
 
 def memory_table(cfg: Config, mesh: jax.sharding.Mesh) -> dict[str, tuple[int, int]]:
-    """{params, grads, optimizer state}: (total bytes, bytes per device), from shapes and shardings."""
+    """{params, grads, optimizer state[, stats]}: (total bytes, bytes per device), from shapes and shardings
+    (stats: the model's non-trained variables, e.g. router bias, amax histories; models/stat.py)."""
     rules = sharding_rules(cfg.parallelism)
     tx = make_optimizer(cfg.optimizer, make_schedule(cfg.schedule, cfg.optimizer.lr, cfg.train.steps))
     state = abstract_state(cfg.model, tx, cfg.quant)
     shardings = shardings_for(state, mesh, rules)
     params = _tree_bytes(state.params, shardings.params)
+    stats = {"stats": _tree_bytes(state.stats, shardings.stats)} if jax.tree.leaves(state.stats) else {}
     if cfg.quant.weights != "none":  # an inference checkpoint: no gradients, no optimizer
-        return {"params": params}
-    return {"params": params, "grads": params, "optimizer state": _tree_bytes(state.opt_state, shardings.opt_state)}
+        return {"params": params, **stats}
+    return {"params": params, "grads": params, "optimizer state": _tree_bytes(state.opt_state, shardings.opt_state),
+            **stats}
 
 
 def quant_lines(cfg: Config) -> list[str]:
@@ -112,8 +115,8 @@ def describe(cfg: Config | None = None) -> str:
     shardings = shardings_for(state, mesh, rules)
     lines += quant_lines(cfg)
     rows = []
-    flat_shardings = dict(nnx.to_flat_state(shardings.params))
-    for path, var in nnx.to_flat_state(state.params):
+    flat_shardings = dict(nnx.to_flat_state(model_state(shardings)))
+    for path, var in nnx.to_flat_state(model_state(state)):  # params and stats
         sharding = flat_shardings[path].get_raw_value()
         rows.append(("/".join(map(str, path)), str(tuple(var.shape)), str(np.dtype(var.dtype)),
                      str(tuple(var.get_metadata()["out_sharding"])), str(tuple(sharding.spec)),

@@ -18,9 +18,26 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfra.config import Config, pipeline_settings, validate
+from jaxinfra.extensions import (
+    ModelStats,
+    StepExtension,
+    check_names,
+    check_sections_claimed,
+    extensions_for,
+    init_ext_fn,
+    trainable_filter,
+)
 from jaxinfra.optim import make_optimizer, make_schedule
 from jaxinfra.quant_checks import check_trainable
-from jaxinfra.state import TrainState, abstract_state, create_train_state, model_graphdef, sharding_rules, shardings_for
+from jaxinfra.state import (
+    TrainState,
+    abstract_state,
+    create_train_state,
+    model_graphdef,
+    model_state,
+    sharding_rules,
+    shardings_for,
+)
 from jaxinfra.step import make_eval_step, make_train_step
 from sharding.context import balanced_order
 from sharding.mesh import make_mesh
@@ -44,13 +61,25 @@ class Runtime:
     sequence_order: np.ndarray | None  # ring attention's load-balanced token order
     _train_step: Any
     _eval_step: Any
-    distill: Any = None  # jaxinfra.distill.step.DistillParts when the distill section is on
-    step_inputs: tuple = ()  # the train step's arguments after the batch (distillation: jaxinfra/distill/step.py)
+    extensions: tuple[StepExtension, ...] = ()  # jaxinfra/extensions.py; ModelStats first
 
     def init_state(self) -> TrainState:
         state, _ = create_train_state(self.cfg.model, self.tx, jax.random.key(self.cfg.train.seed),
-                                      self.mesh, self.rules, self.cfg.quant)
+                                      self.mesh, self.rules, self.cfg.quant, init_ext_fn(self.extensions),
+                                      trainable_filter(self.extensions))
         return state
+
+    def abstract_state(self) -> TrainState:
+        """The TrainState's shapes, dtypes and logical metadata (with the extensions' state)."""
+        return abstract_state(self.cfg.model, self.tx, self.cfg.quant, init_ext_fn(self.extensions),
+                              trainable_filter(self.extensions))
+
+    def extension(self, name: str) -> StepExtension | None:
+        return next((e for e in self.extensions if e.name == name), None)
+
+    def step_inputs(self) -> tuple:
+        """The train step's frozen inputs, one entry per extension (read each step: `start` may load them)."""
+        return tuple(e.inputs() for e in self.extensions)
 
     def to_global(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """This process's rows -> one global array per key, sharded on the batch axes.
@@ -65,16 +94,17 @@ class Runtime:
     def train_step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
         """One optimizer step; `state` is donated."""
         with jax.set_mesh(self.mesh), activation_sharding(self.mesh, self.rules):
-            return self._train_step(state, batch, *self.step_inputs)
+            return self._train_step(state, batch, self.step_inputs())
 
-    def lower_train_step(self, state: TrainState, batch: dict[str, jax.Array], *inputs: Any):
-        """The lowered train step; `inputs` (abstract ones, for the plan's --compile) replace step_inputs."""
+    def lower_train_step(self, state: TrainState, batch: dict[str, jax.Array], inputs: tuple | None = None):
+        """The lowered train step; `inputs` (abstract ones, for the plan's --compile) replace step_inputs()."""
         with jax.set_mesh(self.mesh), activation_sharding(self.mesh, self.rules):
-            return self._train_step.lower(state, batch, *(inputs or self.step_inputs))
+            return self._train_step.lower(state, batch, self.step_inputs() if inputs is None else inputs)
 
     def eval_sums(self, params: nnx.State, batches: list[dict[str, np.ndarray]],
                   eval_step: Any = None) -> tuple[float, float]:
-        """(summed cross-entropy, token count) over host batches (of another model with its `eval_step`)."""
+        """(summed cross-entropy, token count) over host batches; `params` are the model's variables
+        (jaxinfra/state.py model_state), or another model's with its `eval_step`."""
         eval_step = eval_step or self._eval_step
         with jax.set_mesh(self.mesh), activation_sharding(self.mesh, self.rules):
             outs = [eval_step(params, self.to_global(b)) for b in batches]
@@ -82,8 +112,12 @@ class Runtime:
         return sum(float(o["ce_sum"]) for o in outs), sum(float(o["tokens"]) for o in outs)
 
 
-def build_runtime(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Runtime:
-    """Validate against the devices, then build the mesh, rules and jitted steps."""
+def build_runtime(cfg: Config, devices: Sequence[jax.Device] | None = None,
+                  extensions: Sequence[StepExtension] | None = None) -> Runtime:
+    """Validate against the devices, then build the mesh, rules and jitted steps.
+
+    `extensions` join the step (jaxinfra/extensions.py); None: those the config asks for
+    (jaxinfra/extensions.py extensions_for: the registered entry points). The core's ModelStats always runs first."""
     devices = list(devices) if devices is not None else jax.devices()
     validate(cfg, len(devices))
     check_trainable(cfg.quant, devices)
@@ -95,22 +129,29 @@ def build_runtime(cfg: Config, devices: Sequence[jax.Device] | None = None) -> R
     schedule = make_schedule(cfg.schedule, cfg.optimizer.lr, t.steps)
     tx = make_optimizer(cfg.optimizer, schedule)
     graphdef = model_graphdef(cfg.model, cfg.quant)
-    state_shardings = shardings_for(abstract_state(cfg.model, tx, cfg.quant), mesh, rules)
     data_sharding = batch_sharding(mesh, rules)
+    if extensions is None:
+        extensions = extensions_for(cfg)
+    exts = (ModelStats(cfg.model), *extensions)
+    check_names(exts)
+    check_sections_claimed(cfg, exts)
+    order = _ring_order(cfg, mesh, rules)
+    rt = Runtime(cfg, mesh, rules, schedule, tx, graphdef, None, data_sharding, order, None, None, exts)
+    for e in exts:  # e.g. a teacher resolved onto this mesh; bad input is refused before anything compiles
+        e.setup(rt)
+    rt.state_shardings = shardings_for(rt.abstract_state(), mesh, rules)
     replicated = NamedSharding(mesh, PartitionSpec())
-    distill = None
-    if cfg.distill.enabled:  # the teacher's logits join the loss (jaxinfra/distill/)
-        from jaxinfra.distill.step import distill_parts
+    step = make_train_step(graphdef, cfg.model, tx, schedule, t.grad_accum_steps, exts, trainable_filter(exts))
+    rt._train_step = jax.jit(step, in_shardings=(rt.state_shardings, data_sharding,
+                                                 tuple(e.input_shardings() for e in exts)),
+                             out_shardings=(rt.state_shardings, replicated), donate_argnums=0)
+    rt._eval_step = jax.jit(make_eval_step(graphdef, cfg.model),
+                            in_shardings=(model_state(rt.state_shardings), data_sharding), out_shardings=replicated)
+    return rt
 
-        distill = distill_parts(cfg, mesh, rules, graphdef)
-    train_step = jax.jit(make_train_step(graphdef, cfg.model, tx, schedule, t.grad_accum_steps, t.nan_steps,
-                                         loss_sums=distill.loss_sums if distill else None),
-                         in_shardings=(state_shardings, data_sharding, *(distill.input_shardings if distill else ())),
-                         out_shardings=(state_shardings, replicated), donate_argnums=0)
-    eval_step = jax.jit(make_eval_step(graphdef, cfg.model), in_shardings=(state_shardings.params, data_sharding),
-                        out_shardings=replicated)
+
+def _ring_order(cfg: Config, mesh: Mesh, rules: ShardingRules) -> np.ndarray | None:
     ring = mesh.shape["context"]
-    order = (balanced_order(t.seq_len, ring)
-             if ring > 1 and rules.context_impl == "ring" and rules.load_balance else None)
-    return Runtime(cfg, mesh, rules, schedule, tx, graphdef, state_shardings, data_sharding, order,
-                   train_step, eval_step, distill, distill.step_inputs() if distill else ())
+    if ring > 1 and rules.context_impl == "ring" and rules.load_balance:
+        return balanced_order(cfg.train.seq_len, ring)
+    return None

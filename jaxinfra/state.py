@@ -1,13 +1,17 @@
 """TrainState created directly in its sharded layout: no device ever holds the whole model.
 
-The model's parameters live in an `nnx.State` (a pytree of `nnx.Param`
-variables that keep their logical-axis metadata); the optimizer is plain optax.
-Optax's moment trees mirror the params tree variable-for-variable, so the same
+The model's variables split in two `nnx.State`s that keep their logical-axis metadata:
+`params` (the `nnx.Param`s, what the optimizer trains) and `stats` (its `models.stat.Stat`s:
+router bias, amax histories; updated by the step, never by the optimizer). Extensions keep
+their own non-trainable state under `ext[name]` (jaxinfra/extensions.py). The optimizer is
+plain optax over the params; its moment trees mirror them variable-for-variable, so the same
 logical metadata shards params, gradients and optimizer state alike.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import flax.struct
@@ -20,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxinfra.config import ParallelismConfig
 from models import ModelConfig, Transformer
 from models.quant_config import NO_QUANT, QuantConfig
+from models.stat import Stat
 from sharding.rules import ShardingRules, Table, logical_to_mesh, rules_for
 
 
@@ -28,6 +33,19 @@ class TrainState:
     step: jax.Array
     params: nnx.State
     opt_state: optax.OptState
+    stats: nnx.State = dataclasses.field(default_factory=lambda: nnx.State({}))  # the model's Stats
+    ext: dict[str, Any] = dataclasses.field(default_factory=dict)  # extensions' own state, by name
+
+
+def model_state(state: TrainState) -> nnx.State:
+    """The model's variables (params and stats in one State): what `nnx.merge(graphdef, ...)`,
+    evaluation, inference and exports take."""
+    return nnx.merge_state(state.params, state.stats)
+
+
+def split_model_state(variables: nnx.State) -> tuple[nnx.State, nnx.State]:
+    """(params, stats) of a model's variables (the inverse of `model_state`)."""
+    return nnx.split_state(variables, nnx.Param, Stat)
 
 
 def _is_variable(x: Any) -> bool:
@@ -37,21 +55,22 @@ def _is_variable(x: Any) -> bool:
 def model_graphdef(cfg: ModelConfig, quant: QuantConfig = NO_QUANT) -> nnx.GraphDef:
     """The model's static structure (with how its projections quantize), from an abstract construction."""
     abstract = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0), quant))
-    graphdef, _ = nnx.split(abstract, nnx.Param)
+    graphdef, _, _ = nnx.split(abstract, nnx.Param, Stat)
     return graphdef
 
 
 def init_params(cfg: ModelConfig, rng: jax.Array, quant: QuantConfig = NO_QUANT) -> nnx.State:
+    """The model's variables, Params and Stats in one State (`split_model_state` separates them)."""
     model = Transformer(cfg, nnx.Rngs(params=rng), quant)
-    _, params, rest = nnx.split(model, nnx.Param, ...)
-    if jax.tree.leaves(rest):  # the step function only carries Params
-        raise ValueError(f"model has non-Param state that training would drop: {rest}")
-    return params
+    _, variables, rest = nnx.split(model, (nnx.Param, Stat), ...)
+    if jax.tree.leaves(rest):  # the train state only carries Params and Stats
+        raise ValueError(f"model has state that is neither a Param nor a Stat, which training would drop: {rest}")
+    return variables
 
 
 def abstract_params(model_cfg: ModelConfig, mesh: Mesh | None = None, rules: ShardingRules | None = None,
                     quant: QuantConfig = NO_QUANT) -> nnx.State:
-    """The params' shapes, dtypes and logical metadata, without allocating them.
+    """The model's variables' (params and stats) shapes, dtypes and logical metadata, unallocated.
 
     With a mesh every leaf is a ShapeDtypeStruct carrying its sharding on that mesh (by
     `rules.params`, replicated without rules): the target that Orbax restores into and that
@@ -87,33 +106,44 @@ def tree_shardings(tree: Any, mesh: Mesh, table: Table) -> Any:
 
 
 def shardings_for(state: TrainState, mesh: Mesh, rules: ShardingRules) -> TrainState:
-    """Shardings of a (possibly abstract) TrainState: params and optimizer state by their own tables."""
+    """Shardings of a (possibly abstract) TrainState: params, stats and extension state by the param
+    table (logical metadata; replicated without), the optimizer state by its own."""
     return TrainState(step=NamedSharding(mesh, PartitionSpec()),
                       params=tree_shardings(state.params, mesh, rules.params),
-                      opt_state=tree_shardings(state.opt_state, mesh, rules.opt_state))
+                      opt_state=tree_shardings(state.opt_state, mesh, rules.opt_state),
+                      stats=tree_shardings(state.stats, mesh, rules.params),
+                      ext=tree_shardings(state.ext, mesh, rules.params))
 
 
-def _init_fn(model_cfg: ModelConfig, tx: optax.GradientTransformation, quant: QuantConfig = NO_QUANT):
+InitExt = Callable[[nnx.State], dict[str, Any]]  # params -> extensions' state (jaxinfra/extensions.py)
+
+
+def _init_fn(model_cfg: ModelConfig, tx: optax.GradientTransformation, quant: QuantConfig = NO_QUANT,
+             init_ext: InitExt | None = None, trainable: Any = None):
     def init(rng: jax.Array) -> TrainState:
-        params = init_params(model_cfg, rng, quant)
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+        params, stats = split_model_state(init_params(model_cfg, rng, quant))
+        ext = init_ext(params) if init_ext is not None else {}
+        # The optimizer holds moments for the trained params only (a frozen base has none).
+        opt_state = tx.init(params if trainable is None else nnx.split_state(params, trainable, ...)[0])
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, stats=stats, ext=ext)
 
     return init
 
 
-def abstract_state(model_cfg: ModelConfig, tx: optax.GradientTransformation,
-                   quant: QuantConfig = NO_QUANT) -> TrainState:
+def abstract_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, quant: QuantConfig = NO_QUANT,
+                   init_ext: InitExt | None = None, trainable: Any = None) -> TrainState:
     """Shapes, dtypes and logical metadata of the TrainState, without allocating it."""
-    return jax.eval_shape(_init_fn(model_cfg, tx, quant), jax.random.key(0))
+    return jax.eval_shape(_init_fn(model_cfg, tx, quant, init_ext, trainable), jax.random.key(0))
 
 
 def create_train_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, rng: jax.Array,
-                       mesh: Mesh, rules: ShardingRules, quant: QuantConfig = NO_QUANT) -> tuple[TrainState, Any]:
-    """Initialise params + optimizer state under jit, each shard created on its own device.
+                       mesh: Mesh, rules: ShardingRules, quant: QuantConfig = NO_QUANT,
+                       init_ext: InitExt | None = None, trainable: Any = None) -> tuple[TrainState, Any]:
+    """Initialise params, stats, extension state and optimizer state under jit, each shard on its own device.
 
     Returns (state, state_shardings); the shardings are reused as the step's in/out shardings.
     """
-    init = _init_fn(model_cfg, tx, quant)
+    init = _init_fn(model_cfg, tx, quant, init_ext, trainable)
     state_shardings = shardings_for(jax.eval_shape(init, rng), mesh, rules)
     with jax.set_mesh(mesh):
         state = jax.jit(init, out_shardings=state_shardings)(rng)

@@ -1,8 +1,12 @@
-"""The jitted training and evaluation steps (pure functions of state and batch)."""
+"""The jitted training and evaluation steps (pure functions of state and batch).
+
+Features join the step through `jaxinfra/extensions.py` hooks (loss terms, batch fields, frozen
+inputs, own state, post-update), never through branches here.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -10,97 +14,137 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxinfra.extensions import StepContext, StepExtension
 from jaxinfra.loss import add_moe_sums, chunked_sums, cross_entropy_sums, moe_metrics
 from jaxinfra.metrics.hlo import LOSS_SCOPE, OPTIMIZER_SCOPE
 from jaxinfra.optim import global_norm, tree_all_finite
 from jaxinfra.state import TrainState
 from models import ModelConfig
-from models.project import merge_observations, roll_histories, zero_histories
-from models.router import apply_bias_updates
+from models.project import merge_observations
 
 Batch = dict[str, jax.Array]
+SumsFn = Callable[..., dict[str, jax.Array]]
 
 
-def _forward_sums(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, cfg: ModelConfig) -> dict[str, jax.Array]:
-    model = nnx.merge(graphdef, params)
-    h, moe_stats = model.hidden(batch["inputs"], batch["positions"], batch["segment_ids"])
-
-    def token_sums(h: jax.Array, targets: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:
-        return cross_entropy_sums(model.logits(h), targets, mask, cfg.z_loss_weight)
-
-    with jax.named_scope(LOSS_SCOPE):  # names only (for profiles, jaxinfra/metrics/hlo.py): same numerics
-        sums = chunked_sums(token_sums, cfg.loss_chunk_size, h, batch["targets"], batch["segment_ids"] > 0)
-    return add_moe_sums(sums, moe_stats, cfg.moe_aux_loss_weight, cfg.moe_z_loss_weight)
+def _split_counts(flat: Sequence[jax.Array], counts: Sequence[int]) -> list[tuple[jax.Array, ...]]:
+    out, at = [], 0
+    for n in counts:
+        out.append(tuple(flat[at:at + n]))
+        at += n
+    return out
 
 
-def _update(state: TrainState, sums: dict, grads: nnx.State, tx: optax.GradientTransformation, cfg: ModelConfig,
-            nan_steps: tuple[int, ...]) -> tuple[nnx.State, optax.OptState, jax.Array, jax.Array, jax.Array]:
-    """(params, opt_state, grad norm, finite, tokens): the summed gradients scaled, the optimizer
-    applied, and the old state kept where the step is not finite."""
-    # fp8 delayed scaling: amax histories get observations, not gradients (models/project.py).
-    observed, grads = grads, zero_histories(grads)
+def forward_sums(graphdef: nnx.GraphDef, cfg: ModelConfig, extensions: Sequence[StepExtension] = ()) -> SumsFn:
+    """sums(variables, batch, step, inputs, ext_state): the token sums of one (micro)batch.
+
+    `variables` is a tuple of States merged into the model (params, stats); `inputs` holds each
+    extension's frozen inputs, `ext_state` their own state by name. Without extensions this is
+    the plain cross-entropy (+ z-loss, + MoE router terms) program."""
+
+    def sums_fn(variables: tuple[nnx.State, ...], batch: Batch, step: Any = None, inputs: tuple = (),
+                ext_state: dict | None = None) -> dict[str, jax.Array]:
+        model = nnx.merge(graphdef, *variables)
+        h, moe_stats = model.hidden(batch["inputs"], batch["positions"], batch["segment_ids"])
+        ctxs = [StepContext(model, batch, step, x, (ext_state or {}).get(e.name))
+                for e, x in zip(extensions, inputs or ((),) * len(extensions), strict=True)]
+        extra = [e.per_token(c, h) for e, c in zip(extensions, ctxs)]
+        counts, flat = [len(x) for x in extra], [a for x in extra for a in x]
+
+        def token_sums(h: jax.Array, *rest: jax.Array) -> dict[str, jax.Array]:
+            *chunk, targets, mask = rest
+            logits = model.logits(h)
+            sums = cross_entropy_sums(logits, targets, mask, cfg.z_loss_weight)
+            for e, c, part in zip(extensions, ctxs, _split_counts(chunk, counts)):
+                sums = {**sums, **e.token_sums(c, logits, part, targets, mask)}
+            return sums
+
+        with jax.named_scope(LOSS_SCOPE):  # names only (for profiles, jaxinfra/metrics/hlo.py): same numerics
+            sums = chunked_sums(token_sums, cfg.loss_chunk_size, h, *flat, batch["targets"], batch["segment_ids"] > 0)
+        for e, c in zip(extensions, ctxs):
+            sums = e.objective(c, sums)
+        return add_moe_sums(sums, moe_stats, cfg.moe_aux_loss_weight, cfg.moe_z_loss_weight)
+
+    return sums_fn
+
+
+def _trainable(params: nnx.State, trainable: Any) -> tuple[nnx.State, nnx.State]:
+    """(what the optimizer trains, the frozen rest); all of it without a filter."""
+    if trainable is None:
+        return params, nnx.State({})
+    return nnx.split_state(params, trainable, ...)
+
+
+def _update(state: TrainState, sums: dict, grads: nnx.State, observed: nnx.State, tx: optax.GradientTransformation,
+            extensions: Sequence[StepExtension], trainable: Any) -> tuple[TrainState, jax.Array, jax.Array, jax.Array]:
+    """(new state, grad norm, finite, tokens): the summed gradients scaled, the optimizer applied, the
+    extensions' post-update hooks run, and the old state kept where the step is not finite (the
+    step count is the caller's to advance)."""
     tokens = jnp.maximum(sums["tokens"], 1.0)
     scale = 1.0 / tokens
-    if nan_steps:
-        scale = jnp.where(jnp.isin(state.step + 1, jnp.asarray(nan_steps)), jnp.nan, scale)
     grads = jax.tree.map(lambda g: g * scale, grads)
     grad_norm = global_norm(grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    # DeepSeek-V3 aux-loss-free balancing: outside the gradient. With a fixed (imported) bias,
-    # rate 0 restores it exactly, so neither the optimizer nor weight decay ever moves it.
-    if cfg.moe_bias_update_rate or cfg.moe_router_bias:
-        params = apply_bias_updates(params, state.params, sums["moe_counts"], cfg.moe_bias_update_rate)
-    params = roll_histories(params, state.params, observed)
+    params, frozen = _trainable(state.params, trainable)
+    updates, opt_state = tx.update(grads, state.opt_state, params)
+    params = optax.apply_updates(params, updates)
+    if trainable is not None:
+        params = nnx.merge_state(params, frozen)
+    new = state.replace(params=params, opt_state=opt_state)
+    for e in extensions:  # e.g. the router bias and amax histories (jaxinfra/extensions.py ModelStats)
+        new = e.post_update(new, state, sums, observed)
     # The new params too: a NaN/inf learning rate or optimizer state poisons them while the loss
     # and gradients of the step still look finite.
-    finite = jnp.isfinite(sums["loss_sum"]) & jnp.isfinite(grad_norm) & tree_all_finite(params)
+    finite = (jnp.isfinite(sums["loss_sum"]) & jnp.isfinite(grad_norm)
+              & tree_all_finite((new.params, new.stats, new.ext)))
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
-    return keep(params, state.params), keep(opt_state, state.opt_state), grad_norm, finite, tokens
+    new = TrainState(step=state.step, params=keep(new.params, state.params),
+                     opt_state=keep(new.opt_state, state.opt_state), stats=keep(new.stats, state.stats),
+                     ext=keep(new.ext, state.ext))
+    return new, grad_norm, finite, tokens
 
 
 def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig, tx: optax.GradientTransformation,
-                    schedule: optax.Schedule, grad_accum_steps: int,
-                    nan_steps: tuple[int, ...] = (), loss_sums: Callable[..., dict] | None = None,
-                    ) -> Callable[..., tuple[TrainState, dict]]:
-    """One optimizer step over `grad_accum_steps` microbatches.
+                    schedule: optax.Schedule, grad_accum_steps: int, extensions: Sequence[StepExtension] = (),
+                    trainable: Any = None) -> Callable[..., tuple[TrainState, dict]]:
+    """train_step(state, batch, inputs): one optimizer step over `grad_accum_steps` microbatches.
 
     Gradients of token *sums* are accumulated and divided once by the total token
     count, so accumulation gives exactly the large-batch gradient. A step whose loss,
-    gradient norm or new params are not finite leaves params and optimizer state unchanged
-    (`state.step` still counts it) and reports `nonfinite=1`. `nan_steps` injects
-    NaN gradients at those (1-based) steps, for fault-tolerance tests.
+    gradient norm or new state are not finite leaves params, stats and optimizer state unchanged
+    (`state.step` still counts it) and reports `nonfinite=1`.
 
-    `loss_sums(params, microbatch, step, *inputs)` replaces the cross-entropy sums (distillation,
-    jaxinfra/distill/step.py); `inputs` are the step's arguments after the batch (a teacher's
-    params: never differentiated), and its `means` entry holds token sums reported as means.
+    `inputs` is a tuple with each extension's frozen inputs (never differentiated); the model's
+    Stats are differentiated only for their cotangents, observations the post-update hooks use
+    (fp8 amax); `trainable` (an nnx filter, jaxinfra/extensions.py) limits what the optimizer trains.
     """
+    extensions = tuple(extensions)
+    sums_fn = forward_sums(graphdef, cfg, extensions)
 
-    def sums_and_grads(params: nnx.State, micro: Batch, step: jax.Array, inputs: tuple) -> tuple[dict, nnx.State]:
-        def objective(p: nnx.State) -> tuple[jax.Array, dict]:
-            sums = (loss_sums(p, micro, step, *inputs) if loss_sums is not None
-                    else _forward_sums(graphdef, p, micro, cfg))
+    def sums_and_grads(state: TrainState, micro: Batch, inputs: tuple) -> tuple[dict, nnx.State, nnx.State]:
+        params, frozen = _trainable(state.params, trainable)
+
+        def objective(p: nnx.State, stats: nnx.State) -> tuple[jax.Array, dict]:
+            sums = sums_fn((p, frozen, stats), micro, state.step, inputs, state.ext)
             return sums["loss_sum"], sums
 
-        (_, sums), grads = jax.value_and_grad(objective, has_aux=True)(params)
-        return sums, grads
+        (_, sums), (grads, observed) = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(params, state.stats)
+        return sums, grads, observed
 
-    def train_step(state: TrainState, batch: Batch, *inputs: Any) -> tuple[TrainState, dict]:
+    def train_step(state: TrainState, batch: Batch, inputs: tuple = ()) -> tuple[TrainState, dict]:
         if grad_accum_steps == 1:
-            sums, grads = sums_and_grads(state.params, batch, state.step, inputs)
+            sums, grads, observed = sums_and_grads(state, batch, inputs)
         else:
             micro = jax.tree.map(lambda x: x.reshape(grad_accum_steps, -1, *x.shape[1:]), batch)
 
             def accumulate(carry, mb):
-                sums, grads = sums_and_grads(state.params, mb, state.step, inputs)
-                return (jax.tree.map(jnp.add, carry[0], sums), merge_observations(carry[1], grads)), None
+                sums, grads, observed = sums_and_grads(state, mb, inputs)
+                return (jax.tree.map(jnp.add, carry[0], sums), jax.tree.map(jnp.add, carry[1], grads),
+                        merge_observations(carry[2], observed)), None
 
-            zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(sums_and_grads, state.params,
-                                                                 jax.tree.map(lambda x: x[0], micro), state.step,
-                                                                 inputs))
-            (sums, grads), _ = jax.lax.scan(accumulate, zeros, micro)
+            zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(sums_and_grads, state,
+                                                                 jax.tree.map(lambda x: x[0], micro), inputs))
+            (sums, grads, observed), _ = jax.lax.scan(accumulate, zeros, micro)
         with jax.named_scope(OPTIMIZER_SCOPE):  # names only (for profiles): same numerics
-            params, opt_state, grad_norm, finite, tokens = _update(state, sums, grads, tx, cfg, nan_steps)
+            new, grad_norm, finite, tokens = _update(state, sums, grads, observed, tx, extensions, trainable)
         metrics = {
             "loss": sums["ce_sum"] / tokens,
             "z_loss": sums["z_sum"] / tokens,
@@ -109,18 +153,21 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig, tx: optax.Gradient
             "tokens": sums["tokens"],
             "nonfinite": (~finite).astype(jnp.int32),
             **moe_metrics(sums, tokens),
-            **{k: v / tokens for k, v in sums.get("means", {}).items()},
         }
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+        for e in extensions:
+            metrics.update(e.metrics(sums, tokens))
+        return new.replace(step=state.step + 1), metrics
 
     return train_step
 
 
 def make_eval_step(graphdef: nnx.GraphDef, cfg: ModelConfig) -> Callable[[nnx.State, Batch], dict]:
-    """Summed cross-entropy and token count of one batch (averaged over batches by the caller)."""
+    """Summed cross-entropy and token count of one batch (averaged over batches by the caller);
+    `variables` are the model's (jaxinfra/state.py model_state)."""
+    sums_fn = forward_sums(graphdef, cfg)
 
-    def eval_step(params: nnx.State, batch: Batch) -> dict[str, jax.Array]:
-        sums = _forward_sums(graphdef, params, batch, cfg)
+    def eval_step(variables: nnx.State, batch: Batch) -> dict[str, jax.Array]:
+        sums = sums_fn((variables,), batch)
         return {"ce_sum": sums["ce_sum"], "tokens": sums["tokens"]}
 
     return eval_step
@@ -129,8 +176,10 @@ def make_eval_step(graphdef: nnx.GraphDef, cfg: ModelConfig) -> Callable[[nnx.St
 def loss_fn(graphdef: nnx.GraphDef, cfg: ModelConfig) -> Callable[[nnx.State, Batch], jax.Array]:
     """Mean cross-entropy of a batch: what tests differentiate."""
 
-    def loss(params: nnx.State, batch: Batch) -> jax.Array:
-        sums = _forward_sums(graphdef, params, batch, cfg)
+    sums_fn = forward_sums(graphdef, cfg)
+
+    def loss(variables: nnx.State, batch: Batch) -> jax.Array:
+        sums = sums_fn((variables,), batch)
         return sums["loss_sum"] / jnp.maximum(sums["tokens"], 1.0)
 
     return loss

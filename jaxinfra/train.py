@@ -58,6 +58,7 @@ from jaxinfra.exits import (
     write_errors,
     write_failure_line,
 )
+from jaxinfra.extensions import HostContext, StepExtension
 from jaxinfra.metrics import (
     MetricsLogger,
     ProgressBar,
@@ -70,7 +71,7 @@ from jaxinfra.metrics import (
 from jaxinfra.optim import all_finite
 from jaxinfra.rundir import RunDirError, RunDirLock, check_run_dir
 from jaxinfra.runtime import build_runtime
-from jaxinfra.state import TrainState, abstract_state, bytes_per_device
+from jaxinfra.state import TrainState, bytes_per_device, model_state, split_model_state
 from jaxinfra.watchdog import Watchdog
 
 
@@ -100,8 +101,10 @@ class Trainer:
     """A runtime (mesh, state, jitted steps) plus data, checkpoints and logging; `run()` trains."""
 
     def __init__(self, cfg: Config, run_dir: str | os.PathLike, devices: Sequence[jax.Device] | None = None,
-                 restore_from: str | os.PathLike | None = None):
+                 restore_from: str | os.PathLike | None = None, extensions: Sequence[StepExtension] | None = None):
+        """`extensions` join the train step (jaxinfra/extensions.py); None: those the config asks for."""
         self.cfg = cfg
+        self.requested_extensions = extensions
         self.run_dir = check_run_dir(run_dir)  # ordinary path mistakes fail here, before anything compiles
         self.is_main = jax.process_index() == 0
         self.lock = RunDirLock(self.run_dir)
@@ -136,7 +139,7 @@ class Trainer:
     def _build(self, devices: Sequence[jax.Device] | None, restore_from: str | os.PathLike | None) -> None:
         cfg, t = self.cfg, self.cfg.train
         self.devices = list(devices) if devices is not None else jax.devices()
-        self.rt = build_runtime(cfg, self.devices)
+        self.rt = build_runtime(cfg, self.devices, self.requested_extensions)
         self.mesh = self.rt.mesh
         self.restore_from = restore_from
         self.local_rows = t.batch_size // jax.process_count()
@@ -146,11 +149,6 @@ class Trainer:
         self.train_iter = make_train_iterator(cfg.data, **data_args)
         self.eval_sets = make_eval_sets(cfg.data, **data_args)  # per mixture source ("": the one source)
         self.eval_batches = [b for batches in self.eval_sets.values() for b in batches]
-        self.distill = None
-        if cfg.distill.enabled:  # jaxinfra/distill/run.py: teacher params or saved logits, teacher eval
-            from jaxinfra.distill.run import DistillRun
-
-            self.distill = DistillRun(self.rt, self.eval_batches, self.first_row, self.local_rows)
         self.ckpt = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint) if cfg.checkpoint.enabled else None
         self.state: TrainState | None = None
         self._signal: int | None = None
@@ -158,11 +156,16 @@ class Trainer:
 
     # ------------------------------------------------------------ pieces
 
+    def start_extensions(self, meta: dict[str, Any]) -> list[str]:
+        """Each extension's `start` (e.g. a teacher's params loaded); returns notes for the log."""
+        host = HostContext(self.rt, self.eval_batches, self.first_row, self.local_rows)
+        return [note for e in self.rt.extensions for note in e.start(host, meta)]
+
     def batches(self, first_step: int = 1) -> Iterator[dict[str, jax.Array]]:
         """Global batches of steps first_step, first_step + 1, ..., forever."""
         for step, local in enumerate(self.train_iter, first_step):
-            if self.distill is not None:  # offline distillation: the step's saved teacher logits
-                local = self.distill.host_batch(local, step)
+            for e in self.rt.extensions:  # extra batch fields (e.g. offline distillation's saved logits)
+                local = {**local, **e.host_batch(local, step)}
             yield self.rt.to_global(local)
 
     def evaluate(self, state: TrainState) -> float:
@@ -171,15 +174,15 @@ class Trainer:
 
     def eval_metrics(self, state: TrainState) -> dict[str, float]:
         """`eval_loss` over all held-out batches, and with a mixture `eval_loss/<name>` per source."""
-        sums = {name: self.rt.eval_sums(state.params, batches) for name, batches in self.eval_sets.items()}
+        variables = model_state(state)
+        sums = {name: self.rt.eval_sums(variables, batches) for name, batches in self.eval_sets.items()}
         ce, tokens = sum(c for c, _ in sums.values()), sum(n for _, n in sums.values())
         line = {"eval_loss": ce / max(tokens, 1.0)}
         line.update({f"eval_loss/{name}": c / max(n, 1.0) for name, (c, n) in sums.items() if name})
         return line
 
     def _target(self) -> TrainState:
-        return abstract_with_shardings(abstract_state(self.cfg.model, self.rt.tx, self.cfg.quant),
-                                       self.rt.state_shardings)
+        return abstract_with_shardings(self.rt.abstract_state(), self.rt.state_shardings)
 
     def initial_state(self) -> tuple[int, TrainState, dict[str, Any]]:
         """(completed steps, state, saved meta): resume this run, restore from elsewhere, or start fresh."""
@@ -214,9 +217,10 @@ class Trainer:
         if params_only is not None and jax.process_index() == 0:
             print(f"jaxinfra: {params_only} holds params only (e.g. an HF import); starting from them with a "
                   f"fresh optimizer at step 0 (as checkpoint.restore=params)", flush=True)
-        _, params = restore_params(source, self._target().params, config=self.cfg.to_dict())
-        state = self.rt.init_state()
-        return 0, TrainState(step=state.step, params=params, opt_state=state.opt_state), {}
+        target = self._target()
+        _, variables = restore_params(source, model_state(target), config=self.cfg.to_dict())
+        params, stats = split_model_state(variables)
+        return 0, self.rt.init_state().replace(params=params, stats=stats), {}
 
     def _resume(self, step: int, state: TrainState, data: dict, meta: dict) -> tuple[int, TrainState, dict]:
         if meta.get("global_batch") != self.cfg.train.batch_size or meta.get("seq_len") != self.cfg.train.seq_len:
@@ -230,14 +234,15 @@ class Trainer:
         """Start an async checkpoint; returns the seconds the loop was blocked, or None if the params are
         not finite (the step guard should make that impossible; a poisoned state is never saved)."""
         start = time.perf_counter()
-        if not all_finite(state.params):
+        if not all_finite((state.params, state.stats, state.ext)):
             self._say_warning(f"jaxinfra: warning: step {step}: the params hold NaN or inf; no checkpoint written, "
                               f"the last good one is kept")
             return None
         meta = {**meta, "step": step, "global_batch": self.cfg.train.batch_size, "seq_len": self.cfg.train.seq_len,
                 "process_count": jax.process_count(), "config": self.cfg.to_yaml()}
-        if self.distill is not None:  # which teacher (and step), never its params
-            meta["distill"] = self.distill.checkpoint_meta()
+        for e in self.rt.extensions:  # e.g. which teacher (and step), never its params
+            if e_meta := e.checkpoint_meta():
+                meta[e.name] = e_meta
         self.ckpt.save(step, state, row_states(self.train_iter, self.first_row), meta, metrics)
         return time.perf_counter() - start
 
@@ -323,7 +328,7 @@ class Trainer:
 
     def _run(self) -> dict[str, Any]:
         start_step, state, meta = self.initial_state()  # before anything is written: a refusal changes nothing
-        notes = self.distill.start(meta) if self.distill is not None else []
+        notes = self.start_extensions(meta)
         self._open_outputs(start_step)
         loop = _Loop(start_step=start_step, step=start_step, state=state)
         self._header(start_step)
@@ -378,7 +383,7 @@ class Trainer:
         line = self.eval_metrics(loop.state)
         eval_loss = line["eval_loss"]
         loop.evals.append((step, eval_loss))
-        self._log(step, {**line, **(self.distill.eval_fields() if self.distill else {})})
+        self._log(step, {**line, **{k: v for e in self.rt.extensions for k, v in e.eval_fields().items()}})
         per_source = "".join(f", {k.split('/', 1)[1]} {v:.4f}" for k, v in line.items() if "/" in k)
         self._say(f"step {step}: eval_loss {eval_loss:.4f}{per_source}")
 
@@ -438,8 +443,8 @@ class Trainer:
         }
         if self.cfg.model.z_loss_weight:
             line["z_loss"] = float(host["z_loss"])
-        line.update({k: float(v) for k, v in host.items()
-                     if k.startswith(("moe_", "distill_", "teacher_"))})  # MoE router stats, distillation losses
+        names = {n for e in self.rt.extensions for n in e.metric_names}  # e.g. distillation's losses
+        line.update({k: float(v) for k, v in host.items() if k.startswith("moe_") or k in names})  # + router stats
         return line
 
     def _checkpoint_or_stop(self, loop: _Loop, step: int, sync: bool) -> bool:
@@ -506,13 +511,15 @@ class Trainer:
 
 
 def train(cfg: Config, run_dir: str | os.PathLike, devices: Sequence[jax.Device] | None = None,
-          restore_from: str | os.PathLike | None = None) -> dict[str, Any]:
-    """Train (or resume) from a validated config; returns the run summary (also written to summary.json)."""
+          restore_from: str | os.PathLike | None = None, extensions: Sequence[StepExtension] | None = None,
+          ) -> dict[str, Any]:
+    """Train (or resume) from a validated config; returns the run summary (also written to summary.json).
+    `extensions`: the train step's (jaxinfra/extensions.py); None: those the config asks for."""
     if jax.process_count() == 1:
-        return Trainer(cfg, run_dir, devices, restore_from).run()
+        return Trainer(cfg, run_dir, devices, restore_from, extensions).run()
     trainer = None
     try:
-        trainer = Trainer(cfg, run_dir, devices, restore_from)
+        trainer = Trainer(cfg, run_dir, devices, restore_from, extensions)
         return trainer.run()
     except bad_input_errors() as e:
         # Every process reads the same config and checkpoint, so each one says the same line.

@@ -27,6 +27,7 @@ from flax import nnx
 from models import qdot
 from models.quant import dequantize, dequantize_grouped
 from models.quant_config import MatmulQuant, QuantConfig
+from models.stat import Stat
 from sharding.reductions import manual_split
 
 
@@ -36,10 +37,10 @@ class WeightScale(nnx.Param):
     Metadata `contract`: the contracted dims as negative axes (stable under layer stacking)."""
 
 
-class AmaxHistory(nnx.Param):
+class AmaxHistory(Stat):
     """fp8 delayed scaling: [3, H] absmax of input, weight and gradient over the last H steps (newest
-    first). A Param so that it is stacked, sharded and checkpointed with the layer; its gradient is an
-    observation, never an update: the train step zeroes it for the optimizer and rolls the history."""
+    first). A Stat (models/stat.py): stacked, sharded and checkpointed with the layer, outside the
+    optimizer; its "cotangent" is this step's observation, which the train step rolls into the history."""
 
 
 class Int8Weight(NamedTuple):
@@ -233,15 +234,9 @@ def _grouped_einsum(xl: str, wl: str, ol: str, x: jax.Array, w: Int8Weight, axis
 # ---------------------------------------------------------------- delayed scaling in the train step
 
 
-def zero_histories(grads: nnx.State) -> nnx.State:
-    """`grads` with every AmaxHistory's "gradient" (an observation, see models/qdot.py) zeroed: what the
-    optimizer sees, so that clipping, moments and the update ignore it."""
-    return jax.tree.map(lambda g: g.replace(jnp.zeros_like(g[...])) if isinstance(g, AmaxHistory) else g,
-                        grads, is_leaf=_is_var)
-
-
 def merge_observations(a: nnx.State, b: nnx.State) -> nnx.State:
-    """Gradient accumulation: an AmaxHistory's observation over microbatches is their max, the rest adds."""
+    """Gradient accumulation of Stats' cotangents: an AmaxHistory's observation over microbatches is
+    their max, the rest adds."""
     return jax.tree.map(lambda x, y: x.replace(jnp.maximum(x[...], y[...])) if isinstance(x, AmaxHistory)
                         else jax.tree.map(jnp.add, x, y), a, b, is_leaf=_is_var)
 
@@ -250,14 +245,13 @@ def has_histories(params: nnx.State) -> bool:
     return any(isinstance(v, AmaxHistory) for v in jax.tree.leaves(params, is_leaf=_is_var))
 
 
-def roll_histories(params: nnx.State, previous: nnx.State, grads: nnx.State) -> nnx.State:
-    """`params` with each AmaxHistory [..., 3, H] set to its `previous` value shifted one step older, this
-    step's observation (column 0 of its gradient) in front: whatever the optimizer did to it is discarded."""
+def roll_histories(stats: nnx.State, observed: nnx.State) -> nnx.State:
+    """`stats` with each AmaxHistory [..., 3, H] shifted one step older, this step's observation
+    (column 0 of its cotangent in `observed`) in front."""
 
-    def one(new, old, g):
-        if not isinstance(new, AmaxHistory):
-            return new
-        rolled = jnp.concatenate([g[...][..., :1], old[...][..., :-1]], axis=-1)
-        return new.replace(rolled)
+    def one(old, g):
+        if not isinstance(old, AmaxHistory):
+            return old
+        return old.replace(jnp.concatenate([g[...][..., :1], old[...][..., :-1]], axis=-1))
 
-    return jax.tree.map(one, params, previous, grads, is_leaf=_is_var)
+    return jax.tree.map(one, stats, observed, is_leaf=_is_var)

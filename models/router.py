@@ -32,12 +32,13 @@ from models.config import ModelConfig
 from models.layers import param
 from models.project import Projections, prepare_weights, project_attr
 from models.quant_config import NO_QUANT, QuantConfig
+from models.stat import Stat
 
 
-class RouterBias(nnx.Param):
-    """DeepSeek-V3's per-expert selection bias. A Param only so that it lives in the params
-    tree (checkpoints, shardings); it gets no gradient (it enters only the discrete top-k),
-    and the train step overwrites it after the optimizer with `update_bias`."""
+class RouterBias(Stat):
+    """DeepSeek-V3's per-expert selection bias: a Stat (models/stat.py), so it lives beside the params
+    (checkpoints, shardings) but outside the optimizer; it enters only the discrete top-k, and the
+    train step moves it after the optimizer with `update_bias`."""
 
 
 @flax.struct.dataclass
@@ -144,12 +145,11 @@ def load_stats(counts: jax.Array) -> dict[str, jax.Array]:
             "moe_load_cv": jnp.mean(jnp.std(rel, axis=-1))}
 
 
-def apply_bias_updates(params: nnx.State, previous: nnx.State, counts: jax.Array, rate: float) -> nnx.State:
-    """`params` with every RouterBias [layers, E] set to its value in `previous` (before the
-    optimizer, which must not move it, e.g. by weight decay) moved by `update_bias`."""
+def apply_bias_updates(stats: nnx.State, counts: jax.Array, rate: float) -> nnx.State:
+    """`stats` with every RouterBias [layers, E] moved by `update_bias` (rate 0: unchanged, an imported bias)."""
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
 
-    def one(new, old):
-        return new.replace(update_bias(old[...], counts, rate)) if isinstance(new, RouterBias) else new
+    def one(v):
+        return v.replace(update_bias(v[...], counts, rate)) if isinstance(v, RouterBias) else v
 
-    return jax.tree.map(one, params, previous, is_leaf=is_var)
+    return jax.tree.map(one, stats, is_leaf=is_var)

@@ -15,6 +15,7 @@ import numpy as np
 from jaxinfra.config import Config, OptimizerConfig, ParallelismConfig, ScheduleConfig, TrainConfig
 from jaxinfra.data import DataConfig
 from jaxinfra.runtime import Runtime, build_runtime
+from jaxinfra.state import model_state
 from models import ModelConfig
 from sharding.mesh import MeshConfig
 
@@ -59,13 +60,13 @@ def run_steps(cfg: Config, devices: Sequence, batches: list[dict[str, np.ndarray
     if setup is not None:
         setup(rt)
     state = rt.init_state()
-    initial = jax.device_get(state.params)
+    initial = jax.device_get(model_state(state))  # params and stats (router bias, amax histories)
     metrics = []
     for batch in batches:
         state, m = rt.train_step(state, rt.to_global(batch))
         metrics.append(jax.device_get(m))
     return {"losses": series({"metrics": metrics}, "loss"), "metrics": metrics, "initial": initial,
-            "params": jax.device_get(state.params), "state": state, "rt": rt}
+            "params": jax.device_get(model_state(state)), "state": state, "rt": rt}
 
 
 def series(result: dict, key: str) -> np.ndarray:

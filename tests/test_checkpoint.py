@@ -16,6 +16,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from nan_steps import NanSteps
 from subprocs import cli_env
 
 from jaxinfra.checkpoint import Checkpointer, abstract_with_shardings, export_params
@@ -181,7 +182,7 @@ def test_corrupted_latest_checkpoint_is_reported_and_skipped(tmp_path, reference
 
 
 def test_one_nan_step_is_skipped(tmp_path, reference):
-    summary = train(cfg("train.nan_steps=[5]"), tmp_path, one_device())
+    summary = train(cfg(), tmp_path, one_device(), extensions=[NanSteps([5])])
     assert summary["exit_code"] == 0 and summary["skipped_steps"] == 1
     got = losses(tmp_path)
     assert all(np.isfinite(v) for v in got.values())
@@ -191,8 +192,8 @@ def test_one_nan_step_is_skipped(tmp_path, reference):
 
 
 def test_persistent_nans_stop_with_last_good_checkpoint(tmp_path):
-    summary = train(cfg("train.nan_steps=[5,6,7,8,9,10,11,12]", "train.max_bad_steps=3", "checkpoint.every=4"),
-                    tmp_path, one_device())
+    summary = train(cfg("train.max_bad_steps=3", "checkpoint.every=4"), tmp_path, one_device(),
+                    extensions=[NanSteps(range(5, 13))])
     assert summary["exit_code"] == EXIT_DIVERGED and summary["steps"] == 7
     rt = build_runtime(cfg(), one_device())
     ckpt = Checkpointer(tmp_path / "checkpoints", cfg().checkpoint)
@@ -291,3 +292,28 @@ def test_run_without_eval_batches(tmp_path):
     assert summary["exit_code"] == 0 and summary["first_eval_loss"] is None and summary["final_eval_loss"] is None
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert not any("eval_loss" in row for row in rows) and len([r for r in rows if "loss" in r]) == 2
+
+
+def test_checkpoint_from_before_stats_left_the_params_restores(tmp_path):
+    """The old main saved the router bias (and fp8 amax histories) under `params/`, with optimizer
+    moments: a full restore maps them to `stats/` and drops those moments; a params restore reads them."""
+    from jaxinfra.checkpoint import restore_params
+    from jaxinfra.state import model_state
+
+    moe = cfg("model.moe_num_experts=4", "model.moe_top_k=2", "model.moe_mlp_dim=32", "model.moe_bias_update_rate=0.01")
+    rt = build_runtime(moe, one_device())
+    state = rt.init_state()
+    state = state.replace(stats=jax.tree.map(lambda x: x + 0.25, state.stats))  # a moved bias
+    variables = model_state(state)
+    old = {"step": state.step, "params": variables, "opt_state": rt.tx.init(variables)}  # the old layout
+    ckpt = Checkpointer(tmp_path / "checkpoints", moe.checkpoint)
+    ckpt.save(3, old, {}, {"step": 3})
+    ckpt.close()
+    target = abstract_with_shardings(rt.abstract_state(), rt.state_shardings)
+    step, restored, _, _ = Checkpointer(tmp_path / "checkpoints", moe.checkpoint).restore_latest(target)
+    assert step == 3 and jax.tree.structure(restored) == jax.tree.structure(state)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _, params = restore_params(tmp_path, model_state(target))
+    for a, b in zip(jax.tree.leaves(variables), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -24,13 +24,14 @@ from jaxinfra.checkpoint import CheckpointError, _saved_shapes
 from jaxinfra.cli import main
 from jaxinfra.config import Config, OptimizerConfig, ScheduleConfig, load_config
 from jaxinfra.distill.config import DistillConfig
+from jaxinfra.distill.extension import Distillation
 from jaxinfra.distill.logits import LogitsDir, LogitsError
 from jaxinfra.distill.loss import mix, scheduled, soft_loss_sum, teacher_soft_loss_sum, top_k_soft_loss_sum
-from jaxinfra.distill.run import DistillRun
 from jaxinfra.distill.save import save_logits
-from jaxinfra.distill.step import online_loss_sums
+from jaxinfra.extensions import HostContext
 from jaxinfra.loss import chunked_sums, cross_entropy_sums
 from jaxinfra.state import abstract_state, init_params
+from jaxinfra.step import forward_sums
 from jaxinfra.train import EXIT_PREEMPTED, Trainer
 from models import ModelConfig
 
@@ -58,8 +59,13 @@ def teacher(tmp_path_factory) -> str:
     return str(out)
 
 
+def start(rt, eval_batches: list, meta: dict) -> list[str]:
+    """The run's distillation extension started as jaxinfra/train.py starts it; returns its notes."""
+    return rt.extension("distill").start(HostContext(rt, eval_batches, 0, rt.cfg.train.batch_size), meta)
+
+
 def load_teacher(rt) -> None:
-    DistillRun(rt, [], 0, rt.cfg.train.batch_size).start({})
+    start(rt, [], {})
 
 
 def distill_config(teacher: str, mesh: dict, **distill) -> Config:
@@ -183,8 +189,8 @@ def single(teacher):
     runs = []
 
     def setup(rt):
-        runs.append(DistillRun(rt, packed_batches(BATCH, SEQ, V, 1), 0, BATCH))
-        runs[0].start({})
+        start(rt, packed_batches(BATCH, SEQ, V, 1), {})
+        runs.append(rt.extension("distill"))
 
     result = run_steps(distill_config(teacher, {}), jax.devices()[:1], packed_batches(BATCH, SEQ, V, STEPS),
                        setup=setup)
@@ -215,16 +221,17 @@ def test_online_distillation_trains_and_keeps_the_teacher_out_of_the_optimizer(s
     rt = single["rt"]
     plain_opt = abstract_state(STUDENT, rt.tx).opt_state
     assert len(jax.tree.leaves(single["state"].opt_state)) == len(jax.tree.leaves(plain_opt))
-    used = rt.step_inputs[0]
+    ext = rt.extension("distill")
+    used = ext.inputs()[0]
     fresh = jax.tree.leaves(jax.device_get(teacher_params()))
     for got, want in zip(jax.tree.leaves(jax.device_get(used)), fresh, strict=True):
         np.testing.assert_array_equal(got, want)  # unchanged after the steps
 
     # No gradient reaches the teacher: the soft loss (which alpha does not scale) against its params.
-    sums_fn = online_loss_sums(rt.graphdef, STUDENT, rt.distill.teacher_def, rt.cfg.distill, 10)
+    sums_fn = forward_sums(rt.graphdef, STUDENT, [ext])
     params, batch = jax.device_put(single["initial"]), {k: jnp.asarray(v) for k, v in
                                                          packed_batches(BATCH, SEQ, V, 1)[0].items()}
-    soft = lambda tp: sums_fn(params, batch, jnp.int32(0), tp, rt.distill.knobs)["soft_sum"]  # noqa: E731
+    soft = lambda tp: sums_fn((params,), batch, jnp.int32(0), ((tp, ext.knobs),))["soft_sum"]  # noqa: E731
     grads = jax.jit(jax.grad(soft))(used)
     assert all(not np.any(np.asarray(g)) for g in jax.tree.leaves(grads))
 
@@ -238,8 +245,8 @@ def test_online_teacher_eval_checkpoint_meta_and_pinned_teacher_step(single, tea
     assert run.eval_fields() == {"teacher_eval_loss": run.teacher_eval_loss}
     assert run.checkpoint_meta() == {"teacher": teacher, "teacher_step": 0}
     with pytest.raises(CheckpointError, match="no committed checkpoint 5"):
-        DistillRun(run.rt, [], 0, BATCH).start({"distill": {"teacher": teacher, "teacher_step": 5}})
-    notes = DistillRun(run.rt, [], 0, BATCH).start({"distill": {"teacher": "/elsewhere", "teacher_step": 5}})
+        start(single["rt"], [], {"distill": {"teacher": teacher, "teacher_step": 5}})
+    notes = start(single["rt"], [], {"distill": {"teacher": "/elsewhere", "teacher_step": 5}})
     assert "distilled from /elsewhere (step 5)" in notes[0]
 
 
@@ -250,7 +257,7 @@ def test_online_distillation_sharded_matches_single_device(single, teacher, layo
                     setup=load_teacher)
     assert_matches(run, single, str(layout), metric_keys=("grad_norm", "distill_soft_loss", "distill_hard_loss",
                                                           "teacher_loss"))
-    wq = run["rt"].step_inputs[0]["layers"]["attn"]["wq"][...]  # the teacher's, sharded by the same rules
+    wq = run["rt"].extension("distill").inputs()[0]["layers"]["attn"]["wq"][...]  # the teacher's, sharded by the same rules
     assert wq.addressable_shards[0].data.size < wq.size
 
 
@@ -320,7 +327,7 @@ def test_offline_run_logs_distillation_and_teacher_losses(offline_reference, log
 
 def test_offline_resume_after_sigterm_is_bitwise_exact(offline_reference, logits_dir, tmp_path, monkeypatch):
     ref_dir, ref = offline_reference
-    original = DistillRun.host_batch
+    original = Distillation.host_batch
 
     def sigterm_at_5(self, local, step):
         if step == 5:
@@ -330,7 +337,7 @@ def test_offline_resume_after_sigterm_is_bitwise_exact(offline_reference, logits
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         with monkeypatch.context() as m:
-            m.setattr(DistillRun, "host_batch", sigterm_at_5)
+            m.setattr(Distillation, "host_batch", sigterm_at_5)
             first = _train(tmp_path, f"distill.logits={logits_dir}")
         assert first.state is not None and json.loads((tmp_path / "summary.json").read_text())["exit_code"] == \
             EXIT_PREEMPTED

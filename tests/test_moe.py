@@ -25,6 +25,7 @@ from jaxinfra.step import loss_fn
 from models import ModelConfig, Transformer
 from models.moe import MoE
 from models.router import load_stats, route, update_bias
+from models.stat import Stat
 
 E, K, D, F = 4, 2, 32, 16
 LAYER = ModelConfig(vocab_size=64, d_model=D, num_layers=2, num_heads=4, mlp_dim=64, moe_num_experts=E,
@@ -381,7 +382,8 @@ def test_bad_moe_config_names_key(override, key):
 
 def _instantiated(cfg: ModelConfig) -> int:
     model = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
-    return sum(math.prod(v.shape) for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    # Params and Stats (the router bias): the count includes every model variable.
+    return sum(math.prod(v.shape) for _, v in nnx.to_flat_state(nnx.state(model, (nnx.Param, Stat))))
 
 
 @pytest.mark.parametrize("name", ["deepseek-tiny", "mixtral-tiny", "qwen3-moe-tiny"])

@@ -226,7 +226,7 @@ def test_teacher_params_are_resident_without_gradients_or_optimizer_state(teache
     rt = build_runtime(cfg, jax.devices()[:8])  # the shardings the run gives the teacher's params
     teacher = abstract_params(dataclasses.replace(TEACHER, param_dtype="float32"))
     shards = jax.tree.leaves(jax.tree.map(lambda x, sh: math.prod(sh.shard_shape(x.shape)) * 4, teacher,
-                                          rt.distill.input_shardings[0]))
+                                          rt.extension("distill").input_shardings()[0]))
     assert mem["teacher_params"] == sum(shards)
     assert (mem["gradients"], mem["optimizer_state"]) == (plain["gradients"], plain["optimizer_state"])
 

@@ -18,9 +18,10 @@ from flax import nnx
 from models import qdot
 from models.attention import decode_attention
 from models.cache import quantize_entries
-from models.project import AmaxHistory, Int8Weight, project, project_ragged, roll_histories, zero_histories
+from models.project import AmaxHistory, Int8Weight, project, project_ragged, roll_histories
 from models.quant import dequantize, quantize_int8, quantize_int8_grouped
 from models.quant_config import MatmulQuant
+from models.stat import Stat
 
 RNG = np.random.default_rng(0)
 F32_RTOL = 2e-6  # float32 rounding of the scale products (the int32 sums are exact)
@@ -129,10 +130,11 @@ def test_train_step_history_update_rolls_in_the_observation_and_ignores_the_opti
 
     old = state([[3.0, 2.0, 1.0], [6.0, 5.0, 4.0], [9.0, 8.0, 7.0]])
     grads = state([[0.5, 0.0, 0.0], [0.6, 0.0, 0.0], [0.7, 0.0, 0.0]])
-    zeroed = zero_histories(grads)
-    assert not np.asarray(zeroed["w_amax"][...]).any() and np.asarray(zeroed["w"][...]).all()
-    after_optimizer = state(np.full((3, 3), 123.0))  # whatever the update did to it is discarded
-    new = roll_histories(after_optimizer, old, grads)
+    # The optimizer's share is the Params alone: the history (a Stat) is outside it.
+    trained, observed = nnx.split_state(grads, nnx.Param, Stat)
+    assert "w_amax" not in trained and np.asarray(trained["w"][...]).all()
+    params, stats = nnx.split_state(old, nnx.Param, Stat)
+    new = nnx.merge_state(params, roll_histories(stats, observed))
     want = np.float32([[0.5, 3, 2], [0.6, 6, 5], [0.7, 9, 8]])
     np.testing.assert_array_equal(np.asarray(new["w_amax"][...]), want)
     np.testing.assert_array_equal(np.asarray(new["w"][...]), [1.0, 1.0])

@@ -167,8 +167,10 @@ def _check_histories_and_resume(result: dict, tmp_path) -> None:
     them exactly and the next step from the restored state equals the next step from the live one."""
     from flax import nnx
 
+    from jaxinfra.state import model_state
+
     rt, state = result["rt"], result["state"]
-    histories = [v[...] for v in jax.tree.leaves(state.params, is_leaf=_is_var) if isinstance(v, AmaxHistory)]
+    histories = [v[...] for v in jax.tree.leaves(state.stats, is_leaf=_is_var) if isinstance(v, AmaxHistory)]
     assert histories
     for h in histories:
         h = np.asarray(h)
@@ -179,7 +181,7 @@ def _check_histories_and_resume(result: dict, tmp_path) -> None:
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract_state(rt.cfg.model, rt.tx, rt.cfg.quant), rt.state_shardings)
     _, restored, _, _ = Checkpointer(tmp_path / "checkpoints", CheckpointConfig()).restore_latest(target)
-    for a, b in zip(jax.tree.leaves(nnx.to_flat_state(state.params)), jax.tree.leaves(restored.params)):
+    for a, b in zip(jax.tree.leaves(nnx.to_flat_state(model_state(state))), jax.tree.leaves(model_state(restored))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     batch = rt.to_global(BATCHES[0])
     live = jax.device_get(rt.train_step(jax.tree.map(jnp.copy, state), batch)[1])

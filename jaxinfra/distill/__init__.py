@@ -5,11 +5,13 @@
                 top-k), its mix with cross-entropy, the alpha / temperature schedules
     teacher.py  the teacher: a run dir, checkpoint step dir or `hf import` output; its own config
                 gives its architecture; params restored onto the student's mesh, by the same rules
-    step.py     the token sums the train step differentiates (online: the teacher's forward inside
-                the step; offline: saved top-k logits from the batch), chunked over the sequence
+    step.py     one loss chunk's distillation sums (online: from the teacher's logits; offline: from
+                the saved top-k logits of the batch)
     logits.py   the offline logits directory: writer, reader, its meta and the checks against a run
     save.py     `jaxinfra distill save-logits`: the teacher's top-k logits of the batches of steps 1..N
-    run.py      what the train loop asks of a distillation run (teacher load, batch logits, metrics)
+    extension.py  `Distillation`, the train step's extension (jaxinfra/extensions.py): teacher params
+                as a frozen step input, saved logits as batch fields, loss terms, metrics, eval field,
+                checkpoint meta; registered as the `jaxinfra.extensions` entry point `distill` (pyproject.toml)
     cli.py      the `jaxinfra distill` subcommands
 
 docs/distillation.md is the user page. Nothing here is imported unless `distill` is on, except

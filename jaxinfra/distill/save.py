@@ -29,6 +29,7 @@ from jaxinfra.distill.logits import LogitsWriter, batch_identity, row_crcs
 from jaxinfra.distill.teacher import load_teacher_params, resolve_teacher
 from jaxinfra.metrics import ProgressBar
 from jaxinfra.runtime import Runtime, build_runtime
+from jaxinfra.state import model_state
 
 _ALLOWED = ("data.", "train.", "mesh.", "parallelism.", "model.loss_chunk_size=", "model.attention_impl=")
 
@@ -60,7 +61,7 @@ def top_k_fn(rt: Runtime, top_k: int) -> Callable[[nnx.State, dict[str, jax.Arra
 
         return _per_chunk(one, cfg.loss_chunk_size, h, batch["targets"])
 
-    return jax.jit(fn, in_shardings=(rt.state_shardings.params, rt.batch_sharding))
+    return jax.jit(fn, in_shardings=(model_state(rt.state_shardings), rt.batch_sharding))
 
 
 def _check_args(overrides: Sequence[str], top_k: int, steps: int, vocab_size: int) -> None:

@@ -51,16 +51,18 @@ def analyse(cfg: Config, devices: list) -> dict[str, Any]:
     import numpy as np
 
     from jaxinfra.runtime import build_runtime
-    from jaxinfra.state import abstract_state
 
     rt = build_runtime(cfg, devices)
     state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                         abstract_state(cfg.model, rt.tx, cfg.quant), rt.state_shardings)
+                         rt.abstract_state(), rt.state_shardings)
     shape = (cfg.train.batch_size, cfg.train.seq_len)
     batch = {k: jax.ShapeDtypeStruct(shape, np.int32, sharding=rt.batch_sharding)
              for k in ("inputs", "targets", "segment_ids", "positions")}
-    batch |= _offline_logits(cfg, rt, shape)
-    compiled = rt.lower_train_step(state, batch, *_distill_inputs(cfg, rt)).compile()
+    for e in rt.extensions:  # e.g. offline distillation's saved logits
+        batch |= {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rt.batch_sharding)
+                  for k, v in e.batch_specs(shape).items()}
+    # The extensions' frozen inputs, abstract (e.g. an online teacher's params, not loaded here).
+    compiled = rt.lower_train_step(state, batch, tuple(e.abstract_inputs() for e in rt.extensions)).compile()
     mem = compiled.memory_analysis()
     figures = {"argument_bytes": mem.argument_size_in_bytes, "output_bytes": mem.output_size_in_bytes,
                "temp_bytes": mem.temp_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes}
@@ -134,39 +136,6 @@ def collective_traffic(hlo_text: str) -> dict[tuple[str, int], tuple[float, floa
                 calls, total = out.get((opcode, group), (0.0, 0.0))
                 out[opcode, group] = (calls + w, total + w * size)
     return out
-
-
-def _distill_inputs(cfg: Config, rt) -> tuple:
-    """The step's inputs after the batch, abstract: online distillation's teacher params (in
-    teacher_dtype, with the shardings the runtime gives them) and the schedule knobs."""
-    import jax
-
-    from jaxinfra.state import abstract_params
-
-    parts = rt.distill
-    if parts is None:
-        return ()
-    knobs = jax.ShapeDtypeStruct(parts.knobs.shape, parts.knobs.dtype, sharding=parts.input_shardings[-1])
-    if parts.teacher is None:
-        return (knobs,)
-    teacher = abstract_params(parts.teacher.compute_model(cfg.distill.teacher_dtype))
-    teacher = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), teacher,
-                           parts.input_shardings[0])
-    return teacher, knobs
-
-
-def _offline_logits(cfg: Config, rt, shape: tuple[int, int]) -> dict:
-    """Offline distillation's batch entries (jaxinfra/distill/logits.py), abstract."""
-    import jax
-    import numpy as np
-
-    if rt.distill is None or rt.distill.logits is None:
-        return {}
-    k = cfg.distill.top_k or rt.distill.logits.top_k
-    ids = np.uint16 if cfg.model.vocab_size <= 2**16 else np.int32
-    return {"teacher_ids": jax.ShapeDtypeStruct((*shape, k), ids, sharding=rt.batch_sharding),
-            "teacher_values": jax.ShapeDtypeStruct((*shape, k), np.float32, sharding=rt.batch_sharding),
-            "teacher_ce": jax.ShapeDtypeStruct(shape, np.float32, sharding=rt.batch_sharding)}
 
 
 def compiled_figures(cfg: Config, count: int) -> dict[str, Any]:

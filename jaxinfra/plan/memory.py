@@ -108,7 +108,7 @@ def _state_leaves(model: ModelConfig, optimizer: OptimizerConfig,
             out.append((tuple(names), tuple(x.shape), np.dtype(x.dtype).itemsize))
         return tuple(out)
 
-    return leaves(state.params), leaves(state.opt_state)
+    return leaves((state.params, state.stats)), leaves(state.opt_state)  # stats (router bias, amax) beside params
 
 
 def _per_device(leaves: tuple[Leaf, ...], table: Any, mesh: AbstractMesh) -> int:
