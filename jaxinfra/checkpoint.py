@@ -94,6 +94,23 @@ def _write_reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {_reason(error)}" if isinstance(error, Exception) else type(error).__name__
 
 
+class _DropOrphanWriteTasks(logging.Filter):
+    """asyncio logs "Task exception was never retrieved" for each of Orbax's array writes that failed
+    after the first one (asyncio.gather reported only that one), whenever the task is collected: a
+    page of traceback each. The failure itself is reported as CheckpointWriteError."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Task exception was never retrieved") and f"{os.sep}orbax{os.sep}" in message)
+
+    @classmethod
+    def install(cls) -> None:
+        """Once per process (the tasks are collected after the save is over)."""
+        logger = logging.getLogger("asyncio")
+        if not any(isinstance(f, cls) for f in logger.filters):
+            logger.addFilter(cls())
+
+
 class _DropOrbaxErrors(logging.Filter):
     """Orbax logs each failed background write with its traceback (several pages for one full disk),
     from its own threads; the error itself reaches the train loop, which reports it in one line."""
@@ -233,6 +250,7 @@ class Checkpointer:
             preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
             enable_async_checkpointing=cfg.async_save, cleanup_tmp_directories=True, create=True)
         _DropLateWriteCallbacks.install()
+        _DropOrphanWriteTasks.install()
         self._quiet = _DropOrbaxErrors()
         logging.getLogger("absl").addFilter(self._quiet)  # removed by close(): Orbax's threads log until then
         self._pending: int | None = None  # the step whose async write has not been confirmed yet
