@@ -1,7 +1,8 @@
 """Everything a run computes with, built once from a validated Config.
 
-`build_runtime(cfg, devices)` -> mesh, sharding rules, sharded TrainState, and the
-jitted train/eval steps with their shardings. The train loop, the benchmarks and
+`build_runtime(cfg, devices)` -> mesh, sharding rules, the parallel plan (sharding/plan.py),
+sharded TrainState, and the jitted train/eval steps with their shardings. The steps are made
+with the plan, so nothing but their arguments decides what they trace. The train loop, the benchmarks and
 the parity tests all use this one path, so what the tests prove is what runs.
 """
 
@@ -24,7 +25,8 @@ from jaxinfra.state import TrainState, abstract_state, create_train_state, model
 from jaxinfra.step import make_eval_step, make_train_step
 from sharding.context import balanced_order
 from sharding.mesh import make_mesh
-from sharding.rules import ShardingRules, activation_sharding, logical_to_mesh
+from sharding.plan import ParallelPlan, plan_for
+from sharding.rules import ShardingRules, logical_to_mesh
 
 
 def batch_sharding(mesh: Mesh, rules: ShardingRules) -> NamedSharding:
@@ -44,6 +46,7 @@ class Runtime:
     sequence_order: np.ndarray | None  # ring attention's load-balanced token order
     _train_step: Any
     _eval_step: Any
+    plan: ParallelPlan | None = None  # mesh, rules, pipeline settings, platform: what the steps were made with
     distill: Any = None  # jaxinfra.distill.step.DistillParts when the distill section is on
     step_inputs: tuple = ()  # the train step's arguments after the batch (distillation: jaxinfra/distill/step.py)
 
@@ -64,19 +67,19 @@ class Runtime:
 
     def train_step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
         """One optimizer step; `state` is donated."""
-        with jax.set_mesh(self.mesh), activation_sharding(self.mesh, self.rules):
+        with jax.set_mesh(self.mesh):
             return self._train_step(state, batch, *self.step_inputs)
 
     def lower_train_step(self, state: TrainState, batch: dict[str, jax.Array], *inputs: Any):
         """The lowered train step; `inputs` (abstract ones, for the plan's --compile) replace step_inputs."""
-        with jax.set_mesh(self.mesh), activation_sharding(self.mesh, self.rules):
+        with jax.set_mesh(self.mesh):
             return self._train_step.lower(state, batch, *(inputs or self.step_inputs))
 
     def eval_sums(self, params: nnx.State, batches: list[dict[str, np.ndarray]],
                   eval_step: Any = None) -> tuple[float, float]:
         """(summed cross-entropy, token count) over host batches (of another model with its `eval_step`)."""
         eval_step = eval_step or self._eval_step
-        with jax.set_mesh(self.mesh), activation_sharding(self.mesh, self.rules):
+        with jax.set_mesh(self.mesh):
             outs = [eval_step(params, self.to_global(b)) for b in batches]
         outs = jax.device_get(outs)
         return sum(float(o["ce_sum"]) for o in outs), sum(float(o["tokens"]) for o in outs)
@@ -90,8 +93,7 @@ def build_runtime(cfg: Config, devices: Sequence[jax.Device] | None = None) -> R
     t = cfg.train
     mesh = make_mesh(cfg.mesh, devices)
     rules = sharding_rules(cfg.parallelism)
-    if mesh.shape["stage"] > 1:  # the model reads the schedule while tracing (sharding/pipeline.py)
-        rules = dataclasses.replace(rules, pipeline=pipeline_settings(cfg.parallelism))
+    plan = plan_for(mesh, rules, pipeline_settings(cfg.parallelism))  # settings kept only when mesh.stage > 1
     schedule = make_schedule(cfg.schedule, cfg.optimizer.lr, t.steps)
     tx = make_optimizer(cfg.optimizer, schedule)
     graphdef = model_graphdef(cfg.model, cfg.quant)
@@ -102,15 +104,15 @@ def build_runtime(cfg: Config, devices: Sequence[jax.Device] | None = None) -> R
     if cfg.distill.enabled:  # the teacher's logits join the loss (jaxinfra/distill/)
         from jaxinfra.distill.step import distill_parts
 
-        distill = distill_parts(cfg, mesh, rules, graphdef)
+        distill = distill_parts(cfg, mesh, rules, graphdef, plan)
     train_step = jax.jit(make_train_step(graphdef, cfg.model, tx, schedule, t.grad_accum_steps, t.nan_steps,
-                                         loss_sums=distill.loss_sums if distill else None),
+                                         loss_sums=distill.loss_sums if distill else None, plan=plan),
                          in_shardings=(state_shardings, data_sharding, *(distill.input_shardings if distill else ())),
                          out_shardings=(state_shardings, replicated), donate_argnums=0)
-    eval_step = jax.jit(make_eval_step(graphdef, cfg.model), in_shardings=(state_shardings.params, data_sharding),
+    eval_step = jax.jit(make_eval_step(graphdef, cfg.model, plan), in_shardings=(state_shardings.params, data_sharding),
                         out_shardings=replicated)
     ring = mesh.shape["context"]
     order = (balanced_order(t.seq_len, ring)
-             if ring > 1 and rules.context_impl == "ring" and rules.load_balance else None)
+             if ring > 1 and plan.context_impl == "ring" and plan.load_balance else None)
     return Runtime(cfg, mesh, rules, schedule, tx, graphdef, state_shardings, data_sharding, order,
-                   train_step, eval_step, distill, distill.step_inputs() if distill else ())
+                   train_step, eval_step, plan, distill, distill.step_inputs() if distill else ())

@@ -17,16 +17,18 @@ from jaxinfra.state import TrainState
 from models import ModelConfig
 from models.project import merge_observations, roll_histories, zero_histories
 from models.router import apply_bias_updates
+from sharding.plan import SINGLE_DEVICE, ParallelPlan
 
 Batch = dict[str, jax.Array]
 
 
-def _forward_sums(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, cfg: ModelConfig) -> dict[str, jax.Array]:
+def _forward_sums(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, cfg: ModelConfig,
+                  plan: ParallelPlan) -> dict[str, jax.Array]:
     model = nnx.merge(graphdef, params)
-    h, moe_stats = model.hidden(batch["inputs"], batch["positions"], batch["segment_ids"])
+    h, moe_stats = model.hidden(batch["inputs"], batch["positions"], batch["segment_ids"], plan=plan)
 
     def token_sums(h: jax.Array, targets: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:
-        return cross_entropy_sums(model.logits(h), targets, mask, cfg.z_loss_weight)
+        return cross_entropy_sums(model.logits(h, plan=plan), targets, mask, cfg.z_loss_weight)
 
     with jax.named_scope(LOSS_SCOPE):  # names only (for profiles, jaxinfra/metrics/hlo.py): same numerics
         sums = chunked_sums(token_sums, cfg.loss_chunk_size, h, batch["targets"], batch["segment_ids"] > 0)
@@ -62,7 +64,7 @@ def _update(state: TrainState, sums: dict, grads: nnx.State, tx: optax.GradientT
 def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig, tx: optax.GradientTransformation,
                     schedule: optax.Schedule, grad_accum_steps: int,
                     nan_steps: tuple[int, ...] = (), loss_sums: Callable[..., dict] | None = None,
-                    ) -> Callable[..., tuple[TrainState, dict]]:
+                    plan: ParallelPlan = SINGLE_DEVICE) -> Callable[..., tuple[TrainState, dict]]:
     """One optimizer step over `grad_accum_steps` microbatches.
 
     Gradients of token *sums* are accumulated and divided once by the total token
@@ -74,12 +76,14 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig, tx: optax.Gradient
     `loss_sums(params, microbatch, step, *inputs)` replaces the cross-entropy sums (distillation,
     jaxinfra/distill/step.py); `inputs` are the step's arguments after the batch (a teacher's
     params: never differentiated), and its `means` entry holds token sums reported as means.
+    `plan` (sharding/plan.py) lays the model out on the devices; it is fixed when the step is
+    made, so what the step traces depends only on its arguments.
     """
 
     def sums_and_grads(params: nnx.State, micro: Batch, step: jax.Array, inputs: tuple) -> tuple[dict, nnx.State]:
         def objective(p: nnx.State) -> tuple[jax.Array, dict]:
             sums = (loss_sums(p, micro, step, *inputs) if loss_sums is not None
-                    else _forward_sums(graphdef, p, micro, cfg))
+                    else _forward_sums(graphdef, p, micro, cfg, plan))
             return sums["loss_sum"], sums
 
         (_, sums), grads = jax.value_and_grad(objective, has_aux=True)(params)
@@ -116,21 +120,23 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig, tx: optax.Gradient
     return train_step
 
 
-def make_eval_step(graphdef: nnx.GraphDef, cfg: ModelConfig) -> Callable[[nnx.State, Batch], dict]:
+def make_eval_step(graphdef: nnx.GraphDef, cfg: ModelConfig,
+                   plan: ParallelPlan = SINGLE_DEVICE) -> Callable[[nnx.State, Batch], dict]:
     """Summed cross-entropy and token count of one batch (averaged over batches by the caller)."""
 
     def eval_step(params: nnx.State, batch: Batch) -> dict[str, jax.Array]:
-        sums = _forward_sums(graphdef, params, batch, cfg)
+        sums = _forward_sums(graphdef, params, batch, cfg, plan)
         return {"ce_sum": sums["ce_sum"], "tokens": sums["tokens"]}
 
     return eval_step
 
 
-def loss_fn(graphdef: nnx.GraphDef, cfg: ModelConfig) -> Callable[[nnx.State, Batch], jax.Array]:
+def loss_fn(graphdef: nnx.GraphDef, cfg: ModelConfig,
+            plan: ParallelPlan = SINGLE_DEVICE) -> Callable[[nnx.State, Batch], jax.Array]:
     """Mean cross-entropy of a batch: what tests differentiate."""
 
     def loss(params: nnx.State, batch: Batch) -> jax.Array:
-        sums = _forward_sums(graphdef, params, batch, cfg)
+        sums = _forward_sums(graphdef, params, batch, cfg, plan)
         return sums["loss_sum"] / jnp.maximum(sums["tokens"], 1.0)
 
     return loss

@@ -146,8 +146,8 @@ def _platform() -> str:
     return "gpu" if backend in ("gpu", "cuda", "rocm") else backend
 
 
-def _device_kind() -> str:
-    return "cpu" if _platform() == "cpu" else jax.devices()[0].device_kind
+def _device_kind(platform: str) -> str:
+    return "cpu" if platform == "cpu" else jax.devices()[0].device_kind
 
 
 def _compute_capability() -> str | None:
@@ -160,14 +160,14 @@ def _pallas_unsupported(q: jax.Array, v: jax.Array) -> str | None:
     return None
 
 
-def _mosaic_gpu_unsupported(q: jax.Array, v: jax.Array) -> str | None:
-    return mosaic_gpu.unsupported(q.dtype, q.shape[-1], v.shape[-1], _platform(),
-                                  _compute_capability() if _platform() == "gpu" else None)
+def _mosaic_gpu_unsupported(q: jax.Array, v: jax.Array, platform: str) -> str | None:
+    return mosaic_gpu.unsupported(q.dtype, q.shape[-1], v.shape[-1], platform,
+                                  _compute_capability() if platform == "gpu" else None)
 
 
-def _cudnn_unsupported(q, v, band: Band, q_seg, kv_seg, softcap, need_lse: bool) -> str | None:
-    if _platform() != "gpu":
-        return f"cudnn needs a GPU (platform is {_platform()})"
+def _cudnn_unsupported(q, v, band: Band, q_seg, kv_seg, softcap, need_lse: bool, platform: str) -> str | None:
+    if platform != "gpu":
+        return f"cudnn needs a GPU (platform is {platform})"
     if need_lse:
         return "cudnn does not return the log-sum-exp here"
     if softcap is not None:
@@ -185,15 +185,14 @@ def _cudnn_unsupported(q, v, band: Band, q_seg, kv_seg, softcap, need_lse: bool)
     return None
 
 
-def _auto(q, v, band: Band, q_seg, kv_seg, softcap, need_lse: bool) -> str:
-    platform = _platform()
+def _auto(q, v, band: Band, q_seg, kv_seg, softcap, need_lse: bool, platform: str) -> str:
     if platform == "gpu":
-        preferred = block_table.preferred_impl(_device_kind(), jnp.dtype(q.dtype).name, q.shape[-1], v.shape[-1],
-                                               band.kind)
+        preferred = block_table.preferred_impl(_device_kind(platform), jnp.dtype(q.dtype).name, q.shape[-1],
+                                               v.shape[-1], band.kind)
         if (preferred == "cudnn" and q_seg is None
-                and _cudnn_unsupported(q, v, band, q_seg, kv_seg, softcap, need_lse) is None):
+                and _cudnn_unsupported(q, v, band, q_seg, kv_seg, softcap, need_lse, platform) is None):
             return "cudnn"
-        if preferred == "pallas_mosaic_gpu" and _mosaic_gpu_unsupported(q, v) is None:
+        if preferred == "pallas_mosaic_gpu" and _mosaic_gpu_unsupported(q, v, platform) is None:
             return "pallas_mosaic_gpu"
     chosen = {"gpu": "pallas_triton", "tpu": "pallas_mosaic_tpu"}.get(platform, "xla")
     if chosen != "xla":
@@ -205,13 +204,13 @@ def _auto(q, v, band: Band, q_seg, kv_seg, softcap, need_lse: bool) -> str:
     return chosen
 
 
-def _resolve(impl: str, q, v, band: Band, q_seg, kv_seg, softcap, need_lse: bool) -> str:
+def _resolve(impl: str, q, v, band: Band, q_seg, kv_seg, softcap, need_lse: bool, platform: str) -> str:
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"attention: impl={impl!r}; choose one of {IMPLEMENTATIONS}")
     if impl == "auto":
-        return _auto(q, v, band, q_seg, kv_seg, softcap, need_lse)
+        return _auto(q, v, band, q_seg, kv_seg, softcap, need_lse, platform)
     if impl == "pallas_mosaic_gpu":
-        reason = _mosaic_gpu_unsupported(q, v)
+        reason = _mosaic_gpu_unsupported(q, v, platform)
         if reason is not None:
             log_once(logger, _logged, f"attention(impl='pallas_mosaic_gpu'): {reason}; using pallas_triton")
             return "pallas_triton"
@@ -219,16 +218,17 @@ def _resolve(impl: str, q, v, band: Band, q_seg, kv_seg, softcap, need_lse: bool
 
 
 def resolve_impl(impl: str, q: jax.Array, v: jax.Array, *, causal: bool = True, segment_ids: SegmentIds = None,
-                 window: Window = None, softcap: float | None = None, need_lse: bool = False) -> str:
+                 window: Window = None, softcap: float | None = None, need_lse: bool = False,
+                 platform: str | None = None) -> str:
     """The implementation `impl` runs as for this call on this platform (auto resolved,
     fallbacks logged). The keyword arguments are those of `attention` (unvalidated here)."""
     q_seg, kv_seg = (segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids, segment_ids))
     band = make_band(bool(causal), None if window is None else tuple(window), q.shape[1], v.shape[1])
-    return _resolve(impl, q, v, band, q_seg, kv_seg, softcap, need_lse)
+    return _resolve(impl, q, v, band, q_seg, kv_seg, softcap, need_lse, platform or _platform())
 
 
-def _flash_params(impl: str, q, v, band: Band, scale: float, softcap, block_sizes: BlockSizes | None) -> FlashParams:
-    platform = _platform()
+def _flash_params(impl: str, q, v, band: Band, scale: float, softcap, block_sizes: BlockSizes | None,
+                  platform: str) -> FlashParams:
     native = {"pallas_triton": "gpu", "pallas_mosaic_tpu": "tpu", "pallas_mosaic_gpu": "gpu"}[impl]
     if platform not in (native, "cpu"):
         raise ValueError(f"attention: impl={impl!r} runs on {native} (or CPU, interpreted), not on {platform}")
@@ -236,7 +236,7 @@ def _flash_params(impl: str, q, v, band: Band, scale: float, softcap, block_size
     if reason is not None:
         raise ValueError(f"attention: impl={impl!r} does not support this call: {reason}")
     interpret = platform == "cpu"
-    key = (_device_kind(), jnp.dtype(q.dtype).name, q.shape[-1], v.shape[-1], band.kind)
+    key = (_device_kind(platform), jnp.dtype(q.dtype).name, q.shape[-1], v.shape[-1], band.kind)
     if impl == "pallas_mosaic_gpu":
         if block_sizes is None:
             block_sizes = block_table.lookup(*key, table=block_table.MOSAIC_GPU_TABLE,
@@ -284,43 +284,46 @@ def _cudnn(q, k, v, band: Band, scale: float, segment_ids):
                                         implementation="cudnn")
 
 
-def _attention(q, k, v, *, causal, segment_ids, window, scale, softcap, impl, block_sizes, need_lse):
+def _attention(q, k, v, *, causal, segment_ids, window, scale, softcap, impl, block_sizes, need_lse, platform):
     q_seg, kv_seg = validate_attention_args(q, k, v, segment_ids, window, scale, softcap, causal)
     band = make_band(bool(causal), None if window is None else tuple(window), q.shape[1], k.shape[1])
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     softcap = None if softcap is None else float(softcap)
-    impl = _resolve(impl, q, v, band, q_seg, kv_seg, softcap, need_lse)
+    platform = platform or _platform()
+    impl = _resolve(impl, q, v, band, q_seg, kv_seg, softcap, need_lse, platform)
     if impl == "xla":
         return _xla(q, k, v, band, q_seg, kv_seg, bool(causal), scale, softcap, need_lse)
     if impl == "cudnn":
-        reason = _cudnn_unsupported(q, v, band, q_seg, kv_seg, softcap, need_lse)
+        reason = _cudnn_unsupported(q, v, band, q_seg, kv_seg, softcap, need_lse, platform)
         if reason is not None:
             raise ValueError(f"attention: impl='cudnn' does not support this call: {reason}")
         return _cudnn(q, k, v, band, scale, q_seg), None
-    params = _flash_params(impl, q, v, band, scale, softcap, block_sizes)
+    params = _flash_params(impl, q, v, band, scale, softcap, block_sizes, platform)
     return flash_attention(params, q, k, v, q_seg, kv_seg)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, segment_ids: SegmentIds = None,
               window: Window = None, scale: float | None = None, softcap: float | None = None,
-              impl: str = "auto", block_sizes: BlockSizes | None = None) -> jax.Array:
+              impl: str = "auto", block_sizes: BlockSizes | None = None, platform: str | None = None) -> jax.Array:
     """Softmax attention -> [B, Tq, Hq, d_v] in q.dtype. See the module docstring.
 
     scale: multiplies q.k (default d_qk ** -0.5); softcap: logits -> softcap * tanh(logits / softcap)
     after scaling (Gemma-2); block_sizes: override the table in `kernels/block_sizes.py`
-    (Pallas impls only; for sweeps)."""
+    (Pallas impls only; for sweeps); platform: "cpu" / "gpu" / "tpu" of the devices it runs on
+    (a parallel plan's; default: jax's default backend)."""
     out, _ = _attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window, scale=scale,
-                        softcap=softcap, impl=impl, block_sizes=block_sizes, need_lse=False)
+                        softcap=softcap, impl=impl, block_sizes=block_sizes, need_lse=False, platform=platform)
     return out
 
 
 def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
                        segment_ids: SegmentIds = None, window: Window = None, scale: float | None = None,
                        softcap: float | None = None, impl: str = "auto",
-                       block_sizes: BlockSizes | None = None) -> tuple[jax.Array, jax.Array]:
+                       block_sizes: BlockSizes | None = None,
+                       platform: str | None = None) -> tuple[jax.Array, jax.Array]:
     """(out, lse): lse [B, Hq, Tq] float32 is the natural log-sum-exp of the scaled (capped)
     logits over visible keys, -inf for rows with none, for merging chunks (ring attention):
     ``out = sum_c exp(lse_c - lse) out_c`` with ``lse = logsumexp_c lse_c``. Differentiable
     in both outputs. `impl="cudnn"` is not available here."""
     return _attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window, scale=scale,
-                      softcap=softcap, impl=impl, block_sizes=block_sizes, need_lse=True)
+                      softcap=softcap, impl=impl, block_sizes=block_sizes, need_lse=True, platform=platform)

@@ -25,7 +25,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import kernels
-from sharding.rules import active, constrain, logical_to_mesh
+from sharding.plan import ParallelPlan, single_device
+from sharding.rules import logical_to_mesh
 
 CONTEXT = "context"
 
@@ -92,56 +93,60 @@ PER_SHARD_IMPLS = ("pallas_triton", "pallas_mosaic_tpu", "pallas_mosaic_gpu", "c
 
 
 def _per_shard_kernel(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, impl: str,
-                      mesh, rules) -> jax.Array:
+                      plan: ParallelPlan) -> jax.Array:
     """Run a custom kernel (Pallas, cuDNN) on each device's (batch, heads) shard.
 
     XLA cannot partition a custom kernel, so without this it would gather the full batch
     onto every device. Heads are split over their mesh axes only when the K/V heads split
     evenly too, so each shard keeps whole GQA groups.
     """
-    batch = logical_to_mesh(("batch",), rules.activations, mesh, q.shape[:1])[0]
-    heads = logical_to_mesh(("heads",), rules.activations, mesh, q.shape[2:3])[0]
-    kv_heads = logical_to_mesh(("kv_heads",), rules.activations, mesh, k.shape[2:3])[0]
+    mesh, table, platform = plan.mesh, plan.rules.activations, plan.platform
+    batch = logical_to_mesh(("batch",), table, mesh, q.shape[:1])[0]
+    heads = logical_to_mesh(("heads",), table, mesh, q.shape[2:3])[0]
+    kv_heads = logical_to_mesh(("kv_heads",), table, mesh, k.shape[2:3])[0]
     if heads != kv_heads:
         heads = None
     spec = P(batch, None, heads, None)
     seg_spec = P(batch, None)
     used = {a for axes in (batch, heads) if axes for a in (axes if isinstance(axes, tuple) else (axes,))}
     if not used:
-        return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl)
+        return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl, platform=platform)
     args, specs = (q, k, v), (spec, spec, spec)
     if segment_ids is not None:
         args, specs = (*args, segment_ids), (*specs, seg_spec)
     body = jax.shard_map(
-        lambda q, k, v, *s: kernels.attention(q, k, v, causal=True, segment_ids=s[0] if s else None, impl=impl),
+        lambda q, k, v, *s: kernels.attention(q, k, v, causal=True, segment_ids=s[0] if s else None, impl=impl,
+                                              platform=platform),
         mesh=mesh, axis_names=used, in_specs=specs, out_specs=spec,
         check_vma=False)  # custom-call outputs carry no varying-axes annotation
     return body(*args)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Array | None,
-              impl: str = "auto") -> jax.Array:
-    """Causal attention for [batch, length, heads, head_dim] inputs, context-parallel when the mesh asks."""
-    current = active()
-    if current is None:
-        return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl)
-    mesh, rules = current
-    if mesh.shape[CONTEXT] == 1:
-        if kernels.resolve_impl(impl, q, v, segment_ids=segment_ids) in PER_SHARD_IMPLS and mesh.size > 1:
-            return _per_shard_kernel(q, k, v, segment_ids, impl, mesh, rules)
-        return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl)
-    if rules.context_impl == "allgather":
-        k = constrain(k, ("batch", "kv_length", "kv_heads", "head_dim"))
-        v = constrain(v, ("batch", "kv_length", "kv_heads", "head_dim"))
-        return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl)
+              impl: str = "auto", plan: ParallelPlan | None = None) -> jax.Array:
+    """Causal attention for [batch, length, heads, head_dim] inputs, context-parallel when the plan's
+    mesh splits the sequence (`plan`: default single device)."""
+    plan = plan or single_device()
+    platform = plan.platform
+    if plan.mesh is None:
+        return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl, platform=platform)
+    if plan.context_size == 1:
+        resolved = kernels.resolve_impl(impl, q, v, segment_ids=segment_ids, platform=platform)
+        if resolved in PER_SHARD_IMPLS and plan.size > 1:
+            return _per_shard_kernel(q, k, v, segment_ids, impl, plan)
+        return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl, platform=platform)
+    if plan.context_impl == "allgather":
+        k = plan.constrain(k, ("batch", "kv_length", "kv_heads", "head_dim"))
+        v = plan.constrain(v, ("batch", "kv_length", "kv_heads", "head_dim"))
+        return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl, platform=platform)
     kernels.validate_attention_args(q, k, v, segment_ids)
-    ring = mesh.shape[CONTEXT]
+    ring, balanced = plan.context_size, plan.load_balance
     if segment_ids is None:
         segment_ids = jnp.ones(q.shape[:2], jnp.int32)
     body = jax.shard_map(
-        lambda q, k, v, s: _ring_attention_local(q, k, v, s, ring=ring, balanced=rules.load_balance,
+        lambda q, k, v, s: _ring_attention_local(q, k, v, s, ring=ring, balanced=balanced,
                                                  scale=q.shape[-1] ** -0.5),
-        mesh=mesh, axis_names={CONTEXT},
+        mesh=plan.mesh, axis_names={CONTEXT},
         in_specs=(P(None, CONTEXT), P(None, CONTEXT), P(None, CONTEXT), P(None, CONTEXT)),
         out_specs=P(None, CONTEXT))
     return body(q, k, v, segment_ids)

@@ -46,7 +46,7 @@ class DistillRun:
         rt.step_inputs = self.parts.step_inputs(params)
         if self.eval_batches:
             model = self.parts.teacher.compute_model(self.cfg.teacher_dtype)
-            step = jax.jit(make_eval_step(self.parts.teacher_def, model),
+            step = jax.jit(make_eval_step(self.parts.teacher_def, model, rt.plan),
                            in_shardings=(self.parts.input_shardings[0], rt.batch_sharding),
                            out_shardings=NamedSharding(rt.mesh, PartitionSpec()))
             ce, tokens = rt.eval_sums(params, self.eval_batches, step)

@@ -34,6 +34,7 @@ from jaxinfra.distill.loss import (
 )
 from jaxinfra.loss import add_moe_sums, chunked_sums, cross_entropy_sums
 from models import ModelConfig
+from sharding.plan import SINGLE_DEVICE, ParallelPlan
 from sharding.rules import ShardingRules
 
 Batch = dict[str, jax.Array]
@@ -45,7 +46,7 @@ def _finish(sums: dict[str, jax.Array], alpha: jax.Array, stats: dict, cfg: Mode
 
 
 def online_loss_sums(graphdef: nnx.GraphDef, cfg: ModelConfig, teacher_def: nnx.GraphDef, dcfg: DistillConfig,
-                     total_steps: int) -> Callable[..., dict[str, jax.Array]]:
+                     total_steps: int, plan: ParallelPlan = SINGLE_DEVICE) -> Callable[..., dict[str, jax.Array]]:
     """loss_sums(params, batch, step, teacher_params, knobs) for jaxinfra/step.py's train step
     (knobs: `jaxinfra.distill.loss.schedule_knobs`)."""
 
@@ -54,12 +55,12 @@ def online_loss_sums(graphdef: nnx.GraphDef, cfg: ModelConfig, teacher_def: nnx.
         alpha, temperature = alpha_and_temperature(knobs, dcfg.schedule, step, total_steps)
         student, teacher = nnx.merge(graphdef, params), nnx.merge(teacher_def, teacher_params)
         args = (batch["inputs"], batch["positions"], batch["segment_ids"])
-        h, stats = student.hidden(*args)
-        h_teacher = jax.lax.stop_gradient(teacher.hidden(*args)[0])
+        h, stats = student.hidden(*args, plan=plan)
+        h_teacher = jax.lax.stop_gradient(teacher.hidden(*args, plan=plan)[0])
 
         def token_sums(h: jax.Array, h_teacher: jax.Array, targets: jax.Array, mask: jax.Array) -> dict:
-            s = student.logits(h)
-            t = jax.lax.stop_gradient(teacher.logits(h_teacher))
+            s = student.logits(h, plan=plan)
+            t = jax.lax.stop_gradient(teacher.logits(h_teacher, plan=plan))
             sums = cross_entropy_sums(s, targets, mask, cfg.z_loss_weight)
             return {**sums, "soft_sum": teacher_soft_loss_sum(s, t, mask, temperature, dcfg.top_k),
                     "teacher_ce_sum": cross_entropy_sums(t, targets, mask)["ce_sum"]}
@@ -71,18 +72,18 @@ def online_loss_sums(graphdef: nnx.GraphDef, cfg: ModelConfig, teacher_def: nnx.
 
 
 def offline_loss_sums(graphdef: nnx.GraphDef, cfg: ModelConfig, dcfg: DistillConfig, total_steps: int,
-                      top_k: int) -> Callable[..., dict[str, jax.Array]]:
+                      top_k: int, plan: ParallelPlan = SINGLE_DEVICE) -> Callable[..., dict[str, jax.Array]]:
     """loss_sums(params, batch, step, knobs) over a batch that carries the teacher's saved top-k
     logits; the first `top_k` of the saved (sorted, most likely first) are used."""
 
     def loss_sums(params: nnx.State, batch: Batch, step: jax.Array, knobs: jax.Array) -> dict:
         alpha, temperature = alpha_and_temperature(knobs, dcfg.schedule, step, total_steps)
         student = nnx.merge(graphdef, params)
-        h, stats = student.hidden(batch["inputs"], batch["positions"], batch["segment_ids"])
+        h, stats = student.hidden(batch["inputs"], batch["positions"], batch["segment_ids"], plan=plan)
 
         def token_sums(h: jax.Array, ids: jax.Array, values: jax.Array, teacher_ce: jax.Array,
                        targets: jax.Array, mask: jax.Array) -> dict:
-            s = student.logits(h)
+            s = student.logits(h, plan=plan)
             sums = cross_entropy_sums(s, targets, mask, cfg.z_loss_weight)
             return {**sums, "soft_sum": top_k_soft_loss_sum(s, ids, values, mask, temperature),
                     "teacher_ce_sum": jnp.sum(jnp.where(mask, teacher_ce, 0.0))}
@@ -115,7 +116,8 @@ class DistillParts:
         return () if teacher_params is None else (teacher_params, self.knobs)
 
 
-def distill_parts(cfg: Config, mesh: Mesh, rules: ShardingRules, graphdef: nnx.GraphDef) -> DistillParts:
+def distill_parts(cfg: Config, mesh: Mesh, rules: ShardingRules, graphdef: nnx.GraphDef,
+                  plan: ParallelPlan = SINGLE_DEVICE) -> DistillParts:
     """Resolve the teacher or the logits directory (bad input: one line, before anything compiles)."""
     d = cfg.distill
     knobs, replicated = schedule_knobs(d), NamedSharding(mesh, PartitionSpec())
@@ -127,7 +129,7 @@ def distill_parts(cfg: Config, mesh: Mesh, rules: ShardingRules, graphdef: nnx.G
         logits = LogitsDir.open(d.logits)
         logits.check_run(cfg)
         k = d.top_k or logits.top_k
-        return DistillParts(offline_loss_sums(graphdef, cfg.model, d, cfg.train.steps, k), (replicated,), knobs,
+        return DistillParts(offline_loss_sums(graphdef, cfg.model, d, cfg.train.steps, k, plan), (replicated,), knobs,
                             logits=logits)
     from jaxinfra.distill.teacher import check_teacher_fits, resolve_teacher, teacher_graphdef, teacher_shardings
 
@@ -135,5 +137,5 @@ def distill_parts(cfg: Config, mesh: Mesh, rules: ShardingRules, graphdef: nnx.G
     check_teacher_fits(cfg, source.saved_model, mesh.size)
     teacher_def = teacher_graphdef(source, d.teacher_dtype)
     shardings = teacher_shardings(source.compute_model(d.teacher_dtype), mesh, rules)
-    loss = online_loss_sums(graphdef, cfg.model, teacher_def, d, cfg.train.steps)
+    loss = online_loss_sums(graphdef, cfg.model, teacher_def, d, cfg.train.steps, plan)
     return DistillParts(loss, (shardings, replicated), knobs, teacher=source, teacher_def=teacher_def)
