@@ -46,7 +46,7 @@ class Runtime:
     sequence_order: np.ndarray | None  # ring attention's load-balanced token order
     _train_step: Any
     _eval_step: Any
-    plan: ParallelPlan | None = None  # mesh, rules, pipeline settings, platform: what the steps were made with
+    plan: ParallelPlan  # mesh, rules, pipeline settings, platform: what the steps were made with
     distill: Any = None  # jaxinfra.distill.step.DistillParts when the distill section is on
     step_inputs: tuple = ()  # the train step's arguments after the batch (distillation: jaxinfra/distill/step.py)
 
