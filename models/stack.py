@@ -42,7 +42,8 @@ LayerFn = Callable[[nnx.Module, jax.Array, Any], tuple[jax.Array, Any]]
 class LayerSpec:
     """One layer of the schedule. Per-layer variations of the next model families (the
     attention window / global pattern, the RoPE base) become fields here, set in
-    `layer_schedule` and read by the block that runs the layer."""
+    `layer_schedule`; they reach the block as part of the period's structure (a repeating
+    local/global pattern is a period) or as stacked per-layer inputs, as decode's cache slices do."""
 
     kind: Kind
     index: int  # its slot on the leading `layers` axis of its stacked group
