@@ -131,22 +131,26 @@ def _parts(model: nnx.Module, schedule: LayerSchedule, dense_fn: LayerFn, moe_fn
                   _layer_step(moe_def, moe_fn, cfg, remat), moe)
 
 
-def _prefix(parts: _Parts, h: jax.Array, n: int, xs: Any, scan: bool, shared: bool) -> tuple[jax.Array, Any]:
-    """The first `n` dense layers -> (h, their y's stacked, or None). `shared`: xs is one value
-    given to every layer (the pipeline's side inputs) rather than stacked per layer."""
+def _prefix(parts: _Parts, h: jax.Array, n: int, xs: Any, scan: bool,
+            shared: bool) -> tuple[jax.Array, Callable[[], Any]]:
+    """The first `n` dense layers -> (h, a function giving their y's stacked, or None). `shared`:
+    xs is one value given to every layer (the pipeline's side inputs) rather than stacked per
+    layer. Unrolled, the y's are stacked only when asked (after the periods, as always before)."""
     if not n:
-        return h, None
+        return h, lambda: None
     step = parts.dense_step
     if scan:
         params = jax.tree.map(lambda x: x[0:n], parts.dense)
         if shared:
-            return jax.lax.scan(lambda h, p: step(h, (p, xs)), h, params)
-        return jax.lax.scan(step, h, (params, jax.tree.map(lambda x: x[0:n], xs)))
+            h, ys = jax.lax.scan(lambda h, p: step(h, (p, xs)), h, params)
+        else:
+            h, ys = jax.lax.scan(step, h, (params, jax.tree.map(lambda x: x[0:n], xs)))
+        return h, lambda: ys
     outs = []
     for i in range(n):
         h, y = step(h, (_at(parts.dense, i), xs) if shared else _at((parts.dense, xs), i))
         outs.append(y)
-    return h, _stack(outs)
+    return h, lambda: _stack(outs)
 
 
 def _period_fn(parts: _Parts, schedule: LayerSchedule, shared: bool) -> Callable:
@@ -171,12 +175,18 @@ def _period_fn(parts: _Parts, schedule: LayerSchedule, shared: bool) -> Callable
     return period
 
 
-def _groups(tree: Any, schedule: LayerSchedule) -> Any:
-    """Dense leaves [L_dense, ...] after the prefix -> [periods, dense per period, ...] (None: none)."""
+def _groups(tree: Any, schedule: LayerSchedule, leafwise: bool = False) -> Any:
+    """Dense leaves [L_dense, ...] after the prefix -> [periods, dense per period, ...] (None: none).
+
+    `leafwise` slices and reshapes each leaf in turn (the pipeline's order), else every slice
+    then every reshape: the two orders the runners had, kept so the traced programs are unchanged."""
     per, periods = schedule.dense_per_period, schedule.periods
     if not per or tree is None:
         return None
-    return jax.tree.map(lambda x: x[schedule.prefix:].reshape(periods, per, *x.shape[1:]), tree)
+    group = lambda x: x.reshape(periods, per, *x.shape[1:])  # noqa: E731
+    if leafwise:
+        return jax.tree.map(lambda x: group(x[schedule.prefix:]), tree)
+    return jax.tree.map(group, jax.tree.map(lambda x: x[schedule.prefix:], tree))
 
 
 # ---------------------------------------------------------------- the runner
@@ -198,17 +208,18 @@ def run(model: nnx.Module, h: jax.Array, dense_fn: LayerFn, moe_fn: LayerFn | No
     else:
         inputs = (parts.dense, dense_xs)
     h, prefix_ys = _prefix(parts, h, schedule.prefix, dense_xs, cfg.scan_layers, shared=False)
+    outs = []
     if cfg.scan_layers:
         h, ys = jax.lax.scan(period, h, inputs)
     else:
-        outs = []
         for p in range(schedule.periods):
             h, out = period(h, _at(inputs, p))
             outs.append(out)
-        ys = _stack(outs)
+    prefix = prefix_ys()  # unrolled: the prefix's y's are stacked first, then the periods'
+    ys = ys if cfg.scan_layers else _stack(outs)
     if not schedule.is_moe:
         return h, {"layers": ys}
-    return h, _by_stack(schedule, prefix_ys, ys)
+    return h, _by_stack(schedule, prefix, ys)
 
 
 def _by_stack(schedule: LayerSchedule, prefix_ys: Any, period_ys: Any) -> dict[str, Any]:
@@ -248,6 +259,7 @@ def run_pipelined(model: nnx.Module, h: jax.Array, dense_fn: LayerFn, moe_fn: La
         h, (_, y) = period(h, (group, side, layer_state, side))
         return h, {k: y[k] for k in PARTIAL_STATS}
 
-    h, partial = pipeline.apply_layers(moe_period, h, (_groups(parts.dense, schedule), parts.moe), side, plan=plan,
-                                       scan_layers=cfg.scan_layers, with_stats=True)
+    stacked = (_groups(parts.dense, schedule, leafwise=True), parts.moe)
+    h, partial = pipeline.apply_layers(moe_period, h, stacked, side, plan=plan, scan_layers=cfg.scan_layers,
+                                       with_stats=True)
     return h, merge_stats(partial, cfg.moe_top_k)
