@@ -146,8 +146,8 @@ def _platform() -> str:
     return "gpu" if backend in ("gpu", "cuda", "rocm") else backend
 
 
-def _device_kind(platform: str) -> str:
-    return "cpu" if platform == "cpu" else jax.devices()[0].device_kind
+def _device_kind() -> str:
+    return "cpu" if _platform() == "cpu" else jax.devices()[0].device_kind
 
 
 def _compute_capability() -> str | None:
@@ -187,7 +187,7 @@ def _cudnn_unsupported(q, v, band: Band, q_seg, kv_seg, softcap, need_lse: bool,
 
 def _auto(q, v, band: Band, q_seg, kv_seg, softcap, need_lse: bool, platform: str) -> str:
     if platform == "gpu":
-        preferred = block_table.preferred_impl(_device_kind(platform), jnp.dtype(q.dtype).name, q.shape[-1],
+        preferred = block_table.preferred_impl(_device_kind(), jnp.dtype(q.dtype).name, q.shape[-1],
                                                v.shape[-1], band.kind)
         if (preferred == "cudnn" and q_seg is None
                 and _cudnn_unsupported(q, v, band, q_seg, kv_seg, softcap, need_lse, platform) is None):
@@ -236,7 +236,7 @@ def _flash_params(impl: str, q, v, band: Band, scale: float, softcap, block_size
     if reason is not None:
         raise ValueError(f"attention: impl={impl!r} does not support this call: {reason}")
     interpret = platform == "cpu"
-    key = (_device_kind(platform), jnp.dtype(q.dtype).name, q.shape[-1], v.shape[-1], band.kind)
+    key = (_device_kind(), jnp.dtype(q.dtype).name, q.shape[-1], v.shape[-1], band.kind)
     if impl == "pallas_mosaic_gpu":
         if block_sizes is None:
             block_sizes = block_table.lookup(*key, table=block_table.MOSAIC_GPU_TABLE,
