@@ -208,15 +208,16 @@ def run(model: nnx.Module, h: jax.Array, dense_fn: LayerFn, moe_fn: LayerFn | No
     else:
         inputs = (parts.dense, dense_xs)
     h, prefix_ys = _prefix(parts, h, schedule.prefix, dense_xs, cfg.scan_layers, shared=False)
-    outs = []
     if cfg.scan_layers:
         h, ys = jax.lax.scan(period, h, inputs)
+        prefix = prefix_ys()
     else:
+        outs = []
         for p in range(schedule.periods):
             h, out = period(h, _at(inputs, p))
             outs.append(out)
-    prefix = prefix_ys()  # unrolled: the prefix's y's are stacked first, then the periods'
-    ys = ys if cfg.scan_layers else _stack(outs)
+        prefix = prefix_ys()  # the prefix's y's stacked first, then the periods' (the traced order as before)
+        ys = _stack(outs)
     if not schedule.is_moe:
         return h, {"layers": ys}
     return h, _by_stack(schedule, prefix, ys)
