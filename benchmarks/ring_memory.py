@@ -38,7 +38,8 @@ from jax.sharding import PartitionSpec as P
 from jaxinfra.metrics.table import format_table
 from sharding import context
 from sharding.mesh import MeshConfig, make_mesh
-from sharding.rules import activation_sharding, rules_for
+from sharding.plan import plan_for
+from sharding.rules import rules_for
 
 CONTEXT = context.CONTEXT
 
@@ -91,8 +92,7 @@ def _through_context(mesh, context_impl: str, impl: str) -> Callable:
     rules = rules_for(context_impl=context_impl, load_balance=True)
 
     def attend(q, k, v, seg):
-        with activation_sharding(mesh, rules):
-            return context.attention(q, k, v, segment_ids=seg, impl=impl)
+        return context.attention(q, k, v, segment_ids=seg, impl=impl, plan=plan_for(mesh, rules))
     return attend
 
 

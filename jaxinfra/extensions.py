@@ -53,6 +53,7 @@ from jaxinfra.config_sections import FEATURE_SECTIONS
 from models import ModelConfig
 from models.project import roll_histories
 from models.router import apply_bias_updates
+from sharding.plan import SINGLE_DEVICE, ParallelPlan
 
 Batch = dict[str, jax.Array]
 
@@ -60,14 +61,15 @@ Batch = dict[str, jax.Array]
 @dataclasses.dataclass(frozen=True)
 class StepContext:
     """What a traced hook sees: the model (params and stats merged), the device batch (with the
-    extension fields), the steps completed before this one, and this extension's frozen inputs
-    and own state."""
+    extension fields), the steps completed before this one, this extension's frozen inputs and own
+    state, and the parallel plan the step was made with (a second model's forward takes it too)."""
 
     model: nnx.Module
     batch: Batch
     step: jax.Array
     inputs: Any = ()
     state: Any = None
+    plan: ParallelPlan = SINGLE_DEVICE
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,7 +41,8 @@ from jaxinfra.state import (
 from jaxinfra.step import make_eval_step, make_train_step
 from sharding.context import balanced_order
 from sharding.mesh import make_mesh
-from sharding.rules import ShardingRules, activation_sharding, logical_to_mesh
+from sharding.plan import ParallelPlan, plan_for
+from sharding.rules import ShardingRules, logical_to_mesh
 
 
 def batch_sharding(mesh: Mesh, rules: ShardingRules) -> NamedSharding:
@@ -61,6 +62,7 @@ class Runtime:
     sequence_order: np.ndarray | None  # ring attention's load-balanced token order
     _train_step: Any
     _eval_step: Any
+    plan: ParallelPlan  # mesh, rules, pipeline settings, platform: what the steps were made with
     extensions: tuple[StepExtension, ...] = ()  # jaxinfra/extensions.py; ModelStats first
 
     def init_state(self) -> TrainState:
@@ -93,12 +95,12 @@ class Runtime:
 
     def train_step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
         """One optimizer step; `state` is donated."""
-        with jax.set_mesh(self.mesh), activation_sharding(self.mesh, self.rules):
+        with jax.set_mesh(self.mesh):
             return self._train_step(state, batch, self.step_inputs())
 
     def lower_train_step(self, state: TrainState, batch: dict[str, jax.Array], inputs: tuple | None = None):
         """The lowered train step; `inputs` (abstract ones, for the plan's --compile) replace step_inputs()."""
-        with jax.set_mesh(self.mesh), activation_sharding(self.mesh, self.rules):
+        with jax.set_mesh(self.mesh):
             return self._train_step.lower(state, batch, self.step_inputs() if inputs is None else inputs)
 
     def eval_sums(self, params: nnx.State, batches: list[dict[str, np.ndarray]],
@@ -106,7 +108,7 @@ class Runtime:
         """(summed cross-entropy, token count) over host batches; `params` are the model's variables
         (jaxinfra/state.py model_state), or another model's with its `eval_step`."""
         eval_step = eval_step or self._eval_step
-        with jax.set_mesh(self.mesh), activation_sharding(self.mesh, self.rules):
+        with jax.set_mesh(self.mesh):
             outs = [eval_step(params, self.to_global(b)) for b in batches]
         outs = jax.device_get(outs)
         return sum(float(o["ce_sum"]) for o in outs), sum(float(o["tokens"]) for o in outs)
@@ -124,8 +126,7 @@ def build_runtime(cfg: Config, devices: Sequence[jax.Device] | None = None,
     t = cfg.train
     mesh = make_mesh(cfg.mesh, devices)
     rules = sharding_rules(cfg.parallelism)
-    if mesh.shape["stage"] > 1:  # the model reads the schedule while tracing (sharding/pipeline.py)
-        rules = dataclasses.replace(rules, pipeline=pipeline_settings(cfg.parallelism))
+    plan = plan_for(mesh, rules, pipeline_settings(cfg.parallelism))  # settings kept only when mesh.stage > 1
     schedule = make_schedule(cfg.schedule, cfg.optimizer.lr, t.steps)
     tx = make_optimizer(cfg.optimizer, schedule)
     graphdef = model_graphdef(cfg.model, cfg.quant)
@@ -135,23 +136,23 @@ def build_runtime(cfg: Config, devices: Sequence[jax.Device] | None = None,
     exts = (ModelStats(cfg.model), *extensions)
     check_names(exts)
     check_sections_claimed(cfg, exts)
-    order = _ring_order(cfg, mesh, rules)
-    rt = Runtime(cfg, mesh, rules, schedule, tx, graphdef, None, data_sharding, order, None, None, exts)
+    order = _ring_order(cfg, plan)
+    rt = Runtime(cfg, mesh, rules, schedule, tx, graphdef, None, data_sharding, order, None, None, plan, exts)
     for e in exts:  # e.g. a teacher resolved onto this mesh; bad input is refused before anything compiles
         e.setup(rt)
     rt.state_shardings = shardings_for(rt.abstract_state(), mesh, rules)
     replicated = NamedSharding(mesh, PartitionSpec())
-    step = make_train_step(graphdef, cfg.model, tx, schedule, t.grad_accum_steps, exts, trainable_filter(exts))
+    step = make_train_step(graphdef, cfg.model, tx, schedule, t.grad_accum_steps, exts, trainable_filter(exts), plan)
     rt._train_step = jax.jit(step, in_shardings=(rt.state_shardings, data_sharding,
                                                  tuple(e.input_shardings() for e in exts)),
                              out_shardings=(rt.state_shardings, replicated), donate_argnums=0)
-    rt._eval_step = jax.jit(make_eval_step(graphdef, cfg.model),
+    rt._eval_step = jax.jit(make_eval_step(graphdef, cfg.model, plan),
                             in_shardings=(model_state(rt.state_shardings), data_sharding), out_shardings=replicated)
     return rt
 
 
-def _ring_order(cfg: Config, mesh: Mesh, rules: ShardingRules) -> np.ndarray | None:
-    ring = mesh.shape["context"]
-    if ring > 1 and rules.context_impl == "ring" and rules.load_balance:
+def _ring_order(cfg: Config, plan: ParallelPlan) -> np.ndarray | None:
+    ring = plan.context_size
+    if ring > 1 and plan.context_impl == "ring" and plan.load_balance:
         return balanced_order(cfg.train.seq_len, ring)
     return None

@@ -21,6 +21,7 @@ from jaxinfra.optim import global_norm, tree_all_finite
 from jaxinfra.state import TrainState
 from models import ModelConfig
 from models.project import merge_observations
+from sharding.plan import SINGLE_DEVICE, ParallelPlan
 
 Batch = dict[str, jax.Array]
 SumsFn = Callable[..., dict[str, jax.Array]]
@@ -34,25 +35,27 @@ def _split_counts(flat: Sequence[jax.Array], counts: Sequence[int]) -> list[tupl
     return out
 
 
-def forward_sums(graphdef: nnx.GraphDef, cfg: ModelConfig, extensions: Sequence[StepExtension] = ()) -> SumsFn:
+def forward_sums(graphdef: nnx.GraphDef, cfg: ModelConfig, extensions: Sequence[StepExtension] = (),
+                 plan: ParallelPlan = SINGLE_DEVICE) -> SumsFn:
     """sums(variables, batch, step, inputs, ext_state): the token sums of one (micro)batch.
 
     `variables` is a tuple of States merged into the model (params, stats); `inputs` holds each
     extension's frozen inputs, `ext_state` their own state by name. Without extensions this is
-    the plain cross-entropy (+ z-loss, + MoE router terms) program."""
+    the plain cross-entropy (+ z-loss, + MoE router terms) program. `plan` (sharding/plan.py) lays
+    the model out on the devices; it is fixed here, so what is traced depends only on the arguments."""
 
     def sums_fn(variables: tuple[nnx.State, ...], batch: Batch, step: Any = None, inputs: tuple = (),
                 ext_state: dict | None = None) -> dict[str, jax.Array]:
         model = nnx.merge(graphdef, *variables)
-        h, moe_stats = model.hidden(batch["inputs"], batch["positions"], batch["segment_ids"])
-        ctxs = [StepContext(model, batch, step, x, (ext_state or {}).get(e.name))
+        h, moe_stats = model.hidden(batch["inputs"], batch["positions"], batch["segment_ids"], plan=plan)
+        ctxs = [StepContext(model, batch, step, x, (ext_state or {}).get(e.name), plan)
                 for e, x in zip(extensions, inputs or ((),) * len(extensions), strict=True)]
         extra = [e.per_token(c, h) for e, c in zip(extensions, ctxs)]
         counts, flat = [len(x) for x in extra], [a for x in extra for a in x]
 
         def token_sums(h: jax.Array, *rest: jax.Array) -> dict[str, jax.Array]:
             *chunk, targets, mask = rest
-            logits = model.logits(h)
+            logits = model.logits(h, plan=plan)
             sums = cross_entropy_sums(logits, targets, mask, cfg.z_loss_weight)
             for e, c, part in zip(extensions, ctxs, _split_counts(chunk, counts)):
                 sums = {**sums, **e.token_sums(c, logits, part, targets, mask)}
@@ -104,7 +107,8 @@ def _update(state: TrainState, sums: dict, grads: nnx.State, observed: nnx.State
 
 def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig, tx: optax.GradientTransformation,
                     schedule: optax.Schedule, grad_accum_steps: int, extensions: Sequence[StepExtension] = (),
-                    trainable: Any = None) -> Callable[..., tuple[TrainState, dict]]:
+                    trainable: Any = None,
+                    plan: ParallelPlan = SINGLE_DEVICE) -> Callable[..., tuple[TrainState, dict]]:
     """train_step(state, batch, inputs): one optimizer step over `grad_accum_steps` microbatches.
 
     Gradients of token *sums* are accumulated and divided once by the total token
@@ -115,9 +119,10 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig, tx: optax.Gradient
     `inputs` is a tuple with each extension's frozen inputs (never differentiated); the model's
     Stats are differentiated only for their cotangents, observations the post-update hooks use
     (fp8 amax); `trainable` (an nnx filter, jaxinfra/extensions.py) limits what the optimizer trains.
+    `plan` (sharding/plan.py) is fixed when the step is made.
     """
     extensions = tuple(extensions)
-    sums_fn = forward_sums(graphdef, cfg, extensions)
+    sums_fn = forward_sums(graphdef, cfg, extensions, plan)
 
     def sums_and_grads(state: TrainState, micro: Batch, inputs: tuple) -> tuple[dict, nnx.State, nnx.State]:
         params, frozen = _trainable(state.params, trainable)
@@ -161,10 +166,11 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig, tx: optax.Gradient
     return train_step
 
 
-def make_eval_step(graphdef: nnx.GraphDef, cfg: ModelConfig) -> Callable[[nnx.State, Batch], dict]:
+def make_eval_step(graphdef: nnx.GraphDef, cfg: ModelConfig,
+                   plan: ParallelPlan = SINGLE_DEVICE) -> Callable[[nnx.State, Batch], dict]:
     """Summed cross-entropy and token count of one batch (averaged over batches by the caller);
     `variables` are the model's (jaxinfra/state.py model_state)."""
-    sums_fn = forward_sums(graphdef, cfg)
+    sums_fn = forward_sums(graphdef, cfg, plan=plan)
 
     def eval_step(variables: nnx.State, batch: Batch) -> dict[str, jax.Array]:
         sums = sums_fn((variables,), batch)
@@ -173,10 +179,11 @@ def make_eval_step(graphdef: nnx.GraphDef, cfg: ModelConfig) -> Callable[[nnx.St
     return eval_step
 
 
-def loss_fn(graphdef: nnx.GraphDef, cfg: ModelConfig) -> Callable[[nnx.State, Batch], jax.Array]:
+def loss_fn(graphdef: nnx.GraphDef, cfg: ModelConfig,
+            plan: ParallelPlan = SINGLE_DEVICE) -> Callable[[nnx.State, Batch], jax.Array]:
     """Mean cross-entropy of a batch: what tests differentiate."""
 
-    sums_fn = forward_sums(graphdef, cfg)
+    sums_fn = forward_sums(graphdef, cfg, plan=plan)
 
     def loss(variables: nnx.State, batch: Batch) -> jax.Array:
         sums = sums_fn((variables,), batch)

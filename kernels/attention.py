@@ -151,9 +151,9 @@ def _compute_capability() -> str | None:
     return getattr(jax.devices()[0], "compute_capability", None)
 
 
-def _target() -> facts.Target:
-    """This process's device, as kernels/facts.py's dispatch reads it (kind and capability on GPUs)."""
-    platform = _platform()
+def _target(platform: str) -> facts.Target:
+    """The devices of `platform` (the caller's plan's, else this process's default backend), as
+    kernels/facts.py's dispatch reads them (kind and capability on GPUs)."""
     if platform != "gpu":
         return facts.Target(platform)
     return facts.Target(platform, _device_kind(), _compute_capability())
@@ -168,31 +168,32 @@ def _pallas_unsupported(q: jax.Array, v: jax.Array) -> str | None:
     return facts.pallas_unsupported(q.shape[-1], v.shape[-1])
 
 
-def _cudnn_unsupported(q, v, band: Band, q_seg, kv_seg, softcap, need_lse: bool) -> str | None:
-    return facts.cudnn_unsupported(_target(), _call(q, v, band, q_seg, kv_seg, softcap, need_lse))
+def _cudnn_unsupported(q, v, band: Band, q_seg, kv_seg, softcap, need_lse: bool, platform: str) -> str | None:
+    return facts.cudnn_unsupported(_target(platform), _call(q, v, band, q_seg, kv_seg, softcap, need_lse))
 
 
-def _resolve(impl: str, q, v, band: Band, q_seg, kv_seg, softcap, need_lse: bool) -> str:
+def _resolve(impl: str, q, v, band: Band, q_seg, kv_seg, softcap, need_lse: bool, platform: str) -> str:
     """kernels/facts.py decides (the planner asks it the same question); fallbacks log once here."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"attention: impl={impl!r}; choose one of {IMPLEMENTATIONS}")
-    chosen, note = facts.resolve(impl, _target(), _call(q, v, band, q_seg, kv_seg, softcap, need_lse))
+    chosen, note = facts.resolve(impl, _target(platform), _call(q, v, band, q_seg, kv_seg, softcap, need_lse))
     if note is not None:
         log_once(logger, _logged, note)
     return chosen
 
 
 def resolve_impl(impl: str, q: jax.Array, v: jax.Array, *, causal: bool = True, segment_ids: SegmentIds = None,
-                 window: Window = None, softcap: float | None = None, need_lse: bool = False) -> str:
+                 window: Window = None, softcap: float | None = None, need_lse: bool = False,
+                 platform: str | None = None) -> str:
     """The implementation `impl` runs as for this call on this platform (auto resolved,
     fallbacks logged). The keyword arguments are those of `attention` (unvalidated here)."""
     q_seg, kv_seg = (segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids, segment_ids))
     band = make_band(bool(causal), None if window is None else tuple(window), q.shape[1], v.shape[1])
-    return _resolve(impl, q, v, band, q_seg, kv_seg, softcap, need_lse)
+    return _resolve(impl, q, v, band, q_seg, kv_seg, softcap, need_lse, platform or _platform())
 
 
-def _flash_params(impl: str, q, v, band: Band, scale: float, softcap, block_sizes: BlockSizes | None) -> FlashParams:
-    platform = _platform()
+def _flash_params(impl: str, q, v, band: Band, scale: float, softcap, block_sizes: BlockSizes | None,
+                  platform: str) -> FlashParams:
     native = {"pallas_triton": "gpu", "pallas_mosaic_tpu": "tpu", "pallas_mosaic_gpu": "gpu"}[impl]
     if platform not in (native, "cpu"):
         raise ValueError(f"attention: impl={impl!r} runs on {native} (or CPU, interpreted), not on {platform}")
@@ -248,44 +249,47 @@ def _cudnn(q, k, v, band: Band, scale: float, segment_ids):
                                         implementation="cudnn")
 
 
-def _attention(q, k, v, *, causal, segment_ids, window, scale, softcap, impl, block_sizes, need_lse):
+def _attention(q, k, v, *, causal, segment_ids, window, scale, softcap, impl, block_sizes, need_lse, platform):
     q_seg, kv_seg = validate_attention_args(q, k, v, segment_ids, window, scale, softcap, causal)
     band = make_band(bool(causal), None if window is None else tuple(window), q.shape[1], k.shape[1])
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     softcap = None if softcap is None else float(softcap)
-    impl = _resolve(impl, q, v, band, q_seg, kv_seg, softcap, need_lse)
+    platform = platform or _platform()
+    impl = _resolve(impl, q, v, band, q_seg, kv_seg, softcap, need_lse, platform)
     if impl == "xla":
         return _xla(q, k, v, band, q_seg, kv_seg, bool(causal), scale, softcap, need_lse)
     if impl == "cudnn":
-        reason = _cudnn_unsupported(q, v, band, q_seg, kv_seg, softcap, need_lse)
+        reason = _cudnn_unsupported(q, v, band, q_seg, kv_seg, softcap, need_lse, platform)
         if reason is not None:
             raise ValueError(f"attention: impl='cudnn' does not support this call: {reason}")
         return _cudnn(q, k, v, band, scale, q_seg), None
-    params = _flash_params(impl, q, v, band, scale, softcap, block_sizes)
+    params = _flash_params(impl, q, v, band, scale, softcap, block_sizes, platform)
     return flash_attention(params, q, k, v, q_seg, kv_seg)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, segment_ids: SegmentIds = None,
               window: Window = None, scale: float | None = None, softcap: float | None = None,
-              impl: str = "auto", block_sizes: BlockSizes | None = None) -> jax.Array:
+              impl: str = "auto", block_sizes: BlockSizes | None = None, platform: str | None = None) -> jax.Array:
     """Softmax attention -> [B, Tq, Hq, d_v] in q.dtype. See the module docstring.
 
     scale: multiplies q.k (default d_qk ** -0.5); softcap: logits -> softcap * tanh(logits / softcap)
     after scaling (Gemma-2); block_sizes: override the table in `kernels/block_sizes.py`
-    (Pallas impls only; for sweeps)."""
+    (Pallas impls only; for sweeps); platform: "cpu" / "gpu" / "tpu" of the devices it runs on
+    (a parallel plan's; default: jax's default backend)."""
     out, _ = _attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window, scale=scale,
-                        softcap=softcap, impl=impl, block_sizes=block_sizes, need_lse=False)
+                        softcap=softcap, impl=impl, block_sizes=block_sizes, need_lse=False, platform=platform)
     return out
 
 
 def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
                        segment_ids: SegmentIds = None, window: Window = None, scale: float | None = None,
                        softcap: float | None = None, impl: str = "auto",
-                       block_sizes: BlockSizes | None = None) -> tuple[jax.Array, jax.Array]:
+                       block_sizes: BlockSizes | None = None,
+                       platform: str | None = None) -> tuple[jax.Array, jax.Array]:
     """(out, lse): lse [B, Hq, Tq] float32 is the natural log-sum-exp of the scaled (capped)
     logits over visible keys, -inf for rows with none, for merging chunks:
     ``out = sum_c exp(lse_c - lse) out_c`` with ``lse = logsumexp_c lse_c`` (sharding/context.py's
     ring attention calls this per K/V block and merges the blocks so). Differentiable in both
     outputs. `impl="cudnn"` is not available here."""
     return _attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window, scale=scale,
-                      softcap=softcap, impl=impl, block_sizes=block_sizes, need_lse=True)
+                      softcap=softcap, impl=impl, block_sizes=block_sizes, need_lse=True, platform=platform)

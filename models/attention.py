@@ -16,7 +16,7 @@ from models.layers import DTYPES, apply_rope, ones_param, param, rms_norm, zeros
 from models.project import Projections, prepare_weights, project_attr
 from models.quant_config import NO_QUANT, QuantConfig
 from sharding.context import attention as context_attention
-from sharding.rules import constrain
+from sharding.plan import SINGLE_DEVICE, ParallelPlan
 
 Cache = dict[str, jax.Array]  # one layer's cache (or one step's new entries), by name
 
@@ -47,31 +47,32 @@ class Attention(nnx.Module):
         prepare_weights(self, quant, self.PROJECTIONS, DTYPES[cfg.dtype])
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
-                 rope_freqs: jax.Array) -> jax.Array:
-        return self._attend(x, positions, segment_ids, rope_freqs)[0]
+                 rope_freqs: jax.Array, *, plan: ParallelPlan = SINGLE_DEVICE) -> jax.Array:
+        return self._attend(x, positions, segment_ids, rope_freqs, plan)[0]
 
-    def prefill(self, x: jax.Array, positions: jax.Array, rope_freqs: jax.Array) -> tuple[jax.Array, Cache]:
+    def prefill(self, x: jax.Array, positions: jax.Array, rope_freqs: jax.Array, *,
+                plan: ParallelPlan = SINGLE_DEVICE) -> tuple[jax.Array, Cache]:
         """The training computation on a (right-padded) prompt, plus what the cache keeps of
         each token: {"k", "v"} [batch, kv_heads, length, head_dim] (k after RoPE; the cache layout)."""
-        y, k, v = self._attend(x, positions, None, rope_freqs)
-        return y, cache_entries(k, v)
+        y, k, v = self._attend(x, positions, None, rope_freqs, plan)
+        return y, cache_entries(k, v, plan)
 
     def decode(self, x: jax.Array, positions: jax.Array, rope_freqs: jax.Array, cache: Cache,
-               absorb: bool = True) -> tuple[jax.Array, Cache]:
+               absorb: bool = True, *, plan: ParallelPlan = SINGLE_DEVICE) -> tuple[jax.Array, Cache]:
         """One new token per row against this layer's cache.
 
         x [B, 1, d]; positions [B, 1] (also the token's cache slot: slots below it are the
         row's earlier tokens); cache {"k", "v"} [B, kv_heads, S, head_dim]. Returns the
         output [B, 1, d] and the token's own entries {"k", "v"} [B, kv_heads, 1, head_dim]
         (the caller writes them at `positions`). `absorb` only matters for MLA."""
-        q, k, v = self._qkv(x, positions, rope_freqs)
-        new = cache_entries(k, v)
+        q, k, v = self._qkv(x, positions, rope_freqs, plan)
+        new = cache_entries(k, v, plan)
         out = decode_attention([q], [cache["k"]], [new["k"]], cache["v"], new["v"], positions[:, 0],
                                q.shape[-1] ** -0.5, k_scales=[cache.get("k_scale")], v_scale=cache.get("v_scale"))
         return self._output(out), new
 
-    def _qkv(self, x: jax.Array, positions: jax.Array,
-             rope_freqs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def _qkv(self, x: jax.Array, positions: jax.Array, rope_freqs: jax.Array,
+             plan: ParallelPlan) -> tuple[jax.Array, jax.Array, jax.Array]:
         dt = self.dtype
         b, t, d = x.shape
         rows = x.reshape(b * t, d)  # 2-D matmuls: see models/layers.py MLP for why
@@ -86,9 +87,9 @@ class Attention(nnx.Module):
         if self.qk_norm:
             q = rms_norm(q, self.q_norm[...], self.eps)
             k = rms_norm(k, self.k_norm[...], self.eps)
-        q = constrain(apply_rope(q, positions, rope_freqs), ("batch", "length", "heads", "head_dim"))
-        k = constrain(apply_rope(k, positions, rope_freqs), ("batch", "length", "kv_heads", "head_dim"))
-        v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+        q = plan.constrain(apply_rope(q, positions, rope_freqs), ("batch", "length", "heads", "head_dim"))
+        k = plan.constrain(apply_rope(k, positions, rope_freqs), ("batch", "length", "kv_heads", "head_dim"))
+        v = plan.constrain(v, ("batch", "length", "kv_heads", "head_dim"))
         return q, k, v
 
     def _output(self, out: jax.Array) -> jax.Array:
@@ -96,18 +97,18 @@ class Attention(nnx.Module):
         return project_attr(self, "nhk,hkd->nd", out.reshape(b * t, heads, dh), "wo").reshape(b, t, -1)
 
     def _attend(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
-                rope_freqs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        q, k, v = self._qkv(x, positions, rope_freqs)
-        # Plain attention, or context-parallel when the mesh splits the sequence.
-        out = context_attention(q, k, v, segment_ids=segment_ids, impl=self.impl)
+                rope_freqs: jax.Array, plan: ParallelPlan) -> tuple[jax.Array, jax.Array, jax.Array]:
+        q, k, v = self._qkv(x, positions, rope_freqs, plan)
+        # Plain attention, or context-parallel when the plan's mesh splits the sequence.
+        out = context_attention(q, k, v, segment_ids=segment_ids, impl=self.impl, plan=plan)
         out = checkpoint_name(out, "attn_out")
         return self._output(out), k, v
 
 
-def cache_entries(k: jax.Array, v: jax.Array) -> Cache:
+def cache_entries(k: jax.Array, v: jax.Array, plan: ParallelPlan = SINGLE_DEVICE) -> Cache:
     """Projected k, v [B, T, kv_heads, head_dim] -> the cache layout [B, kv_heads, T, head_dim]."""
     names = ("batch", "kv_heads", "kv_length", "head_dim")
-    return {"k": constrain(jnp.swapaxes(k, 1, 2), names), "v": constrain(jnp.swapaxes(v, 1, 2), names)}
+    return {"k": plan.constrain(jnp.swapaxes(k, 1, 2), names), "v": plan.constrain(jnp.swapaxes(v, 1, 2), names)}
 
 
 def decode_attention(qs: Sequence[jax.Array], ks: Sequence[jax.Array], k_news: Sequence[jax.Array],

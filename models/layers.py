@@ -14,7 +14,7 @@ from jax.ad_checkpoint import checkpoint_name
 from models.config import ModelConfig
 from models.project import Projections, prepare_weights, project_attr
 from models.quant_config import NO_QUANT, QuantConfig
-from sharding.rules import constrain
+from sharding.plan import SINGLE_DEVICE, ParallelPlan
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -126,7 +126,7 @@ class MLP(nnx.Module):
         self.w_down = param(rngs, (f, d), ("mlp", "embed"), std / math.sqrt(2 * cfg.num_layers), cfg.param_dtype)
         prepare_weights(self, quant, self.PROJECTIONS, DTYPES[cfg.dtype])
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, *, plan: ParallelPlan = SINGLE_DEVICE) -> jax.Array:
         # Matmuls on [batch*length, features]: with one row dimension the backward's weight
         # gradients need no transposed copy of the wide hidden activations (on XLA:CPU such a
         # copy cost ~20% of the step; see benchmarks/RESULTS.md).
@@ -135,5 +135,5 @@ class MLP(nnx.Module):
         gate = project_attr(self, "nd,df->nf", rows, "w_gate")
         up = project_attr(self, "nd,df->nf", rows, "w_up")
         hidden = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")
-        hidden = constrain(hidden, ("rows", "mlp"))
+        hidden = plan.constrain(hidden, ("rows", "mlp"))
         return project_attr(self, "nf,fd->nd", hidden, "w_down").reshape(b, t, d)

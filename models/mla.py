@@ -38,7 +38,7 @@ from models.project import Projections, prepare_weights, project_attr, slice_wei
 from models.quant import dequantize
 from models.quant_config import NO_QUANT, QuantConfig
 from sharding.context import attention as context_attention
-from sharding.rules import constrain
+from sharding.plan import SINGLE_DEVICE, ParallelPlan
 
 
 class MLA(nnx.Module):
@@ -68,17 +68,18 @@ class MLA(nnx.Module):
         prepare_weights(self, quant, self.PROJECTIONS, DTYPES[cfg.dtype])
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
-                 rope_freqs: jax.Array) -> jax.Array:
-        return self._attend(x, positions, segment_ids, rope_freqs)[0]
+                 rope_freqs: jax.Array, *, plan: ParallelPlan = SINGLE_DEVICE) -> jax.Array:
+        return self._attend(x, positions, segment_ids, rope_freqs, plan)[0]
 
-    def prefill(self, x: jax.Array, positions: jax.Array, rope_freqs: jax.Array) -> tuple[jax.Array, Cache]:
+    def prefill(self, x: jax.Array, positions: jax.Array, rope_freqs: jax.Array, *,
+                plan: ParallelPlan = SINGLE_DEVICE) -> tuple[jax.Array, Cache]:
         """The training computation on a (right-padded) prompt, plus what the cache keeps of
         each token: {"latent": c_kv [B, 1, T, kv_lora_rank], "k_rope": [B, 1, T, qk_rope_head_dim]}
         (the cache layout: one "head", shared by all query heads)."""
-        return self._attend(x, positions, None, rope_freqs)
+        return self._attend(x, positions, None, rope_freqs, plan)
 
     def decode(self, x: jax.Array, positions: jax.Array, rope_freqs: jax.Array, cache: Cache,
-               absorb: bool = True) -> tuple[jax.Array, Cache]:
+               absorb: bool = True, *, plan: ParallelPlan = SINGLE_DEVICE) -> tuple[jax.Array, Cache]:
         """One new token per row against the cached latents (see Attention.decode for the
         arguments; cache {"latent" [B, 1, S, rank], "k_rope" [B, 1, S, rope]}).
 
@@ -89,7 +90,7 @@ class MLA(nnx.Module):
         reconstructing K/V for all S cached tokens costs 2 S rank H (nope + v) more.
         absorb=False reconstructs K and V from the cached latent and runs the training form."""
         q, latent, k_rope = self._project(x, positions, rope_freqs)  # [B,1,H,nope+rope], [B,1,rank], [B,1,rope]
-        new = self._entries(latent, k_rope)
+        new = self._entries(latent, k_rope, plan)
         scale = (self.nope + self.rope) ** -0.5  # the training attention's default (q_scale is in q)
         wkv_b = weight(self, "wkv_b")
         w_uk = slice_weight(wkv_b, (..., slice(None, self.nope)))
@@ -149,11 +150,11 @@ class MLA(nnx.Module):
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None], (b, t, heads, self.rope))], axis=-1)
         return k, v
 
-    def _entries(self, latent: jax.Array, k_rope: jax.Array | None) -> Cache:
+    def _entries(self, latent: jax.Array, k_rope: jax.Array | None, plan: ParallelPlan) -> Cache:
         """c_kv [B, T, rank], k_rope [B, T, rope] -> the cache layout [B, 1, T, ...] (one shared head)."""
-        entries = {"latent": constrain(latent[:, None], ("batch", None, "kv_length", "kv_lora"))}
+        entries = {"latent": plan.constrain(latent[:, None], ("batch", None, "kv_length", "kv_lora"))}
         if k_rope is not None:
-            entries["k_rope"] = constrain(k_rope[:, None], ("batch", None, "kv_length", "head_dim"))
+            entries["k_rope"] = plan.constrain(k_rope[:, None], ("batch", None, "kv_length", "head_dim"))
         return entries
 
     def _output(self, out: jax.Array) -> jax.Array:
@@ -161,13 +162,13 @@ class MLA(nnx.Module):
         return project_attr(self, "nhv,hvd->nd", out.reshape(b * t, heads, dv), "wo").reshape(b, t, -1)
 
     def _attend(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
-                rope_freqs: jax.Array) -> tuple[jax.Array, Cache]:
+                rope_freqs: jax.Array, plan: ParallelPlan) -> tuple[jax.Array, Cache]:
         b, t, _ = x.shape
         q, latent, k_rope = self._project(x, positions, rope_freqs)
         heads = q.shape[2]
         k, v = self._keys_values(latent, k_rope, b, t, heads)
-        q = constrain(checkpoint_name(q, "query_proj"), ("batch", "length", "heads", "head_dim"))
-        k = constrain(checkpoint_name(k, "key_proj"), ("batch", "length", "heads", "head_dim"))
-        v = constrain(checkpoint_name(v, "value_proj"), ("batch", "length", "heads", "head_dim"))
-        out = checkpoint_name(context_attention(q, k, v, segment_ids=segment_ids, impl=self.impl), "attn_out")
-        return self._output(out), self._entries(latent, k_rope)
+        q = plan.constrain(checkpoint_name(q, "query_proj"), ("batch", "length", "heads", "head_dim"))
+        k = plan.constrain(checkpoint_name(k, "key_proj"), ("batch", "length", "heads", "head_dim"))
+        v = plan.constrain(checkpoint_name(v, "value_proj"), ("batch", "length", "heads", "head_dim"))
+        out = context_attention(q, k, v, segment_ids=segment_ids, impl=self.impl, plan=plan)
+        return self._output(checkpoint_name(out, "attn_out")), self._entries(latent, k_rope, plan)

@@ -51,6 +51,7 @@ from models.project import (
 from models.quant_config import NO_QUANT, MatmulQuant, QuantConfig
 from models.router import Router, router_losses
 from sharding.expert import capacity_experts, dropless_experts
+from sharding.plan import SINGLE_DEVICE, ParallelPlan
 
 GATE_NAMES = ("experts", "embed", "mlp")
 DOWN_NAMES = ("experts", "mlp", "embed")
@@ -73,8 +74,8 @@ class MoE(nnx.Module):
         self.cfg = cfg
         prepare_weights(self, quant, self.PROJECTIONS, DTYPES[cfg.dtype])
 
-    def __call__(self, x: jax.Array, mask: jax.Array,
-                 order: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def __call__(self, x: jax.Array, mask: jax.Array, order: jax.Array | None = None, *,
+                 plan: ParallelPlan = SINGLE_DEVICE) -> tuple[jax.Array, dict[str, jax.Array]]:
         """x [B, T, d], mask [B, T] -> (y [B, T, d], per-layer statistics).
 
         order [B, T]: per row, the indices of its tokens in original sequence order (the
@@ -99,17 +100,17 @@ class MoE(nnx.Module):
             dispatch, combine, dropped = capacity_assignment(experts, gates, mask, cfg.moe_num_experts, capacity,
                                                              order)
             x_e = jnp.einsum("gsec,gsd->gecd", dispatch.astype(dt), x)
-            y_e = capacity_experts(x_e, leaves, partial(_unflattened, expert_swiglu, treedef, matmuls, dt))
+            y_e = capacity_experts(x_e, leaves, partial(_unflattened, expert_swiglu, treedef, matmuls, dt), plan=plan)
             y = jnp.einsum("gsec,gecd->gsd", combine.astype(dt), y_e)
         else:
             names = jax.tree.leaves([_names(w, n) for w, n in zip(weights, (GATE_NAMES, GATE_NAMES, DOWN_NAMES))],
                                     is_leaf=lambda n: isinstance(n, tuple) and not isinstance(n, Int8Weight))
             y = dropless_experts(x, experts, gates, leaves, names,
                                  partial(_unflattened, grouped_swiglu, treedef, matmuls, dt, ragged=True),
-                                 cfg.moe_num_experts)
+                                 cfg.moe_num_experts, plan=plan)
             dropped = jnp.zeros((), jnp.float32)
         if cfg.moe_shared_experts:
-            y = y + self.shared(x)
+            y = y + self.shared(x, plan=plan)
         stats = {"counts": routing.counts, "dropped": dropped, "aux_loss": routing.aux_loss,
                  "z_loss": routing.z_loss, "prob_sum": routing.prob_sum, "z_sum": routing.z_sum,
                  "tokens": routing.tokens}

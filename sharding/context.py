@@ -37,8 +37,9 @@ from jax.sharding import PartitionSpec as P
 
 import kernels
 from kernels.facts import CUSTOM_KERNELS
+from sharding.plan import ParallelPlan, single_device
 from sharding.ring import ring_attention_local
-from sharding.rules import active, constrain, logical_to_mesh
+from sharding.rules import logical_to_mesh
 
 CONTEXT = "context"
 
@@ -65,10 +66,11 @@ def _token_index(device: jax.Array, local_len: int, ring: int, balanced: bool) -
 
 
 def _ring_attention_local(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array, *, ring: int,
-                          balanced: bool, scale: float, impl: str = "auto") -> jax.Array:
+                          balanced: bool, scale: float, impl: str = "auto", platform: str | None = None) -> jax.Array:
     """Per-device body: local q [B, Tl, H, D] against every K/V block of the ring, one
     `kernels.attention_with_lse` call per ring step (`sharding/ring.py`)."""
-    return ring_attention_local(q, k, v, seg, axis=CONTEXT, ring=ring, balanced=balanced, scale=scale, impl=impl)
+    return ring_attention_local(q, k, v, seg, axis=CONTEXT, ring=ring, balanced=balanced, scale=scale, impl=impl,
+                                platform=platform)
 
 
 # Custom kernels XLA cannot partition (cuDNN's packed layout: its per-row segment tables are
@@ -76,13 +78,14 @@ def _ring_attention_local(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Arr
 PER_SHARD_IMPLS = CUSTOM_KERNELS
 
 
-def _kernel_axes(q: jax.Array, k: jax.Array, mesh, rules) -> tuple[object, object, set[str]]:
+def _kernel_axes(q: jax.Array, k: jax.Array, plan: ParallelPlan) -> tuple[object, object, set[str]]:
     """Mesh axes of the batch and heads dimensions a custom kernel runs split over, and their set.
 
     Heads are split only when the K/V heads split the same way, so each shard keeps whole GQA groups."""
-    batch = logical_to_mesh(("batch",), rules.activations, mesh, q.shape[:1])[0]
-    heads = logical_to_mesh(("heads",), rules.activations, mesh, q.shape[2:3])[0]
-    kv_heads = logical_to_mesh(("kv_heads",), rules.activations, mesh, k.shape[2:3])[0]
+    mesh, table = plan.mesh, plan.rules.activations
+    batch = logical_to_mesh(("batch",), table, mesh, q.shape[:1])[0]
+    heads = logical_to_mesh(("heads",), table, mesh, q.shape[2:3])[0]
+    kv_heads = logical_to_mesh(("kv_heads",), table, mesh, k.shape[2:3])[0]
     if heads != kv_heads:
         heads = None
     used = {a for axes in (batch, heads) if axes for a in (axes if isinstance(axes, tuple) else (axes,))}
@@ -90,57 +93,61 @@ def _kernel_axes(q: jax.Array, k: jax.Array, mesh, rules) -> tuple[object, objec
 
 
 def _per_shard_kernel(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, impl: str,
-                      mesh, rules) -> jax.Array:
+                      plan: ParallelPlan) -> jax.Array:
     """Run a custom kernel (Pallas, cuDNN) on each device's (batch, heads) shard.
 
     XLA cannot partition a custom kernel, so without this it would gather the full batch
     onto every device. Heads are split as `_kernel_axes` says.
     """
-    batch, heads, used = _kernel_axes(q, k, mesh, rules)
+    mesh, platform = plan.mesh, plan.platform
+    batch, heads, used = _kernel_axes(q, k, plan)
     spec = P(batch, None, heads, None)
     seg_spec = P(batch, None)
     if not used:
-        return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl)
+        return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl, platform=platform)
     args, specs = (q, k, v), (spec, spec, spec)
     if segment_ids is not None:
         args, specs = (*args, segment_ids), (*specs, seg_spec)
     body = jax.shard_map(
-        lambda q, k, v, *s: kernels.attention(q, k, v, causal=True, segment_ids=s[0] if s else None, impl=impl),
+        lambda q, k, v, *s: kernels.attention(q, k, v, causal=True, segment_ids=s[0] if s else None, impl=impl,
+                                              platform=platform),
         mesh=mesh, axis_names=used, in_specs=specs, out_specs=spec,
         check_vma=False)  # custom-call outputs carry no varying-axes annotation
     return body(*args)
 
 
-def _ring(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, impl: str, mesh,
-          rules) -> jax.Array:
+def _ring(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, impl: str,
+          plan: ParallelPlan) -> jax.Array:
     """Ring attention (`sharding/ring.py`) in a shard_map manual over `context` and over the
     (batch, heads) axes a custom kernel must run split over (`_kernel_axes`, as `_per_shard_kernel`)."""
     kernels.validate_attention_args(q, k, v, segment_ids)
     if segment_ids is None:
         segment_ids = jnp.ones(q.shape[:2], jnp.int32)
-    batch, heads, used = _kernel_axes(q, k, mesh, rules)
+    batch, heads, used = _kernel_axes(q, k, plan)
     spec, seg_spec = P(batch, CONTEXT, heads, None), P(batch, CONTEXT)
     body = jax.shard_map(
-        lambda q, k, v, s: _ring_attention_local(q, k, v, s, ring=mesh.shape[CONTEXT], balanced=rules.load_balance,
-                                                 scale=q.shape[-1] ** -0.5, impl=impl),
-        mesh=mesh, axis_names={CONTEXT, *used}, in_specs=(spec, spec, spec, seg_spec), out_specs=spec,
+        lambda q, k, v, s: _ring_attention_local(q, k, v, s, ring=plan.context_size, balanced=plan.load_balance,
+                                                 scale=q.shape[-1] ** -0.5, impl=impl, platform=plan.platform),
+        mesh=plan.mesh, axis_names={CONTEXT, *used}, in_specs=(spec, spec, spec, seg_spec), out_specs=spec,
         check_vma=False)  # custom-call outputs carry no varying-axes annotation
     return body(q, k, v, segment_ids)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Array | None,
-              impl: str = "auto") -> jax.Array:
-    """Causal attention for [batch, length, heads, head_dim] inputs, context-parallel when the mesh asks."""
-    current = active()
-    if current is None:
-        return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl)
-    mesh, rules = current
-    if mesh.shape[CONTEXT] == 1:
-        if kernels.resolve_impl(impl, q, v, segment_ids=segment_ids) in PER_SHARD_IMPLS and mesh.size > 1:
-            return _per_shard_kernel(q, k, v, segment_ids, impl, mesh, rules)
-        return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl)
-    if rules.context_impl == "allgather":
-        k = constrain(k, ("batch", "kv_length", "kv_heads", "head_dim"))
-        v = constrain(v, ("batch", "kv_length", "kv_heads", "head_dim"))
-        return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl)
-    return _ring(q, k, v, segment_ids, impl, mesh, rules)
+              impl: str = "auto", plan: ParallelPlan | None = None) -> jax.Array:
+    """Causal attention for [batch, length, heads, head_dim] inputs, context-parallel when the plan's
+    mesh splits the sequence (`plan`: default single device)."""
+    plan = plan or single_device()
+    platform = plan.platform
+    if plan.mesh is None:
+        return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl, platform=platform)
+    if plan.context_size == 1:
+        resolved = kernels.resolve_impl(impl, q, v, segment_ids=segment_ids, platform=platform)
+        if resolved in PER_SHARD_IMPLS and plan.size > 1:
+            return _per_shard_kernel(q, k, v, segment_ids, impl, plan)
+        return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl, platform=platform)
+    if plan.context_impl == "allgather":
+        k = plan.constrain(k, ("batch", "kv_length", "kv_heads", "head_dim"))
+        v = plan.constrain(v, ("batch", "kv_length", "kv_heads", "head_dim"))
+        return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl, platform=platform)
+    return _ring(q, k, v, segment_ids, impl, plan)

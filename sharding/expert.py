@@ -21,8 +21,8 @@ the experts they chose live elsewhere. Two exchanges, one per MoE dispatch path:
   the same offsets drive an exact emulation built from a padded `all_to_all` plus a
   scatter (logged once); the receive buffer is the worst case (every row to one device).
 
-Without an active mesh (unit tests, one device), or for layouts these exchanges do not
-cover (logged), the same math runs under GSPMD alone.
+Without a mesh in the plan (`sharding.plan.single_device()`: unit tests, one device), or for
+layouts these exchanges do not cover (logged), the same math runs under GSPMD alone.
 
 Under pipeline parallelism (mesh.stage > 1) MoE layers run inside the pipeline's
 `vmap(spmd_axis_name="stage")` (sharding/pipeline.py), which adds `stage` to both
@@ -42,8 +42,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from kernels.logs import log_once
+from sharding.plan import ParallelPlan
 from sharding.reductions import manual_reductions
-from sharding.rules import active, logical_to_mesh
+from sharding.rules import logical_to_mesh
 
 EXPERT = "expert"
 STAGE = "stage"
@@ -127,17 +128,16 @@ def _ragged_exchange(platform: str) -> Callable[..., jax.Array]:
 
 
 def capacity_experts(x_e: jax.Array, weights: Sequence[jax.Array],
-                     ffn: Callable[..., jax.Array]) -> jax.Array:
+                     ffn: Callable[..., jax.Array], *, plan: ParallelPlan) -> jax.Array:
     """Run `ffn(x, *weights)` on capacity slots x_e [groups, experts, capacity, d].
 
     `ffn` maps [..., E, C, d] with weights [E, ...] to [..., E, C, d]. With an `expert`
     mesh axis (and the batch sharded over it), slots move to their experts' devices with
     `all_to_all` and back; otherwise GSPMD partitions the einsums."""
-    current = active()
-    if current is None or current[0].shape[EXPERT] == 1:
+    if plan.mesh is None or plan.expert_size == 1:
         return ffn(x_e, *weights)
-    mesh, rules = current
-    ep = mesh.shape[EXPERT]
+    mesh, rules = plan.mesh, plan.rules
+    ep = plan.expert_size
     batch_axes = _spec(("batch",), rules.activations, mesh, x_e.shape[:1])[0]
     if EXPERT not in batch_axes:
         log_once(logger, _logged, f"expert parallelism (capacity): the batch is not sharded over '{EXPERT}' "
@@ -165,7 +165,7 @@ def capacity_experts(x_e: jax.Array, weights: Sequence[jax.Array],
     # around the all_to_all (every data shard's tokens exchanged and computed on every device).
     # Inside the pipeline (sharding/pipeline.py) this runs under a vmap with spmd_axis_name
     # `stage`, which adds `stage` to the specs: it must then be manual too (each stage's slice).
-    manual = {EXPERT, *before, *after} | ({STAGE} if mesh.shape.get(STAGE, 1) > 1 else set())
+    manual = {EXPERT, *before, *after} | ({STAGE} if plan.pipelined else set())
     slots = P(before or None, EXPERT, after or None)
     out = jax.shard_map(body, mesh=mesh, axis_names=manual, in_specs=(slots,) + (P(EXPERT),) * len(weights),
                         out_specs=slots)(split, *weights)
@@ -177,23 +177,22 @@ def capacity_experts(x_e: jax.Array, weights: Sequence[jax.Array],
 
 def dropless_experts(x: jax.Array, experts: jax.Array, gates: jax.Array, weights: Sequence[jax.Array],
                      weight_names: Sequence[Sequence[str]], grouped_ffn: Callable[..., jax.Array],
-                     num_experts: int) -> jax.Array:
+                     num_experts: int, *, plan: ParallelPlan) -> jax.Array:
     """Every (token, choice) pair through its expert, none dropped -> [B, T, d].
 
     x [B, T, d]; experts, gates [B, T, k]; weights [E, ...] with logical names
     `weight_names` (experts first, the hidden dim named "mlp"); `grouped_ffn(rows sorted by
     expert, group sizes, *weights)` is the per-expert FFN (rows past the groups: ignored)."""
-    current = active()
-    if current is None:
+    if plan.mesh is None:
         return _dropless_local(x, experts, gates, weights, grouped_ffn, num_experts)
-    mesh, rules = current
-    plan = _dropless_plan(x, weights, weight_names, mesh, rules)
-    if isinstance(plan, str):
-        log_once(logger, _logged, f"expert parallelism (dropless): {plan}; leaving the expert dispatch to GSPMD")
+    mesh = plan.mesh
+    layout = _dropless_plan(x, weights, weight_names, mesh, plan.rules)
+    if isinstance(layout, str):
+        log_once(logger, _logged, f"expert parallelism (dropless): {layout}; leaving the expert dispatch to GSPMD")
         return _dropless_local(x, experts, gates, weights, grouped_ffn, num_experts)
-    token_spec, weight_specs, gathers, tp = plan
-    ep = mesh.shape[EXPERT] if any(EXPERT in s[0] for s in weight_specs) else 1
-    exchange = _ragged_exchange(mesh.devices.flat[0].platform) if ep > 1 else None
+    token_spec, weight_specs, gathers, tp = layout
+    ep = plan.expert_size if any(EXPERT in s[0] for s in weight_specs) else 1
+    exchange = _ragged_exchange(plan.platform) if ep > 1 else None
     # Which manual axes split the body's dims, for quantization scales (sharding/reductions.py): rows
     # (all the assignments) over the token axes, the expert hidden dim over `tensor`, experts over `expert`.
     splits = {"rows": tuple(sorted({a for e in token_spec for a in _axes(e)})), "mlp": (TENSOR,) if tp else (),
@@ -215,9 +214,8 @@ def dropless_experts(x: jax.Array, experts: jax.Array, gates: jax.Array, weights
     # Inside the pipeline (a vmap with spmd_axis_name `stage`), jax 0.10's batching of the
     # varying-axes checks re-marks values already varying over `stage` (a pvary error), so the
     # check is off there; the body's collectives name their axes explicitly either way.
-    pipelined = mesh.shape.get(STAGE, 1) > 1
     return jax.shard_map(body, mesh=mesh, in_specs=(token_spec, token_spec, token_spec, *map(_to_pspec, weight_specs)),
-                         out_specs=token_spec, check_vma=not pipelined)(x, experts, gates, *weights)
+                         out_specs=token_spec, check_vma=not plan.pipelined)(x, experts, gates, *weights)
 
 
 def _dropless_plan(x, weights, weight_names, mesh: Mesh, rules):

@@ -1,8 +1,8 @@
 """Pipeline parallelism: the stacked layers split into stages on the `stage` mesh axis.
 
-The model calls `apply_layers(layer, h, stacked, side)` where it would otherwise loop
-over its stacked layers; with `mesh.stage == 1` (or outside a mesh) the model does not
-call it at all (see `is_pipelined`), so the non-pipelined path is unchanged.
+The model calls `apply_layers(layer, h, stacked, side, plan=plan)` where it would otherwise
+loop over its stacked layers; with `mesh.stage == 1` (`plan.pipelined` false) the model does
+not call it at all, so the non-pipelined path is unchanged.
 
 SPMD formulation (no per-stage programs): every device runs the same program. The
 activations in flight form a stage-sharded circular buffer `[S, micro, length, embed]`;
@@ -62,7 +62,7 @@ data. The loss is a token sum, so gradient accumulation over microbatches is exa
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -71,7 +71,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sharding.config import PipelineSettings, Schedule  # noqa: F401 - jax-free, re-exported
-from sharding.rules import active, logical_to_mesh
+from sharding.rules import logical_to_mesh
+
+if TYPE_CHECKING:
+    from sharding.plan import ParallelPlan
 
 STAGE = "stage"
 
@@ -83,25 +86,6 @@ Layer = Callable[[jax.Array, Any, Any], Any]
 def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
     """Analytic idle fraction (S-1)/(R M + S - 1) of a synchronous pipeline."""
     return (stages - 1) / (repeats * microbatches + stages - 1)
-
-
-def stage_count() -> int:
-    """Size of the `stage` mesh axis of the enclosing activation_sharding (1 outside)."""
-    current = active()
-    if current is None:
-        return 1
-    mesh = current[0]
-    return mesh.shape[STAGE] if STAGE in mesh.axis_names else 1
-
-
-def is_pipelined() -> bool:
-    return stage_count() > 1
-
-
-def _settings() -> PipelineSettings:
-    current = active()
-    found = getattr(current[1], "pipeline", None) if current is not None else None
-    return found if isinstance(found, PipelineSettings) else PipelineSettings()
 
 
 # ---------------------------------------------------------------- schedule tables
@@ -152,9 +136,10 @@ def stash_slots(stages: int) -> int:
 # ---------------------------------------------------------------- helpers
 
 
-def _constrain(x: jax.Array, names: tuple[str | None, ...], stage_dim: int | None = None) -> jax.Array:
-    mesh, rules = active()
-    spec = list(logical_to_mesh(names, rules.activations, mesh, x.shape))
+def _constrain(plan: ParallelPlan, x: jax.Array, names: tuple[str | None, ...],
+               stage_dim: int | None = None) -> jax.Array:
+    mesh = plan.mesh
+    spec = list(logical_to_mesh(names, plan.rules.activations, mesh, x.shape))
     spec += [None] * (x.ndim - len(spec))
     if stage_dim is not None:
         spec[stage_dim] = STAGE
@@ -210,7 +195,7 @@ def _pick(tree: Any, index: jax.Array | int) -> Any:
 # ---------------------------------------------------------------- forward pipeline
 
 
-def _pipeline_forward(run: Callable, staged: Any, x: jax.Array, side: Any, stages: int,
+def _pipeline_forward(plan: ParallelPlan, run: Callable, staged: Any, x: jax.Array, side: Any, stages: int,
                       repeats: int) -> tuple[jax.Array, Any]:
     """gpipe / circular forward: x [M, micro, T, D] -> ([M, micro, T, D], per-layer stats summed
     over the M microbatches, leaves [L, ...]). Bubble slots (no microbatch) add nothing."""
@@ -229,16 +214,16 @@ def _pipeline_forward(run: Callable, staged: Any, x: jax.Array, side: Any, stage
         mb, rep, fresh, valid = xs
         new = x[mb[0]]
         buf = jnp.where(((stage_ids == 0) & fresh)[:, None, None, None], new[None], buf)
-        buf = _constrain(buf, act, stage_dim=0)
+        buf = _constrain(plan, buf, act, stage_dim=0)
         out, stats = step(staged, rep, buf, _pick(side, mb))
-        out = _constrain(out, act, stage_dim=0)
+        out = _constrain(plan, out, act, stage_dim=0)
         # Bubble slots (no microbatch) computed on a clipped index: their stats are zeroed.
         stats = jax.tree.map(lambda st: jnp.where(valid.reshape(-1, *([1] * (st.ndim - 1))), st,
                                                   jnp.zeros((), st.dtype)), stats)
         last = out[stages - 1]
-        return _constrain(jnp.roll(out, 1, axis=0), act, stage_dim=0), (last, stats)
+        return _constrain(plan, jnp.roll(out, 1, axis=0), act, stage_dim=0), (last, stats)
 
-    buf = _constrain(jnp.zeros((stages, *x.shape[1:]), x.dtype), act, stage_dim=0)
+    buf = _constrain(plan, jnp.zeros((stages, *x.shape[1:]), x.dtype), act, stage_dim=0)
     xs = (jnp.asarray(tab["mb"]), jnp.asarray(tab["rep"]), jnp.asarray(tab["fresh"]), jnp.asarray(tab["valid"]))
     _, (lasts, stats) = jax.lax.scan(tick, buf, xs)
     # Per-tick stats [ticks, S, chunk, ...] -> sums per (stage, round) [S, R, chunk, ...] -> layer order.
@@ -254,7 +239,7 @@ def _pipeline_forward(run: Callable, staged: Any, x: jax.Array, side: Any, stage
 # ---------------------------------------------------------------- 1F1B
 
 
-def _one_f_one_b(run: Callable, stages: int) -> Callable:
+def _one_f_one_b(plan: ParallelPlan, run: Callable, stages: int) -> Callable:
     """custom_vjp pipelined stack whose backward runs the 1F1B schedule (see module doc)."""
     act = (None, "batch", "residual_length", "embed")
     stage_ids = jnp.arange(stages)
@@ -262,7 +247,7 @@ def _one_f_one_b(run: Callable, stages: int) -> Callable:
 
     @jax.custom_vjp
     def stack(staged: Any, x: jax.Array, side: Any) -> tuple[jax.Array, Any]:
-        return _pipeline_forward(run, staged, x, side, stages, 1)
+        return _pipeline_forward(plan, run, staged, x, side, stages, 1)
 
     def fwd(staged: Any, x: jax.Array, side: Any) -> tuple[tuple[jax.Array, Any], tuple]:
         return stack(staged, x, side), (staged, x, side)
@@ -293,17 +278,17 @@ def _one_f_one_b(run: Callable, stages: int) -> Callable:
             f, f_ok, b, b_ok = xs
             h_in = jnp.where((stage_ids == 0)[:, None, None, None], x[f[0]][None], fbuf)
             g_in = jnp.where((stage_ids == stages - 1)[:, None, None, None], dy[b[stages - 1]][None], bbuf)
-            h_in, g_in = _constrain(h_in, act, 0), _constrain(g_in, act, 0)
+            h_in, g_in = _constrain(plan, h_in, act, 0), _constrain(plan, g_in, act, 0)
             y, stash, d_chunk, d_h = step(staged, h_in, stash, f, f_ok, b, b_ok, g_in,
                                           _pick(side, f), _pick(side, b), d_stats)
             grads = jax.tree.map(lambda acc, d: acc + d[:, None], grads, d_chunk)
-            fbuf = _constrain(jnp.roll(y, 1, axis=0), act, 0)
-            bbuf = _constrain(jnp.roll(d_h, -1, axis=0), act, 0)
+            fbuf = _constrain(plan, jnp.roll(y, 1, axis=0), act, 0)
+            bbuf = _constrain(plan, jnp.roll(d_h, -1, axis=0), act, 0)
             return (fbuf, bbuf, stash, grads), d_h[0]
 
-        zeros = _constrain(jnp.zeros((stages, *x.shape[1:]), x.dtype), act, 0)
+        zeros = _constrain(plan, jnp.zeros((stages, *x.shape[1:]), x.dtype), act, 0)
         stash = jnp.zeros((stages, slots, *x.shape[1:]), x.dtype)
-        stash = _constrain(stash, (None, None, "batch", "residual_length", "embed"), 0)
+        stash = _constrain(plan, stash, (None, None, "batch", "residual_length", "embed"), 0)
         grads = jax.tree.map(jnp.zeros_like, staged)
         xs = tuple(jnp.asarray(tab[k]) for k in ("f", "f_valid", "b", "b_valid"))
         (_, _, _, grads), d_first = jax.lax.scan(tick, (zeros, zeros, stash, grads), xs)
@@ -316,8 +301,8 @@ def _one_f_one_b(run: Callable, stages: int) -> Callable:
 # ---------------------------------------------------------------- entry point
 
 
-def apply_layers(layer: Callable, h: jax.Array, stacked: Any, side: Any, *, scan_layers: bool = True,
-                 with_stats: bool = False) -> Any:
+def apply_layers(layer: Callable, h: jax.Array, stacked: Any, side: Any, *, plan: ParallelPlan,
+                 scan_layers: bool = True, with_stats: bool = False) -> Any:
     """Run the stacked layers on h [batch, length, embed] as a pipeline over `stage`.
 
     `layer(h, layer_params, side)` applies one layer to one microbatch; `stacked` holds
@@ -328,9 +313,11 @@ def apply_layers(layer: Callable, h: jax.Array, stacked: Any, side: Any, *, scan
     that add up over microbatches (e.g. MoE router counts and loss sums); the result is
     then (h, stats summed over microbatches, leaves [layers, ...]), bubble slots excluded,
     and differentiable in every schedule.
+
+    `plan` gives the mesh (its `stage` axis: the stage count) and the schedule's settings.
     """
-    stages = stage_count()
-    settings = _settings()
+    stages = plan.stages
+    settings = plan.pipeline or PipelineSettings()
     micro, repeats = settings.resolved(stages)
     layers = jax.tree.leaves(stacked)[0].shape[0]
     if layers % (stages * repeats) or h.shape[0] % micro:
@@ -341,19 +328,19 @@ def apply_layers(layer: Callable, h: jax.Array, stacked: Any, side: Any, *, scan
         layer = lambda h, p, s: (plain(h, p, s), ())  # noqa: E731
     run = _chunk_fn(layer, scan_layers)
     staged = _stage_params(stacked, stages, repeats)
-    staged = jax.tree.map(lambda p: _constrain_param(p), staged)
-    x = _constrain(_split_micro(h, micro), (None, "batch", "residual_length", "embed"))
+    staged = jax.tree.map(lambda p: _constrain_param(plan, p), staged)
+    x = _constrain(plan, _split_micro(h, micro), (None, "batch", "residual_length", "embed"))
     side = jax.tree.map(lambda a: _split_micro(a, micro), side)
     if settings.schedule == "1f1b":
-        y, stats = _one_f_one_b(run, stages)(staged, x, side)
+        y, stats = _one_f_one_b(plan, run, stages)(staged, x, side)
     else:
-        y, stats = _pipeline_forward(run, staged, x, side, stages, repeats)
+        y, stats = _pipeline_forward(plan, run, staged, x, side, stages, repeats)
     y = _merge_micro(y)
     return (y, stats) if with_stats else y
 
 
-def _constrain_param(p: jax.Array) -> jax.Array:
+def _constrain_param(plan: ParallelPlan, p: jax.Array) -> jax.Array:
     """Staged layer weights [S, R, chunk, ...]: S on `stage`, the rest left to the compiler."""
-    mesh, _ = active()
+    mesh = plan.mesh
     spec = P(STAGE, *([P.UNCONSTRAINED] * (p.ndim - 1)))
     return jax.lax.with_sharding_constraint(p, NamedSharding(mesh, spec))

@@ -78,6 +78,7 @@ class RingConfig:
     balanced: bool
     scale: float
     impl: str
+    platform: str | None = None  # the plan's devices (None: the default backend), for kernel dispatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +116,7 @@ def _kernel(cfg: RingConfig, pair: Pair, q: jax.Array, k: jax.Array, v: jax.Arra
             kv_seg: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(out [B, Tq, H, Dv], lse [B, Tq, H]) of already-sliced rows and keys."""
     out, lse = kernels.attention_with_lse(q, k, v, causal=pair.causal, segment_ids=(q_seg, kv_seg), scale=cfg.scale,
-                                          impl=cfg.impl)
+                                          impl=cfg.impl, platform=cfg.platform)
     return out, jnp.swapaxes(lse, 1, 2)
 
 
@@ -228,8 +229,8 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def ring_attention_local(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array, *, axis: str, ring: int,
-                         balanced: bool, scale: float, impl: str) -> jax.Array:
+                         balanced: bool, scale: float, impl: str, platform: str | None = None) -> jax.Array:
     """Per-device body: local q [B, Tl, H, D] against every K/V block of the ring -> [B, Tl, H, Dv]."""
     if balanced and q.shape[1] % 2:
         raise ValueError(f"ring attention: balanced local length {q.shape[1]} must be even (two chunks)")
-    return _ring(RingConfig(axis, ring, balanced, float(scale), ring_impl(impl)), q, k, v, seg)
+    return _ring(RingConfig(axis, ring, balanced, float(scale), ring_impl(impl), platform), q, k, v, seg)

@@ -34,14 +34,11 @@ hide a mistake (heads, MLP width, batch).
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, get_args
+from collections.abc import Mapping, Sequence
+from typing import get_args
 
-import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from sharding.config import ContextImpl, Strategy  # jax-free names: the run config embeds them
 
@@ -85,7 +82,6 @@ class ShardingRules:
     sequence_parallel: bool = False
     context_impl: str = "allgather"  # or "ring" (see sharding/context.py)
     load_balance: bool = True  # ring only: reorder sequence chunks for causal balance
-    pipeline: Any = None  # sharding.pipeline.PipelineSettings when mesh.stage > 1
 
     def describe(self) -> str:
         zero = {"dp": "no ZeRO: params and optimizer state replicated over data/fsdp",
@@ -149,32 +145,3 @@ def logical_to_mesh(names: Sequence[str | None], table: Table, mesh: Mesh | None
         used.update(axes)
         out.append(axes[0] if len(axes) == 1 else (tuple(axes) or None))
     return PartitionSpec(*out)
-
-
-_ACTIVE: contextvars.ContextVar[tuple[Mesh, ShardingRules] | None] = contextvars.ContextVar(
-    "jaxinfra_activation_sharding", default=None)
-
-
-@contextlib.contextmanager
-def activation_sharding(mesh: Mesh, rules: ShardingRules) -> Iterator[None]:
-    """While tracing inside this context, `constrain` pins activations to the mesh."""
-    token = _ACTIVE.set((mesh, rules))
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-
-
-def active() -> tuple[Mesh, ShardingRules] | None:
-    """The (mesh, rules) of the enclosing `activation_sharding`, if any."""
-    return _ACTIVE.get()
-
-
-def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-    """Sharding constraint by logical names; a no-op outside `activation_sharding`."""
-    current = _ACTIVE.get()
-    if current is None:
-        return x
-    mesh, rules = current
-    spec = logical_to_mesh(names, rules.activations, mesh, x.shape)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

@@ -196,7 +196,8 @@ def test_cudnn_impl_with_segment_ids_runs_per_shard_in_the_model_attention_path(
     the output equals the reference. What cuDNN cannot do stays a one-line ValueError."""
     from sharding import context
     from sharding.mesh import MeshConfig, make_mesh
-    from sharding.rules import activation_sharding, rules_for
+    from sharding.plan import ParallelPlan
+    from sharding.rules import rules_for
 
     monkeypatch.setattr(attention_module, "_platform", lambda: "gpu")
     monkeypatch.setattr(cudnn_packing, "cudnn_fused", emulate_cudnn)
@@ -205,9 +206,10 @@ def test_cudnn_impl_with_segment_ids_runs_per_shard_in_the_model_attention_path(
     seg = jnp.asarray(np.tile(_segment_rows(24), (2, 1))[:4])  # batch 4 = data x fsdp
     q, k, v = (jnp.asarray(rng.standard_normal((4, 24, h, 16)), jnp.bfloat16) for h in (4, 2, 2))
 
+    plan = ParallelPlan(mesh, rules_for("fsdp"), platform="gpu")  # the emulated GPU's plan
+
     def sharded(q, k, v):
-        with activation_sharding(mesh, rules_for("fsdp")):
-            return context.attention(q, k, v, segment_ids=seg, impl="cudnn")
+        return context.attention(q, k, v, segment_ids=seg, impl="cudnn", plan=plan)
 
     def reference(q, k, v):
         return reference_attention(q, k, v, causal=True, segment_ids=seg, out_dtype=jnp.float32)

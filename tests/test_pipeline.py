@@ -25,7 +25,8 @@ from jaxinfra.runtime import build_runtime
 from models import ModelConfig
 from sharding import pipeline
 from sharding.mesh import MeshConfig, make_mesh
-from sharding.rules import activation_sharding, rules_for
+from sharding.plan import ParallelPlan
+from sharding.rules import rules_for
 
 MODEL = ModelConfig(vocab_size=64, d_model=32, num_layers=8, num_heads=4, num_kv_heads=2, head_dim=8,
                     mlp_dim=64, tie_embeddings=False)
@@ -256,11 +257,12 @@ def test_layer_stats_are_microbatch_sums_without_bubbles(schedule, stages, micro
         return objective(h, jax.tree.map(lambda *x: jnp.stack(x), *outs))
 
     def piped(params, h):
-        return objective(*pipeline.apply_layers(_toy_layer, h, params, mask, scan_layers=scan, with_stats=True))
+        return objective(*pipeline.apply_layers(_toy_layer, h, params, mask, plan=plan, scan_layers=scan,
+                                                with_stats=True))
 
     mesh = make_mesh(MeshConfig(stage=stages, data=8 // stages), jax.devices())
-    rules = dataclasses.replace(rules_for("fsdp"), pipeline=pipeline.PipelineSettings(schedule, micro, repeats))
-    with jax.set_mesh(mesh), activation_sharding(mesh, rules):
+    plan = ParallelPlan(mesh, rules_for("fsdp"), pipeline.PipelineSettings(schedule, micro, repeats))
+    with jax.set_mesh(mesh):
         got = jax.jit(jax.value_and_grad(piped, argnums=(0, 1), has_aux=True))(params, h0)
     want = jax.value_and_grad(sequential, argnums=(0, 1), has_aux=True)(params, h0)
     np.testing.assert_array_equal(got[0][1][1]["tokens"], np.full(layers, float(mask.sum())))

@@ -31,7 +31,8 @@ from models.project import AmaxHistory, project
 from models.quant_config import PROJECTION_NAMES, MatmulQuant, QuantConfig
 from sharding.expert import capacity_experts, dropless_experts
 from sharding.mesh import MeshConfig, make_mesh
-from sharding.rules import activation_sharding, rules_for
+from sharding.plan import plan_for, single_device
+from sharding.rules import rules_for
 
 DENSE = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64)
 # mixtral-tiny-shaped (GQA, untied, top-2 of 4 experts) with one dense layer first, so one program holds
@@ -251,15 +252,19 @@ def test_expert_exchange_scales_match_one_device(dispatch, mode):
         experts = jnp.asarray(np.argsort(rng.standard_normal((b, t, e)), -1)[..., :k], jnp.int32)
         gates = jnp.asarray(rng.uniform(size=(b, t, k)), jnp.float32)
         ffn = partial(_unflattened, grouped_swiglu, treedef, matmuls, jnp.float32, ragged=True)
-        apply = lambda x, ws: dropless_experts(x, experts, gates, ws, (GATE_NAMES, GATE_NAMES, DOWN_NAMES), ffn, e)  # noqa: E731
+        apply = lambda x, ws, plan: dropless_experts(x, experts, gates, ws, (GATE_NAMES, GATE_NAMES, DOWN_NAMES),  # noqa: E731
+                                                     ffn, e, plan=plan)
     else:
         x = jnp.asarray(rng.standard_normal((b, e, 4, d)), jnp.float32)  # slots [groups, experts, capacity, d]
-        apply = lambda x, ws: capacity_experts(x, ws, partial(_unflattened, expert_swiglu, treedef, matmuls,  # noqa: E731
-                                                              jnp.float32))
-    grad = jax.jit(jax.value_and_grad(lambda x, ws: jnp.sum(jnp.sin(apply(x, ws))), (0, 1)))
-    want = grad(x, weights)
+        apply = lambda x, ws, plan: capacity_experts(x, ws, partial(_unflattened, expert_swiglu, treedef,  # noqa: E731
+                                                                    matmuls, jnp.float32), plan=plan)
+
+    def grad(plan):
+        return jax.jit(jax.value_and_grad(lambda x, ws: jnp.sum(jnp.sin(apply(x, ws, plan))), (0, 1)))
+
+    want = grad(single_device())(x, weights)
     mesh = _mesh(expert=2, fsdp=2, tensor=2)
-    with jax.set_mesh(mesh), activation_sharding(mesh, rules_for("fsdp")):
-        got = grad(x, weights)
+    with jax.set_mesh(mesh):
+        got = grad(plan_for(mesh, rules_for("fsdp")))(x, weights)
     for a, b_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b_), rtol=1e-5, atol=2e-6)

@@ -13,7 +13,8 @@ import pytest
 import kernels
 from sharding import context
 from sharding.mesh import MeshConfig, make_mesh
-from sharding.rules import activation_sharding, rules_for
+from sharding.plan import plan_for
+from sharding.rules import rules_for
 
 B, T, H, KV_HEADS, D = 2, 32, 4, 2, 8
 RING = 4
@@ -53,8 +54,7 @@ def test_ring_matches_reference(impl: str, balanced: bool, mesh_sizes: dict):
     rules = rules_for(context_impl="ring", load_balance=balanced)
 
     def ring(q, k, v, s):
-        with activation_sharding(mesh, rules):
-            return context.attention(q, k, v, segment_ids=s, impl=impl)
+        return context.attention(q, k, v, segment_ids=s, impl=impl, plan=plan_for(mesh, rules))
 
     got, got_grads = _loss_and_grads(ring, q[:, order], k[:, order], v[:, order], seg[:, order], cot[:, order])
     np.testing.assert_allclose(np.asarray(got)[:, back], np.asarray(want), rtol=2e-5, atol=2e-5)
@@ -73,8 +73,8 @@ def test_ring_bfloat16_close_to_float32_reference():
     mesh = make_mesh(MeshConfig(data=1, context=RING), jax.devices()[:RING])
 
     def ring(q, k, v, s):
-        with activation_sharding(mesh, rules_for(context_impl="ring", load_balance=False)):
-            return context.attention(q, k, v, segment_ids=s, impl="xla")
+        plan = plan_for(mesh, rules_for(context_impl="ring", load_balance=False))
+        return context.attention(q, k, v, segment_ids=s, impl="xla", plan=plan)
 
     got, got_grads = _loss_and_grads(ring, q16, k16, v16, seg, cot)
     assert got.dtype == jnp.bfloat16 and got_grads[1].dtype == jnp.bfloat16
@@ -91,8 +91,8 @@ def test_ring_steps_call_the_kernel():
     mesh = make_mesh(MeshConfig(data=2, context=RING), jax.devices()[:2 * RING])
 
     def ring(q, k, v, s):
-        with activation_sharding(mesh, rules_for(context_impl="ring")):
-            return context.attention(q, k, v, segment_ids=s, impl="pallas_triton")
+        plan = plan_for(mesh, rules_for(context_impl="ring"))
+        return context.attention(q, k, v, segment_ids=s, impl="pallas_triton", plan=plan)
 
     text = str(jax.make_jaxpr(ring)(q, k, v, seg))
     assert text.count("pallas_call") == 1 + 2 * (RING - 1)
@@ -137,8 +137,9 @@ def test_ring_lowers_to_triton_for_gpu(monkeypatch):
 
     def grads(q, k, v, s):
         def loss(q, k, v):
-            with activation_sharding(mesh, rules_for(context_impl="ring")):
-                return jnp.sum(context.attention(q, k, v, segment_ids=s, impl="pallas_triton").astype(jnp.float32))
+            plan = plan_for(mesh, rules_for(context_impl="ring"))
+            out = context.attention(q, k, v, segment_ids=s, impl="pallas_triton", plan=plan)
+            return jnp.sum(out.astype(jnp.float32))
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
     seg = jax.ShapeDtypeStruct((2, 256), jnp.int32)

@@ -120,7 +120,8 @@ class Distillation(StepExtension):
         self.teacher_step, self.teacher_params = load_teacher_params(self.teacher, self.dcfg.teacher_dtype, rt.mesh,
                                                                      rt.rules, step=pinned)
         if host.eval_batches:
-            step = jax.jit(make_eval_step(self.teacher_def, self.teacher.compute_model(self.dcfg.teacher_dtype)),
+            step = jax.jit(make_eval_step(self.teacher_def, self.teacher.compute_model(self.dcfg.teacher_dtype),
+                                          rt.plan),
                            in_shardings=(self.teacher_shardings, rt.batch_sharding), out_shardings=self.replicated)
             ce, tokens = rt.eval_sums(self.teacher_params, host.eval_batches, step)
             self.teacher_eval_loss = ce / max(tokens, 1.0)
@@ -151,7 +152,7 @@ class Distillation(StepExtension):
         if self.logits is not None:
             return b["teacher_ids"][..., :self.top_k], b["teacher_values"][..., :self.top_k], b["teacher_ce"]
         teacher = nnx.merge(self.teacher_def, ctx.inputs[0])
-        return (jax.lax.stop_gradient(teacher.hidden(b["inputs"], b["positions"], b["segment_ids"])[0]),)
+        return (jax.lax.stop_gradient(teacher.hidden(b["inputs"], b["positions"], b["segment_ids"], plan=ctx.plan)[0]),)
 
     def token_sums(self, ctx: StepContext, logits: jax.Array, per_token: tuple[jax.Array, ...],
                    targets: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:
@@ -159,7 +160,8 @@ class Distillation(StepExtension):
         if self.logits is not None:
             return offline_token_sums(logits, *per_token, mask, temperature)
         teacher = nnx.merge(self.teacher_def, ctx.inputs[0])
-        return online_token_sums(logits, teacher.logits(per_token[0]), targets, mask, temperature, self.dcfg.top_k)
+        teacher_logits = teacher.logits(per_token[0], plan=ctx.plan)
+        return online_token_sums(logits, teacher_logits, targets, mask, temperature, self.dcfg.top_k)
 
     def objective(self, ctx: StepContext, sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
         alpha, _ = self._knobs(ctx)

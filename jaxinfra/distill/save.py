@@ -47,14 +47,14 @@ def _per_chunk(fn: Callable[..., tuple], chunk: int, *arrays: jax.Array) -> tupl
 
 def top_k_fn(rt: Runtime, top_k: int) -> Callable[[nnx.State, dict[str, jax.Array]], tuple[jax.Array, ...]]:
     """jit(params, batch) -> (values [B, T, k] float32, ids [B, T, k] int32, teacher CE [B, T] float32)."""
-    graphdef, cfg = rt.graphdef, rt.cfg.model
+    graphdef, cfg, plan = rt.graphdef, rt.cfg.model, rt.plan
 
     def fn(params: nnx.State, batch: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
         model = nnx.merge(graphdef, params)
-        h, _ = model.hidden(batch["inputs"], batch["positions"], batch["segment_ids"])
+        h, _ = model.hidden(batch["inputs"], batch["positions"], batch["segment_ids"], plan=plan)
 
         def one(h: jax.Array, targets: jax.Array) -> tuple[jax.Array, ...]:
-            logits = model.logits(h)
+            logits = model.logits(h, plan=plan)
             values, ids = jax.lax.top_k(logits, top_k)
             target = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
             return values, ids, jax.nn.logsumexp(logits, axis=-1) - target

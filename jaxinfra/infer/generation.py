@@ -29,7 +29,7 @@ from jaxinfra.config import Config
 from jaxinfra.infer.loading import InferenceError, _place_params, _sharding, inference_mesh, inference_model_config
 from jaxinfra.state import model_graphdef
 from models import cache as kv_cache
-from sharding.rules import activation_sharding, constrain
+from sharding.plan import plan_for
 
 MAX_CONTEXT = 32768  # prompt + new tokens per row: the cache is allocated up front
 PROMPT_BUCKET = 16  # prompts are right-padded to a multiple of this: fewer distinct compiles
@@ -133,6 +133,7 @@ class Generator:
         self.cfg = cfg
         self.model_cfg = inference_model_config(cfg.model)
         self.mesh, self.rules = inference_mesh(cfg, devices)
+        self.plan = plan_for(self.mesh, self.rules)  # passed to the model: nothing ambient decides the program
         self.params = _place_params(params, self.mesh, self.rules)
         self.graphdef = model_graphdef(self.model_cfg, cfg.quant)
         self.absorb = absorb
@@ -143,7 +144,8 @@ class Generator:
 
     def _cache_constrain(self, cache: kv_cache.Cache, batch: int, max_len: int) -> kv_cache.Cache:
         names = kv_cache.layout(self.model_cfg, batch, max_len, self.kv_int8)
-        return {s: {n: constrain(a, names[s][n][1]) for n, a in arrays.items()} for s, arrays in cache.items()}
+        pin = self.plan.constrain
+        return {s: {n: pin(a, names[s][n][1]) for n, a in arrays.items()} for s, arrays in cache.items()}
 
     def _prefill_fn(self, max_new: int) -> Callable:
         graphdef = self.graphdef
@@ -151,7 +153,7 @@ class Generator:
         def prefill(params, tokens, lengths, stop_ids, settings):
             b, p = tokens.shape
             max_len = p + max_new
-            logits, entries = nnx.merge(graphdef, params).prefill(tokens)
+            logits, entries = nnx.merge(graphdef, params).prefill(tokens, plan=self.plan)
             pad = lambda e: jnp.pad(e, [(0, 0), (0, 0), (0, 0), (0, max_len - p), (0, 0)])  # noqa: E731
             cache = jax.tree.map(pad, entries)
             if self.kv_int8:
@@ -179,7 +181,7 @@ class Generator:
 
             def body(s):
                 prev = jnp.maximum(jax.lax.dynamic_slice_in_dim(s["out"], s["t"] - 1, 1, axis=1), 0)  # [B, 1]
-                logits, cache = model.decode(prev, s["pos"][:, None], s["cache"], absorb)
+                logits, cache = model.decode(prev, s["pos"][:, None], s["cache"], absorb, plan=self.plan)
                 tok = sample(logits[:, 0], _row_keys(seed, s["t"], b), temperature, top_k, top_p)
                 tok = jnp.where(s["done"], -1, tok)
                 out = jax.lax.dynamic_update_slice_in_dim(s["out"], tok[:, None], s["t"], axis=1)
@@ -200,7 +202,7 @@ class Generator:
             lengths = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=_sharding(m, r, ("batch",), (batch,)))
             stop = jax.ShapeDtypeStruct((n_stop,), jnp.int32, sharding=NamedSharding(m, PartitionSpec()))
             settings = self._settings(Sampling())
-            with jax.set_mesh(m), activation_sharding(m, r):
+            with jax.set_mesh(m):
                 prefill = jax.jit(self._prefill_fn(max_new)).lower(self.params, tokens, lengths, stop,
                                                                    settings).compile()
                 state = jax.eval_shape(self._prefill_fn(max_new), self.params, tokens, lengths, stop, settings)

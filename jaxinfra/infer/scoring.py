@@ -14,7 +14,7 @@ from jaxinfra.config import Config
 from jaxinfra.infer.loading import InferenceError, _place_params, _sharding, inference_mesh, inference_model_config
 from jaxinfra.loss import cross_entropy_sums
 from jaxinfra.state import model_graphdef
-from sharding.rules import activation_sharding
+from sharding.plan import plan_for
 
 
 def score(cfg: Config, params: nnx.State, tokens: np.ndarray, batch_size: int = 8,
@@ -25,19 +25,20 @@ def score(cfg: Config, params: nnx.State, tokens: np.ndarray, batch_size: int = 
     tokens = check_token_array(tokens, cfg.model.vocab_size)
     n, t = tokens.shape
     mesh, rules = inference_mesh(cfg, devices)
+    plan = plan_for(mesh, rules)
     params = _place_params(params, mesh, rules)
     graphdef = model_graphdef(inference_model_config(cfg.model), cfg.quant)
     batch_size = max(1, min(batch_size, n))
 
     def ce_sum(params: nnx.State, rows: jax.Array, mask: jax.Array) -> jax.Array:
-        logits, _ = nnx.merge(graphdef, params).forward(rows[:, :-1])
+        logits, _ = nnx.merge(graphdef, params).forward(rows[:, :-1], plan=plan)
         keep = jnp.broadcast_to(mask[:, None], (rows.shape[0], t - 1))
         return cross_entropy_sums(logits, rows[:, 1:], keep)["ce_sum"]
 
     rows_sharding = _sharding(mesh, rules, ("batch", "length"), (batch_size, t))
     mask_sharding = _sharding(mesh, rules, ("batch",), (batch_size,))
     total = 0.0
-    with jax.set_mesh(mesh), activation_sharding(mesh, rules):
+    with jax.set_mesh(mesh):
         fn = jax.jit(ce_sum)
         for lo in range(0, n, batch_size):
             chunk = tokens[lo:lo + batch_size]
