@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from sharding.pipeline import PipelineSettings
+from sharding.config import PipelineSettings
 from sharding.rules import ShardingRules, logical_to_mesh, rules_for
 
 

@@ -13,7 +13,7 @@ import pytest
 import kernels
 from sharding import context
 from sharding.mesh import MeshConfig, make_mesh
-from sharding.plan import plan_for
+from sharding.plan import ParallelPlan, plan_for
 from sharding.rules import rules_for
 
 B, T, H, KV_HEADS, D = 2, 32, 4, 2, 8
@@ -137,11 +137,12 @@ def test_ring_lowers_to_triton_for_gpu(monkeypatch):
 
     def grads(q, k, v, s):
         def loss(q, k, v):
-            plan = plan_for(mesh, rules_for(context_impl="ring"))
             out = context.attention(q, k, v, segment_ids=s, impl="pallas_triton", plan=plan)
             return jnp.sum(out.astype(jnp.float32))
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
+    # The plan's platform says where the kernels run (the mesh's devices are CPUs here).
+    plan = ParallelPlan(mesh, rules_for(context_impl="ring"), platform="gpu")
     seg = jax.ShapeDtypeStruct((2, 256), jnp.int32)
     text = jax.jit(grads).trace(q, kv, kv, seg).lower(lowering_platforms=("cuda",)).as_text()
     steps = 1 + 2 * (RING - 1)
