@@ -94,6 +94,24 @@ def _write_reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {_reason(error)}" if isinstance(error, Exception) else type(error).__name__
 
 
+# A collective that fails because another process is gone (Gloo, the coordination service's
+# barriers): the save's own cross-process steps hit it first. That is a lost peer (exit 70, rerun
+# resumes), never a storage failure (exit 74, not retried).
+_PEER_LOST = re.compile(r"Gloo|Connection (closed|reset) by peer|coordination service|DEADLINE_EXCEEDED|"
+                        r"[Bb]arrier|heartbeat", re.S)
+
+
+def _peer_lost(error: BaseException) -> bool:
+    seen: BaseException | None = error
+    visited: set[int] = set()
+    while seen is not None and id(seen) not in visited:
+        visited.add(id(seen))
+        if _PEER_LOST.search(str(seen)):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 class _DropOrphanWriteTasks(logging.Filter):
     """asyncio logs "Task exception was never retrieved" for each of Orbax's array writes that failed
     after the first one (asyncio.gather reported only that one), whenever the task is collected: a
@@ -278,7 +296,9 @@ class Checkpointer:
             self.manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data), meta=ocp.args.JsonSave(meta)),
                 metrics=metrics, force=True)
-        except Exception as e:  # any failure to start a write is the storage's (or Orbax's) refusal
+        except Exception as e:  # a failure to start a write is the storage's (or Orbax's) refusal
+            if _peer_lost(e):
+                raise
             raise self._write_error(step, e) from e
         self._pending = step
 
@@ -290,6 +310,8 @@ class Checkpointer:
         try:
             self.manager.wait_until_finished()
         except Exception as e:  # tensorstore / OS / object-store errors from the write threads
+            if _peer_lost(e):
+                raise
             raise self._write_error(step, e) from e
         # Orbax skips finalizing a step whose items reported errors late with only a log line (which
         # _DropOrbaxErrors hides): the listing of committed steps is the ground truth. Process 0
