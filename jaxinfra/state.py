@@ -141,7 +141,8 @@ def create_train_state(model_cfg: ModelConfig, tx: optax.GradientTransformation,
                        init_ext: InitExt | None = None, trainable: Any = None) -> tuple[TrainState, Any]:
     """Initialise params, stats, extension state and optimizer state under jit, each shard on its own device.
 
-    Returns (state, state_shardings); the shardings are reused as the step's in/out shardings.
+    Returns (state, state_shardings). The shardings equal `shardings_for(abstract_state(...))`, which
+    build_runtime computes once, before anything is allocated, for the jitted steps' in/out shardings.
     """
     init = _init_fn(model_cfg, tx, quant, init_ext, trainable)
     state_shardings = shardings_for(jax.eval_shape(init, rng), mesh, rules)

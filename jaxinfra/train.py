@@ -168,10 +168,6 @@ class Trainer:
                 local = {**local, **e.host_batch(local, step)}
             yield self.rt.to_global(local)
 
-    def evaluate(self, state: TrainState) -> float:
-        """Token-weighted mean cross-entropy over the held-out batches."""
-        return self.eval_metrics(state)["eval_loss"]
-
     def eval_metrics(self, state: TrainState) -> dict[str, float]:
         """`eval_loss` over all held-out batches, and with a mixture `eval_loss/<name>` per source."""
         variables = model_state(state)

@@ -241,10 +241,6 @@ def merge_observations(a: nnx.State, b: nnx.State) -> nnx.State:
                         else jax.tree.map(jnp.add, x, y), a, b, is_leaf=_is_var)
 
 
-def has_histories(params: nnx.State) -> bool:
-    return any(isinstance(v, AmaxHistory) for v in jax.tree.leaves(params, is_leaf=_is_var))
-
-
 def roll_histories(stats: nnx.State, observed: nnx.State) -> nnx.State:
     """`stats` with each AmaxHistory [..., 3, H] shifted one step older, this step's observation
     (column 0 of its cotangent in `observed`) in front."""
