@@ -36,6 +36,7 @@ import pathlib
 import re
 import sys
 import time
+import traceback
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -113,13 +114,18 @@ def _peer_lost(error: BaseException) -> bool:
 
 
 class _DropOrphanWriteTasks(logging.Filter):
-    """asyncio logs "Task exception was never retrieved" for each of Orbax's array writes that failed
-    after the first one (asyncio.gather reported only that one), whenever the task is collected: a
-    page of traceback each. The failure itself is reported as CheckpointWriteError."""
+    """asyncio logs "<Task|_GatheringFuture> exception was never retrieved" for Orbax's array writes
+    that failed after the first one (asyncio.gather reported only that one), whenever the task or
+    future is collected: a page of traceback each. The failure itself is reported as
+    CheckpointWriteError; such records that do not come from Orbax's writes pass through."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        return not (message.startswith("Task exception was never retrieved") and f"{os.sep}orbax{os.sep}" in message)
+        if "exception was never retrieved" not in message:
+            return True
+        error = record.exc_info[1] if record.exc_info else None
+        trace = "".join(traceback.format_exception(error)) if error is not None else ""
+        return "orbax" not in message + trace
 
     @classmethod
     def install(cls) -> None:

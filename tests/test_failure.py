@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import logging
 import os
 import pathlib
 import pickle
@@ -252,3 +253,22 @@ def test_cli_file_size_limit_fails_in_one_line_and_resumes(tmp_path):
     assert _cli(run_dir, 5).returncode == 0 and _committed(run_dir) == [5]
     _assert_fails_in_one_line(_cli(run_dir, 10, max_file_bytes=LIMIT), run_dir, "File too large")
     _resumes_from_5(run_dir)
+
+
+def test_orphan_write_futures_of_orbax_are_dropped_and_others_kept():
+    """asyncio's "exception was never retrieved" pages for Orbax's other failed array writes (a Task or
+    a _GatheringFuture, collected whenever) are noise once CheckpointWriteError is raised; others pass."""
+    from jaxinfra.checkpoint import _DropOrphanWriteTasks
+
+    try:
+        raise ValueError("RESOURCE_EXHAUSTED: Error writing in OCDBT database at /r/10.orbax-checkpoint-tmp/")
+    except ValueError as e:
+        orbax_error = e
+    cases = [("_GatheringFuture exception was never retrieved\nfuture: <_GatheringFuture finished>",
+              (ValueError, orbax_error, orbax_error.__traceback__), False),
+             ("Task exception was never retrieved\nfuture: <Task coro=<f() defined at /x/y.py>>",
+              (ValueError, ValueError("mine"), None), True),
+             ("Unclosed client session", None, True)]
+    for message, exc_info, kept in cases:
+        record = logging.LogRecord("asyncio", logging.ERROR, "base_events.py", 1, message, None, exc_info)
+        assert _DropOrphanWriteTasks().filter(record) is kept, message
