@@ -35,6 +35,7 @@ import os
 import pathlib
 import re
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -102,7 +103,8 @@ _PEER_LOST = re.compile(r"Gloo|Connection (closed|reset) by peer|coordination se
                         r"[Bb]arrier|heartbeat", re.S)
 
 
-def _peer_lost(error: BaseException) -> bool:
+def peer_lost(error: BaseException) -> bool:
+    """Whether `error` (or an error it came from) says another process is gone."""
     seen: BaseException | None = error
     visited: set[int] = set()
     while seen is not None and id(seen) not in visited:
@@ -303,7 +305,7 @@ class Checkpointer:
                 state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data), meta=ocp.args.JsonSave(meta)),
                 metrics=metrics, force=True)
         except Exception as e:  # a failure to start a write is the storage's (or Orbax's) refusal
-            if _peer_lost(e):
+            if peer_lost(e):
                 raise
             raise self._write_error(step, e) from e
         self._pending = step
@@ -316,7 +318,7 @@ class Checkpointer:
         try:
             self.manager.wait_until_finished()
         except Exception as e:  # tensorstore / OS / object-store errors from the write threads
-            if _peer_lost(e):
+            if peer_lost(e):
                 raise
             raise self._write_error(step, e) from e
         # Orbax skips finalizing a step whose items reported errors late with only a log line (which
@@ -394,6 +396,28 @@ class Checkpointer:
             multihost_utils.sync_global_devices(f"jaxinfra-checkpoint-aside-{step}")
         self.manager.reload()
         return aside
+
+    def close_within(self, timeout_s: float) -> None:
+        """close() for a multi-process run that is failing: a pending save commits only once every
+        process reaches Orbax's barriers, so with a peer gone close() would block until the
+        coordination service gives up on it (~90 s). Give it `timeout_s`, then leave the save
+        uncommitted (the last committed step is kept; restore never picks an uncommitted one)."""
+        failure: list[BaseException] = []
+
+        def close() -> None:
+            try:
+                self.close()
+            except BaseException as e:  # noqa: BLE001 - reported from the caller's thread
+                failure.append(e)
+
+        closer = threading.Thread(target=close, name="jaxinfra-checkpoint-close", daemon=True)
+        closer.start()
+        closer.join(timeout_s)
+        if closer.is_alive():
+            raise TimeoutError(f"the checkpoint being saved did not commit within {timeout_s:g}s (a peer process is "
+                               f"likely gone); it is left uncommitted and the last committed step is kept")
+        if failure:
+            raise failure[0]
 
     def close(self) -> None:
         """Wait for the pending save (CheckpointWriteError if it failed), then release Orbax's threads

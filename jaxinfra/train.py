@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import pathlib
 import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 import jax
@@ -39,6 +40,7 @@ from jaxinfra.checkpoint import (
     abstract_with_shardings,
     exchange_json,
     is_params_only,
+    peer_lost,
     restore_params,
 )
 from jaxinfra.checkpoint import (
@@ -304,7 +306,7 @@ class Trainer:
         stops reporting progress. A closer that fails never hides `error` (its failure becomes a note
         on it) nor keeps the later closers from running; with no `error`, the first failure is raised."""
         closers = [("watchdog", self.watchdog.close), ("signal handlers", self._restore_signal_handlers),
-                   ("checkpoints", self.ckpt.close if self.ckpt else None),
+                   ("checkpoints", self._checkpoint_closer(error)),
                    ("data workers", getattr(self.train_iter, "close", None)),
                    ("progress bar", self.bar.close if self.bar else None),
                    ("metrics", self.logger.close if self.logger else None), ("run-dir lock", self.lock.release)]
@@ -321,6 +323,17 @@ class Trainer:
                     (error or first).add_note(f"jaxinfra: closing the {name} failed too: {type(e).__name__}: {e}")
         if first is not None:
             raise first
+
+    def _checkpoint_closer(self, error: BaseException | None) -> Callable[[], None] | None:
+        """How to close the checkpointer: wait for the pending save, except that a failing multi-process
+        run does not wait on its peers (see Checkpointer.close_within): none when one is known to be
+        gone, at most train.step_timeout_s otherwise."""
+        if self.ckpt is None:
+            return None
+        if error is None or jax.process_count() == 1:
+            return self.ckpt.close
+        timeout_s = 0.0 if peer_lost(error) else self.cfg.train.step_timeout_s or None
+        return functools.partial(self.ckpt.close_within, timeout_s)
 
     def _run(self) -> dict[str, Any]:
         start_step, state, meta = self.initial_state()  # before anything is written: a refusal changes nothing

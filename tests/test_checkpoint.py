@@ -256,6 +256,33 @@ def test_peer_killed_mid_run_survivor_exits_and_checkpoint_restores(tmp_path):
     assert summary["resumed_from_step"] >= 10 and summary["exit_code"] == 0
 
 
+def test_failing_multiprocess_close_does_not_wait_on_a_dead_peer(tmp_path, monkeypatch):
+    """A pending save commits only at Orbax's cross-process barriers: with a peer gone, the
+    survivor's close must not block on it (CI once saw 89 s, until the coordination service's
+    heartbeat timeout). A lost peer waits not at all; another error at most step_timeout_s."""
+    import threading
+
+    ckpt = Checkpointer(tmp_path / "checkpoints", cfg().checkpoint)
+    released = threading.Event()
+    monkeypatch.setattr(ckpt, "close", lambda: released.wait(60))  # a save stuck in its barrier
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="left uncommitted"):
+        ckpt.close_within(0.2)
+    assert time.monotonic() - started < 5
+    released.set()
+    monkeypatch.setattr(ckpt, "close", lambda: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):  # a close that ends in time reports its own failure
+        ckpt.close_within(5)
+
+    trainer = Trainer.__new__(Trainer)  # only the closer's choice is under test
+    trainer.ckpt, trainer.cfg = ckpt, cfg("train.step_timeout_s=7")
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    gone = RuntimeError("UNKNOWN: Gloo all-reduce failed: Connection reset by peer")
+    assert trainer._checkpoint_closer(gone).args == (0.0,)
+    assert trainer._checkpoint_closer(ValueError("bad batch")).args == (7,)
+    assert trainer._checkpoint_closer(None) == ckpt.close
+
+
 @pytest.mark.slow  # a ~34M-parameter state so the async save is slow enough to be caught in flight
 def test_real_sigkill_during_async_save(tmp_path):
     big = [*BASE, "model.vocab_size=8192", "model.d_model=512", "model.num_heads=8", "model.mlp_dim=2048",
