@@ -20,7 +20,7 @@ from typing import Any, Literal
 import yaml
 
 # Only jax-free modules (tests/test_layout.py): a bad config fails before jax loads.
-from jaxinfra.config_sections import DistillConfig
+from jaxinfra.config_sections import DistillConfig, SftConfig
 from jaxinfra.data.config import DataConfig
 from models.config import REMAT_POLICIES, ModelConfig
 from models.quant_config import QuantConfig, group_size_problem
@@ -137,6 +137,7 @@ class Config:
     log: LogConfig = LogConfig()
     quant: QuantConfig = QuantConfig()  # matmul, weight and KV-cache quantization (docs/quantization.md)
     distill: DistillConfig = DistillConfig()  # off unless distill.teacher or distill.logits
+    sft: SftConfig = SftConfig()  # which tokens train when data.source=chat (jaxinfra/sft/)
 
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(dataclasses.asdict(self))

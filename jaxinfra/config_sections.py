@@ -1,8 +1,8 @@
-"""Config sections of the feature packages: the `distill` section (jaxinfra/distill/).
+"""Config sections of the feature packages: `distill` (jaxinfra/distill/) and `sft` (jaxinfra/sft/).
 
 The run config (jaxinfra/config.py) embeds these sections, and the core never imports a feature
 package (tests/test_layout.py), so their types live here, in the core, without jax;
-`jaxinfra/distill/config.py` re-exports them for the distillation modules."""
+`jaxinfra/distill/config.py` and `jaxinfra/sft/config.py` re-export them for their feature modules."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ FEATURE_SECTIONS: tuple[str, ...] = ("distill",)
 
 DistillSchedule = Literal["linear", "cosine"]
 TeacherDType = Literal["float32", "bfloat16"]
+TrainOn = Literal["assistant", "all", "last_assistant"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,3 +72,16 @@ class DistillConfig:
         if not 0 <= self.top_k <= vocab_size:
             out.append(("top_k", self.top_k, f"in [0, model.vocab_size={vocab_size}] (0: the full vocabulary)"))
         return out
+
+
+@dataclasses.dataclass(frozen=True)
+class SftConfig:
+    """Supervised fine-tuning on chat data (data.source=chat; docs/post-training.md).
+
+    Not a FEATURE_SECTIONS entry: the SFT step extension is on exactly when the data is chat,
+    which the data section decides, so this section has no switch of its own."""
+
+    # Which target tokens the loss trains: every assistant turn's tokens (the template's
+    # generation spans, or each assistant content plus its end-of-turn), only the last assistant
+    # turn's, or every real token of the conversation (prompts and system text included).
+    train_on: TrainOn = "assistant"

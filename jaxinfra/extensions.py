@@ -21,6 +21,11 @@ A `StepExtension` may add, each hook optional (the base class does nothing):
         trainable                an nnx filter of the params the optimizer trains (None: all; LoRA:
                                  the adapters, the frozen base then gets no gradient and no moments)
     traced, inside the jitted step (jaxinfra/step.py), each with a `StepContext`
+        loss_mask(ctx)           bool [B, T] aligned with the targets, or None: the core ANDs it with
+                                 `segment_ids > 0`, so masked targets add nothing to the loss, the
+                                 `tokens` count or the gradient's normalisation; the eval step takes
+                                 the extensions that define it and masks the same way (SFT: only
+                                 the assistant's tokens train)
         per_token(ctx, hidden)   arrays [B, T, ...] cut into loss chunks beside the hidden states
         token_sums(ctx, logits, per_token, targets, mask)
                                  extra token sums of one chunk (its logits never exist whole)
@@ -123,6 +128,9 @@ class StepExtension:
         return None
 
     # ---- traced
+    def loss_mask(self, ctx: StepContext) -> jax.Array | None:
+        return None
+
     def per_token(self, ctx: StepContext, hidden: jax.Array) -> tuple[jax.Array, ...]:
         return ()
 
@@ -154,6 +162,11 @@ class ModelStats(StepExtension):
         if self.cfg.moe_bias_update_rate:
             stats = apply_bias_updates(stats, sums["moe_counts"], self.cfg.moe_bias_update_rate)
         return new.replace(stats=roll_histories(stats, observed))
+
+
+def defines_loss_mask(extension: StepExtension) -> bool:
+    """Whether `extension` overrides the loss_mask hook (the eval step takes exactly those)."""
+    return type(extension).loss_mask is not StepExtension.loss_mask
 
 
 def init_ext_fn(extensions: Sequence[StepExtension]):

@@ -146,7 +146,7 @@ def build_runtime(cfg: Config, devices: Sequence[jax.Device] | None = None,
     rt._train_step = jax.jit(step, in_shardings=(rt.state_shardings, data_sharding,
                                                  tuple(e.input_shardings() for e in exts)),
                              out_shardings=(rt.state_shardings, replicated), donate_argnums=0)
-    rt._eval_step = jax.jit(make_eval_step(graphdef, cfg.model, plan),
+    rt._eval_step = jax.jit(make_eval_step(graphdef, cfg.model, plan, exts),  # their loss masks only
                             in_shardings=(model_state(rt.state_shardings), data_sharding), out_shardings=replicated)
     return rt
 

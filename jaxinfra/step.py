@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxinfra.extensions import StepContext, StepExtension
+from jaxinfra.extensions import StepContext, StepExtension, defines_loss_mask
 from jaxinfra.loss import add_moe_sums, chunked_sums, cross_entropy_sums, moe_metrics
 from jaxinfra.metrics.hlo import LOSS_SCOPE, OPTIMIZER_SCOPE
 from jaxinfra.optim import global_norm, tree_all_finite
@@ -35,14 +35,26 @@ def _split_counts(flat: Sequence[jax.Array], counts: Sequence[int]) -> list[tupl
     return out
 
 
+def _loss_mask(batch: Batch, masks: Sequence[tuple[StepExtension, StepContext]]) -> jax.Array:
+    """The real targets (`segment_ids > 0`) ANDed with every extension's loss_mask (None: no limit)."""
+    mask = batch["segment_ids"] > 0
+    for e, c in masks:
+        limit = e.loss_mask(c)
+        if limit is not None:
+            mask = mask & limit
+    return mask
+
+
 def forward_sums(graphdef: nnx.GraphDef, cfg: ModelConfig, extensions: Sequence[StepExtension] = (),
-                 plan: ParallelPlan = SINGLE_DEVICE) -> SumsFn:
+                 plan: ParallelPlan = SINGLE_DEVICE, masks: Sequence[StepExtension] = ()) -> SumsFn:
     """sums(variables, batch, step, inputs, ext_state): the token sums of one (micro)batch.
 
     `variables` is a tuple of States merged into the model (params, stats); `inputs` holds each
     extension's frozen inputs, `ext_state` their own state by name. Without extensions this is
-    the plain cross-entropy (+ z-loss, + MoE router terms) program. `plan` (sharding/plan.py) lays
-    the model out on the devices; it is fixed here, so what is traced depends only on the arguments."""
+    the plain cross-entropy (+ z-loss, + MoE router terms) program. Every extension's `loss_mask`
+    limits the targets that count; `masks` are extensions taken for that hook alone (the eval
+    step's: no frozen inputs, no loss terms). `plan` (sharding/plan.py) lays the model out on
+    the devices; it is fixed here, so what is traced depends only on the arguments."""
 
     def sums_fn(variables: tuple[nnx.State, ...], batch: Batch, step: Any = None, inputs: tuple = (),
                 ext_state: dict | None = None) -> dict[str, jax.Array]:
@@ -61,8 +73,10 @@ def forward_sums(graphdef: nnx.GraphDef, cfg: ModelConfig, extensions: Sequence[
                 sums = {**sums, **e.token_sums(c, logits, part, targets, mask)}
             return sums
 
+        mask = _loss_mask(batch, [*zip(extensions, ctxs),
+                                  *((m, StepContext(model, batch, step, plan=plan)) for m in masks)])
         with jax.named_scope(LOSS_SCOPE):  # names only (for profiles, jaxinfra/metrics/hlo.py): same numerics
-            sums = chunked_sums(token_sums, cfg.loss_chunk_size, h, *flat, batch["targets"], batch["segment_ids"] > 0)
+            sums = chunked_sums(token_sums, cfg.loss_chunk_size, h, *flat, batch["targets"], mask)
         for e, c in zip(extensions, ctxs):
             sums = e.objective(c, sums)
         return add_moe_sums(sums, moe_stats, cfg.moe_aux_loss_weight, cfg.moe_z_loss_weight)
@@ -166,11 +180,12 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig, tx: optax.Gradient
     return train_step
 
 
-def make_eval_step(graphdef: nnx.GraphDef, cfg: ModelConfig,
-                   plan: ParallelPlan = SINGLE_DEVICE) -> Callable[[nnx.State, Batch], dict]:
+def make_eval_step(graphdef: nnx.GraphDef, cfg: ModelConfig, plan: ParallelPlan = SINGLE_DEVICE,
+                   extensions: Sequence[StepExtension] = ()) -> Callable[[nnx.State, Batch], dict]:
     """Summed cross-entropy and token count of one batch (averaged over batches by the caller);
-    `variables` are the model's (jaxinfra/state.py model_state)."""
-    sums_fn = forward_sums(graphdef, cfg, plan=plan)
+    `variables` are the model's (jaxinfra/state.py model_state). Of `extensions` only the loss
+    masks apply (jaxinfra/extensions.py), so an SFT run's eval loss is per trained token too."""
+    sums_fn = forward_sums(graphdef, cfg, plan=plan, masks=[e for e in extensions if defines_loss_mask(e)])
 
     def eval_step(variables: nnx.State, batch: Batch) -> dict[str, jax.Array]:
         sums = sums_fn((variables,), batch)

@@ -1,0 +1,147 @@
+"""Supervised fine-tuning (jaxinfra/sft/): the loss mask from a chat batch's role codes, checked
+against a whole-sequence cross-entropy written out here, in the train step (gradient accumulation
+included) and the eval step; masked targets contribute exactly nothing; the metrics; the config."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from parity import PARAM_ATOL, packed_batches, parity_config
+
+from jaxinfra import cli
+from jaxinfra.config import ConfigError, OptimizerConfig, load_config
+from jaxinfra.optim import global_norm
+from jaxinfra.runtime import build_runtime
+from jaxinfra.sft.extension import Sft, for_config
+from jaxinfra.state import model_state
+from jaxinfra.step import make_eval_step
+from models import ModelConfig
+
+V, BATCH, SEQ = 64, 4, 16
+MODEL = ModelConfig(vocab_size=V, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64,
+                    loss_chunk_size=8)  # the mask is cut into loss chunks like the targets
+OPT = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad_norm=None, eps=1e-5)  # eps: see tests/test_step.py
+
+
+def chat_batch(seed: int = 1) -> dict[str, np.ndarray]:
+    """Two packed conversations per row: the second half of the first is an assistant turn (code 1),
+    of the second its last assistant turn (code 2); rows hold very different trained-token counts
+    (row 3: none), so a mean of per-microbatch means would differ from the global mean."""
+    batch = dict(packed_batches(BATCH, SEQ, V, 1, seed=seed)[0])
+    seg = batch["segment_ids"]
+    codes = np.zeros((BATCH, SEQ), np.int32)
+    truncated = np.zeros((BATCH, SEQ), np.int32)
+    for r in range(BATCH - 1):
+        for s, code in ((1, 1), (2, 2)):
+            idx = np.flatnonzero(seg[r] == s)
+            codes[r, idx[len(idx) // (2 + r):]] = code
+    truncated[0, 0] = truncated[2, np.flatnonzero(seg[2] == 2)[0]] = 1
+    return {**batch, "assistant": codes, "truncated": truncated}
+
+
+def reference_loss(graphdef, params, batch: dict, mask: np.ndarray) -> jax.Array:
+    """Mean next-token cross-entropy over `mask`: whole-sequence logits, optax's cross-entropy, no hooks."""
+    model = nnx.merge(graphdef, params)
+    h, _ = model.hidden(batch["inputs"], batch["positions"], batch["segment_ids"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(model.logits(h).astype(jnp.float32), batch["targets"])
+    return jnp.sum(jnp.where(mask, ce, 0.0)) / mask.sum()
+
+
+def _runtime(train_on: str, accum: int = 1):
+    cfg = parity_config(MODEL, OPT, {}, batch=BATCH, seq=SEQ, accum=accum)
+    return build_runtime(cfg, jax.devices()[:1], extensions=[Sft(train_on)])
+
+
+def _step(rt, batch: dict) -> tuple[dict, dict]:
+    state, metrics = rt.train_step(rt.init_state(), rt.to_global(batch))
+    return jax.device_get(state.params), jax.device_get(metrics)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {"assistant": _runtime("assistant"), "all": _runtime("all")}
+
+
+def test_sft_step_matches_the_masked_cross_entropy(runs):
+    rt, batch = runs["assistant"], chat_batch()
+    mask = (batch["assistant"] > 0) & (batch["segment_ids"] > 0)
+    before = jax.device_get(rt.init_state().params)
+    loss, grads = jax.value_and_grad(lambda p: reference_loss(rt.graphdef, p, batch, mask))(before)
+    params, metrics = _step(rt, batch)
+    assert float(metrics["loss"]) == pytest.approx(float(loss), rel=1e-5)
+    assert float(metrics["grad_norm"]) == pytest.approx(float(global_norm(grads)), rel=1e-5)
+    assert float(metrics["trained_tokens"]) == float(metrics["tokens"]) == mask.sum()
+    assert float(metrics["truncated_conversations"]) == 2
+    updates, _ = rt.tx.update(grads, rt.init_state().opt_state, before)
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(optax.apply_updates(before, updates)), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=PARAM_ATOL)
+
+
+def test_masked_targets_contribute_exactly_nothing(runs):
+    """A prompt token's target changed: nothing moves under train_on=assistant (bit for bit), the
+    loss moves under train_on=all."""
+    batch = chat_batch()
+    prompt = (batch["assistant"] == 0) & (batch["segment_ids"] > 0)
+    changed = {**batch, "targets": np.where(prompt, (batch["targets"] + 1) % V, batch["targets"])}
+    (p0, m0), (p1, m1) = _step(runs["assistant"], batch), _step(runs["assistant"], changed)
+    assert float(m0["loss"]) == float(m1["loss"]) and float(m0["grad_norm"]) == float(m1["grad_norm"])
+    for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p1), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    (_, a0), (_, a1) = _step(runs["all"], batch), _step(runs["all"], changed)
+    assert float(a0["loss"]) != float(a1["loss"])
+    assert float(a0["trained_tokens"]) == (batch["segment_ids"] > 0).sum()
+
+
+def test_gradient_accumulation_gives_the_global_per_trained_token_mean(runs):
+    batch = chat_batch()
+    p1, m1 = _step(runs["assistant"], batch)
+    p2, m2 = _step(_runtime("assistant", accum=2), batch)
+    assert float(m2["loss"]) == pytest.approx(float(m1["loss"]), rel=1e-5)
+    assert float(m2["trained_tokens"]) == float(m1["trained_tokens"])
+    assert float(m2["truncated_conversations"]) == 2
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=PARAM_ATOL)
+
+
+def test_eval_masks_like_training(runs):
+    rt, batch = runs["assistant"], chat_batch()
+    variables = model_state(rt.init_state())
+    ce, tokens = rt.eval_sums(variables, [batch])
+    mask = (batch["assistant"] > 0) & (batch["segment_ids"] > 0)
+    assert tokens == mask.sum()
+    want = reference_loss(rt.graphdef, jax.device_get(variables), batch, mask)
+    assert ce / tokens == pytest.approx(float(want), rel=1e-5)
+    last = jax.jit(make_eval_step(rt.graphdef, MODEL, extensions=[Sft("last_assistant")]))
+    assert float(last(variables, batch)["tokens"]) == ((batch["assistant"] == 2) & (batch["segment_ids"] > 0)).sum()
+
+
+def test_a_few_sft_steps_reduce_the_masked_loss(runs):
+    rt, batch = runs["assistant"], chat_batch(seed=3)
+    state, losses = rt.init_state(), []
+    for _ in range(6):
+        state, metrics = rt.train_step(state, rt.to_global(batch))
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < 0.8 * losses[0]
+
+
+def test_extension_is_on_exactly_for_chat_data():
+    chat = types.SimpleNamespace(data=types.SimpleNamespace(source="chat"),
+                                 sft=types.SimpleNamespace(train_on="last_assistant"))
+    assert for_config(chat).train_on == "last_assistant"
+    assert for_config(load_config("tiny")) is None
+
+
+def test_bad_sft_config_is_one_line_exit_2(tmp_path, capsys):
+    with pytest.raises(ConfigError, match=r"sft.train_on: 'prompt' is not allowed; choose one of"):
+        load_config("tiny", ["sft.train_on=prompt"])
+    with pytest.raises(ConfigError, match=r"unknown key 'sft.trainon'"):
+        load_config("tiny", ["sft.trainon=all"])
+    assert cli.main(["train", "tiny", "--run-dir", str(tmp_path / "run"), "sft.train_on=prompt"]) == cli.EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "sft.train_on" in err
