@@ -15,6 +15,7 @@ loading.py      checkpoint path -> (Config, params) on the training mesh; Infere
 generation.py   sampling and the Generator (jitted prefill + decode loop)
 scoring.py      score(): mean next-token cross-entropy of token rows (`jaxinfra eval`)
 text.py         the run's text codec (byte-level UTF-8 or tokenizer.json)
+chat.py         `generate --chat`: one user turn through the run's chat template, the reply alone
 cli.py          `jaxinfra generate` and `jaxinfra eval`
 """
 
@@ -29,6 +30,7 @@ _LAZY = {
                 "resolve_checkpoint"),
     "scoring": ("check_token_array", "score", "token_rows"),
     "text": ("text_codec",),
+    "chat": ("chat_replies", "end_of_turn_id", "reply_text", "run_chat_template", "run_file"),
 }
 _MODULE_OF = {name: module for module, names in _LAZY.items() for name in names}
 __all__ = sorted(_MODULE_OF)

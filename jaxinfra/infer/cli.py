@@ -1,13 +1,15 @@
 """`jaxinfra generate` and `jaxinfra eval`: thin wrappers over the jaxinfra.infer package.
 
-    jaxinfra generate CKPT (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N] [--temperature T]
-                      [--top-k K] [--top-p P] [--seed S] [--stop-ids 10,13] [--no-absorb] [--kv-cache int8]
-                      [KEY=VALUE ...]
+    jaxinfra generate CKPT (--prompt TEXT [--chat [--system TEXT]] | --prompt-ids 1,2,3) [--max-new-tokens N]
+                      [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop-ids 10,13] [--no-absorb]
+                      [--kv-cache int8] [KEY=VALUE ...]
     jaxinfra eval CKPT --tokens FILE.npy [--seq-len N] [--batch-size N] [KEY=VALUE ...]
 
 CKPT is a run directory (newest readable checkpoint) or RUN/checkpoints/<step>; KEY=VALUE
 overrides the run's config (e.g. mesh.tensor=2). stdout carries only the result (the text,
-one JSON list of ids, or one JSON line of the eval loss); timings and logs go to stderr.
+one JSON list of ids, or one JSON line of the eval loss); timings and logs go to stderr. With
+--chat (a run trained on chat data) the prompt is one user turn rendered by the run's chat
+template with the generation prompt, and stdout carries only the reply (jaxinfra/infer/chat.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="text, encoded with the run's tokenizer; prints prompt + continuation")
     what.add_argument("--prompt-ids", help="comma-separated token ids; prints the generated ids as one JSON list")
+    p.add_argument("--chat", action="store_true", help="--prompt is one user turn: rendered by the run's chat "
+                   "template (data.chat_template) with the generation prompt; prints only the reply, which "
+                   "ends at the template's end-of-turn")
+    p.add_argument("--system", help="with --chat: a system message before the user turn")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely ids (0 = off)")
@@ -65,8 +71,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt_ids = _ids(args.prompt_ids, "--prompt-ids") if args.prompt_ids is not None else None
     if prompt_ids is not None and not prompt_ids:
         raise InferenceError("--prompt-ids is empty")
+    if (args.chat or args.system is not None) and args.prompt is None:
+        raise InferenceError("--chat and --system take --prompt TEXT (one user turn), not --prompt-ids")
+    if args.system is not None and not args.chat:
+        raise InferenceError("--system needs --chat")
     overrides = list(args.overrides) + ([f"quant.kv_cache={args.kv_cache}"] if args.kv_cache is not None else [])
     cfg, params = load_model(args.ckpt, overrides)
+    if args.chat:
+        return _generate_chat(args, cfg, params, sampling, stop_ids)
     if prompt_ids is None:
         encode, decode = text_codec(cfg, resolve_checkpoint(args.ckpt)[0])
         prompt_ids = encode(args.prompt)
@@ -79,6 +91,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps(result.tokens[0]))
     else:
         print(args.prompt + decode(result.tokens[0]))
+    return 0
+
+
+def _generate_chat(args: argparse.Namespace, cfg, params, sampling, stop_ids: list[int]) -> int:
+    from jaxinfra.infer import Generator, chat_replies, resolve_checkpoint, run_chat_template
+
+    template, encoder = run_chat_template(cfg, resolve_checkpoint(args.ckpt)[0])
+    gen = Generator(cfg, params, absorb=not args.no_absorb)
+    replies, result = chat_replies(gen, template, encoder, [args.prompt], max_new_tokens=args.max_new_tokens,
+                                   sampling=sampling, system=args.system, stop_ids=stop_ids)
+    print(f"jaxinfra generate: {result.summary()}", file=sys.stderr)
+    print(replies[0])
     return 0
 
 

@@ -19,11 +19,8 @@ def text_codec(cfg: Config, run_dir: str | pathlib.Path | None = None) -> tuple[
         return (lambda text: list(text.encode("utf-8")),
                 lambda ids: bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace"))
     from jaxinfra.data.tokenizer import load_tokenizer
+    from jaxinfra.infer.chat import run_file
 
-    path = pathlib.Path(data.tokenizer)
-    beside_run = run_dir is not None and (pathlib.Path(run_dir) / path).is_file()
-    if not path.is_file() and not path.is_absolute() and beside_run:
-        path = pathlib.Path(run_dir) / path
-    tok = load_tokenizer(str(path))
+    tok = load_tokenizer(run_file(data.tokenizer, run_dir))
     return (lambda text: list(tok.encode(text, add_special_tokens=False).ids),
             lambda ids: tok.decode(list(ids)))

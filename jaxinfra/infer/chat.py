@@ -1,0 +1,72 @@
+"""`jaxinfra generate --chat`: one user turn through the run's chat template, the reply alone.
+
+The prompt is rendered by the template the run trained with (data.chat_template, through
+jaxinfra/data/chat.py `encode_chat_prompt`: the generation prompt added), so the model sees what
+SFT showed it. Generation stops at the template's end-of-turn: one id when the tokenizer has it as
+a single token (the decode loop then stops early); otherwise (byte-level ids) the decode runs its
+`max_new_tokens` and the reply is cut where its text first reaches the end-of-turn.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Sequence
+
+from jaxinfra.config import Config
+from jaxinfra.data.chat import ChatTemplate, encode_chat_prompt, load_chat_template
+from jaxinfra.data.encode import Encoder, make_encoder
+from jaxinfra.infer.generation import GenerationResult, Generator, Sampling
+from jaxinfra.infer.loading import InferenceError
+
+GREEDY = Sampling()
+
+
+def run_file(path: str, run_dir: str | pathlib.Path | None) -> str:
+    """A file the run's config names (data.tokenizer, a template): as given, else beside the run dir."""
+    beside = pathlib.Path(run_dir) / path if run_dir is not None else None
+    if not pathlib.Path(path).is_file() and not pathlib.Path(path).is_absolute() and beside and beside.is_file():
+        return str(beside)
+    return path
+
+
+def run_chat_template(cfg: Config, run_dir: str | pathlib.Path | None = None) -> tuple[ChatTemplate, Encoder]:
+    """The chat template and encoder of the run (its data.chat_template and data.tokenizer)."""
+    data = cfg.data
+    if data.source != "chat":
+        raise InferenceError(f"--chat needs a run trained on chat data (data.source=chat); this run's "
+                             f"data.source is {data.source!r}")
+    tokenizer = run_file(data.tokenizer, run_dir) if data.tokenizer is not None else None
+    spec = data.chat_template
+    if spec not in ("chatml", "tokenizer"):
+        spec = run_file(spec, run_dir)
+    return load_chat_template(spec, tokenizer), make_encoder(tokenizer)
+
+
+def end_of_turn_id(template: ChatTemplate, encoder: Encoder) -> int | None:
+    """The end-of-turn as one token id (None: byte-level, or several tokens)."""
+    if encoder.tokenizer is None or not template.end_of_turn:
+        return None
+    from jaxinfra.data.tokenizer import load_tokenizer
+
+    found = load_tokenizer(encoder.tokenizer).token_to_id(template.end_of_turn)
+    return None if found is None else int(found)
+
+
+def reply_text(template: ChatTemplate, encoder: Encoder, ids: Sequence[int]) -> str:
+    """The generated ids' text up to (without) the first end-of-turn."""
+    text = encoder.decode(list(ids))
+    eot = template.end_of_turn
+    return text.split(eot, 1)[0] if eot else text
+
+
+def chat_replies(gen: Generator, template: ChatTemplate, encoder: Encoder, prompts: Sequence[str], *,
+                 max_new_tokens: int = 64, sampling: Sampling = GREEDY,
+                 system: str | None = None, stop_ids: Sequence[int] = ()) -> tuple[list[str], GenerationResult]:
+    """The reply to each prompt (one user turn, after an optional system message), batched;
+    `stop_ids` end a reply too (beside the end-of-turn id)."""
+    head = [{"role": "system", "content": system}] if system else []
+    ids = [encode_chat_prompt(template, encoder, [*head, {"role": "user", "content": p}]).tolist() for p in prompts]
+    stop = end_of_turn_id(template, encoder)
+    result = gen.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling,
+                          stop_ids=[*stop_ids, *(() if stop is None else (stop,))])
+    return [reply_text(template, encoder, row) for row in result.tokens], result
