@@ -7,11 +7,13 @@ import itertools
 import re
 from typing import Literal, get_args
 
-Source = Literal["text", "tokens", "synthetic", "jsonl", "parquet"]
+Source = Literal["text", "tokens", "synthetic", "jsonl", "parquet", "chat"]
 TokenDtype = Literal["uint16", "uint32"]
 SOURCES: tuple[str, ...] = get_args(Source)
 TOKEN_DTYPES: tuple[str, ...] = get_args(TokenDtype)
-_TOKENIZED_SOURCES = ("text", "tokens", "jsonl", "parquet")  # sources that take data.tokenizer
+_TOKENIZED_SOURCES = ("text", "tokens", "jsonl", "parquet", "chat")  # sources that take data.tokenizer
+_FILE_SOURCES = ("tokens", "jsonl", "parquet", "chat")  # sources that need data.paths
+TRAIN_ON = ("assistant", "all", "last_assistant")  # sft.train_on (the data refuses rows with nothing to train)
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")  # mixture names become metric names (eval_loss/<name>)
 
 
@@ -64,6 +66,7 @@ class DataConfig:
     # Files or globs. text: empty = the Python standard library's own .py files.
     # tokens: required (.bin raw token ids, .npy, or directories made by `jaxinfra data prepare`).
     # jsonl / parquet: .jsonl(.gz) / .parquet files, tokenized on the fly.
+    # chat: .jsonl(.gz) / .parquet conversations, or directories made by `jaxinfra data prepare --chat`.
     paths: tuple[str, ...] = ()
     # Path to a HF tokenizer.json; None = byte-level (ids 0..255). For prepared directories
     # (tokens): when given, it must be the tokenizer the directory was prepared with.
@@ -80,6 +83,9 @@ class DataConfig:
     worker_count: int = 0  # grain worker processes (0 = in-process)
     # synthetic only: how many token ids the generated language uses.
     synthetic_vocab: int = 64
+    # chat only: how conversations are rendered: "chatml" (built in), "tokenizer" (the chat_template
+    # of the tokenizer_config.json beside data.tokenizer) or the path of a Jinja file.
+    chat_template: str = "chatml"
     # Weighted sources (`data.mixture.<name>.paths/weight/weights/source`); replaces data.paths.
     mixture: dict[str, MixtureConfig] = dataclasses.field(default_factory=dict)
 
@@ -92,7 +98,7 @@ class DataConfig:
             out.append(("paths", self.paths, "a list of non-empty file paths or globs"))
         elif self.mixture and self.paths:
             out.append(("paths", self.paths, "empty when data.mixture is set (each source has its own paths)"))
-        elif self.source in ("tokens", "jsonl", "parquet") and not self.paths and not self.mixture:
+        elif self.source in _FILE_SOURCES and not self.paths and not self.mixture:
             out.append(("paths", self.paths, f"at least one file, glob or directory when data.source is "
                                              f"'{self.source}'"))
         if self.tokenizer is not None:
@@ -105,6 +111,8 @@ class DataConfig:
             out.append(("token_dtype", self.token_dtype, f"one of {list(TOKEN_DTYPES)}"))
         if not isinstance(self.text_key, str) or not self.text_key:
             out.append(("text_key", self.text_key, "a non-empty field name"))
+        if not isinstance(self.chat_template, str) or not self.chat_template:
+            out.append(("chat_template", self.chat_template, "'chatml', 'tokenizer' or the path of a Jinja file"))
         if not _is_number(self.eval_fraction) or not 0 < self.eval_fraction < 1:
             out.append(("eval_fraction", self.eval_fraction, "a number in (0, 1)"))
         if not _is_int(self.eval_batches) or self.eval_batches < 0:
@@ -123,6 +131,11 @@ class DataConfig:
         if self.source == "synthetic":
             return [("source", self.source, "a source that reads files when data.mixture is set")]
         out = [p for name, part in self.mixture.items() for p in part.problems(name)]
+        chat = {name: (part.source or self.source) == "chat" for name, part in sorted(self.mixture.items())}
+        if not out and len(set(chat.values())) > 1:
+            a, b = next(n for n, c in chat.items() if c), next(n for n, c in chat.items() if not c)
+            out.append(("mixture", f"{a} (chat) and {b} (not chat)",
+                        "sources of one kind: chat conversations cannot be mixed with plain documents"))
         if not out:
             steps = sorted({s for part in self.mixture.values() for s, _ in part.stages()})
             for step in steps:

@@ -77,8 +77,8 @@ def is_blank(line: bytes) -> bool:
     return line in (b"", b"\r")
 
 
-def json_text(line: bytes, name: str, line_no: int, text_key: str) -> str:
-    """The document text of one JSON line; DataError naming the file and line otherwise."""
+def json_object(line: bytes, name: str, line_no: int) -> dict:
+    """One JSON line as an object; DataError naming the file and line otherwise."""
     try:
         obj = json.loads(line)
     except UnicodeDecodeError as e:
@@ -87,6 +87,12 @@ def json_text(line: bytes, name: str, line_no: int, text_key: str) -> str:
         raise DataError(f"{name} line {line_no}: invalid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(obj, dict):
         raise DataError(f"{name} line {line_no}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def json_text(line: bytes, name: str, line_no: int, text_key: str) -> str:
+    """The document text of one JSON line; DataError naming the file and line otherwise."""
+    obj = json_object(line, name, line_no)
     if text_key not in obj:
         keys = ", ".join(map(str, list(obj)[:8])) or "none"
         raise DataError(f"{name} line {line_no}: no {text_key!r} key (keys: {keys}); choose the field with "
@@ -134,6 +140,47 @@ def parquet_file(path: str, name: str, text_key: str):
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
         raise DataError(f"{name}: column {text_key!r} holds {kind}, not strings")
     return pf
+
+
+def jsonl_rows(chunk: bytes, name: str, first_line: int) -> list[tuple[dict, str]]:
+    """(object, "file:line") of each non-blank line of a block whose first line is number `first_line`."""
+    return [(json_object(line, name, first_line + i), f"{name}:{first_line + i}")
+            for i, line in enumerate(chunk.split(b"\n")) if not is_blank(line)]
+
+
+def parquet_chat_file(path: str, name: str):
+    """The opened file, after checking it has chat columns: `messages`, or `prompt` and `response`."""
+    pq = _pyarrow()
+    import pyarrow as pa
+
+    try:
+        pf = pq.ParquetFile(path)
+    except (OSError, pa.ArrowException) as e:
+        raise DataError(f"cannot read Parquet file {name}: {_reason(e)}") from e
+    if not chat_columns(pf):
+        raise DataError(f"{name} has neither a 'messages' column nor 'prompt' and 'response' columns (columns: "
+                        f"{', '.join(pf.schema_arrow.names[:8]) or 'none'})")
+    return pf
+
+
+def chat_columns(pf) -> list[str]:
+    """The columns a chat row is read from (empty when the file has none of them)."""
+    names = pf.schema_arrow.names
+    if "messages" in names:
+        return ["messages"]
+    return ["prompt", "response"] if "prompt" in names and "response" in names else []
+
+
+def parquet_rows(pf, group: int | None, name: str, first_row: int) -> list[tuple[dict, str]]:
+    """(row, "file row N") of row group `group` (None: the whole file), chat columns only."""
+    import pyarrow as pa
+
+    columns = chat_columns(pf)
+    try:
+        table = pf.read(columns=columns) if group is None else pf.read_row_group(group, columns=columns)
+    except (OSError, pa.ArrowException) as e:
+        raise DataError(f"cannot read Parquet file {name}: {_reason(e)}") from e
+    return [(row, f"{name} row {first_row + i}") for i, row in enumerate(table.to_pylist())]
 
 
 def parquet_texts(pf, group: int | None, name: str, first_row: int, text_key: str) -> list[str]:

@@ -10,11 +10,12 @@ import grain
 import numpy as np
 
 from jaxinfra.data import synthetic
-from jaxinfra.data.config import DataConfig, DataError
+from jaxinfra.data.chat_source import CHAT_FIELDS, ChatSource, PreparedChats, RenderedChats
+from jaxinfra.data.config import TRAIN_ON, DataConfig, DataError
 from jaxinfra.data.encode import make_encoder
 from jaxinfra.data.formats import input_kind, relative_names
 from jaxinfra.data.mixture import MixedRows, WeightSchedule, slot_phase
-from jaxinfra.data.prepared import is_prepared, open_prepared
+from jaxinfra.data.prepared import is_chat, is_prepared, load_meta, open_prepared
 from jaxinfra.data.records import DocumentWindows, RecordFiles, RecordSource
 from jaxinfra.data.sources import (
     ArrayReader,
@@ -37,15 +38,19 @@ _PACKING_BINS_PER_ROW = 4  # a few open rows per slot pack short documents tight
 
 
 def make_train_iterator(cfg: DataConfig, *, seq_len: int, global_batch_size: int, vocab_size: int, seed: int,
-                        process_index: int = 0, process_count: int = 1) -> grain.DatasetIterator:
+                        process_index: int = 0, process_count: int = 1,
+                        train_on: str = "assistant") -> grain.DatasetIterator:
     """An infinite iterator of this process's share of each global batch (see `get_state`/`set_state`).
 
     Batches are dicts of int32 [global_batch_size // process_count, seq_len] arrays:
-    inputs, targets, segment_ids (1, 2, ... per packed document; 0 = padding) and positions.
+    inputs, targets, segment_ids (1, 2, ... per packed document; 0 = padding) and positions;
+    chat data adds `assistant` (the role code of each target) and `truncated` (1 at the first
+    position of a conversation cut to fit). `train_on` (sft.train_on): under "assistant" and
+    "last_assistant" a conversation without an assistant turn is a DataError.
     With data.mixture, each row comes whole from one source (jaxinfra/data/mixture.py).
     """
-    local_batch = _check_args(cfg, seq_len, global_batch_size, vocab_size, process_index, process_count)
-    train = {name: _split_sources(part, seq_len, vocab_size, seed)[0] for name, part in cfg.parts().items()}
+    local_batch = _check_args(cfg, seq_len, global_batch_size, vocab_size, process_index, process_count, train_on)
+    train = {name: _split_sources(part, seq_len, vocab_size, seed, train_on)[0] for name, part in cfg.parts().items()}
     schedule = WeightSchedule([cfg.mixture[name].stages() for name in train]) if cfg.mixture else None
     ds = _pipeline(train, seq_len=seq_len, global_batch=global_batch_size, local_batch=local_batch, seed=seed,
                    shuffle=cfg.shuffle, process_index=process_index, process_count=process_count, what="training",
@@ -57,16 +62,17 @@ def make_train_iterator(cfg: DataConfig, *, seq_len: int, global_batch_size: int
 
 
 def make_eval_sets(cfg: DataConfig, *, seq_len: int, global_batch_size: int, vocab_size: int, seed: int,
-                   process_index: int = 0, process_count: int = 1) -> dict[str, list[dict[str, np.ndarray]]]:
+                   process_index: int = 0, process_count: int = 1,
+                   train_on: str = "assistant") -> dict[str, list[dict[str, np.ndarray]]]:
     """`cfg.eval_batches` held-out batches per source, by mixture name ("" without a mixture).
 
     Each source's batches are exactly those of a config with that source alone, identical on every call."""
-    local_batch = _check_args(cfg, seq_len, global_batch_size, vocab_size, process_index, process_count)
+    local_batch = _check_args(cfg, seq_len, global_batch_size, vocab_size, process_index, process_count, train_on)
     if cfg.eval_batches == 0:
         return {}
     out = {}
     for name, part in cfg.parts().items():
-        _, held = _split_sources(part, seq_len, vocab_size, seed)
+        _, held = _split_sources(part, seq_len, vocab_size, seed, train_on)
         ds = _pipeline({name: held}, seq_len=seq_len, global_batch=global_batch_size, local_batch=local_batch,
                        seed=_EVAL_SEED, shuffle=True, process_index=process_index, process_count=process_count,
                        what="evaluation")
@@ -75,10 +81,11 @@ def make_eval_sets(cfg: DataConfig, *, seq_len: int, global_batch_size: int, voc
 
 
 def make_eval_batches(cfg: DataConfig, *, seq_len: int, global_batch_size: int, vocab_size: int, seed: int,
-                      process_index: int = 0, process_count: int = 1) -> list[dict[str, np.ndarray]]:
+                      process_index: int = 0, process_count: int = 1,
+                      train_on: str = "assistant") -> list[dict[str, np.ndarray]]:
     """`cfg.eval_batches` held-out batches (same layout as training) of every source, identical on every call."""
     sets = make_eval_sets(cfg, seq_len=seq_len, global_batch_size=global_batch_size, vocab_size=vocab_size,
-                          seed=seed, process_index=process_index, process_count=process_count)
+                          seed=seed, process_index=process_index, process_count=process_count, train_on=train_on)
     return [batch for batches in sets.values() for batch in batches]
 
 
@@ -86,8 +93,10 @@ def make_eval_batches(cfg: DataConfig, *, seq_len: int, global_batch_size: int, 
 
 
 def _check_args(cfg: DataConfig, seq_len: int, global_batch_size: int, vocab_size: int,
-                process_index: int, process_count: int) -> int:
+                process_index: int, process_count: int, train_on: str = "assistant") -> int:
     cfg.check()
+    if train_on not in TRAIN_ON:
+        raise DataError(f"sft.train_on={train_on!r} is invalid: must be one of {list(TRAIN_ON)}")
     for name, value in (("seq_len", seq_len), ("global_batch_size", global_batch_size),
                         ("vocab_size", vocab_size), ("process_count", process_count)):
         if not isinstance(value, (int, np.integer)) or value < 1:
@@ -100,16 +109,21 @@ def _check_args(cfg: DataConfig, seq_len: int, global_batch_size: int, vocab_siz
     return global_batch_size // process_count
 
 
-def _split_sources(cfg: DataConfig, seq_len: int, vocab_size: int, seed: int) -> tuple[Any, Any]:
+def _split_sources(cfg: DataConfig, seq_len: int, vocab_size: int, seed: int,
+                   train_on: str = "assistant") -> tuple[Any, Any]:
     """(train, eval) random-access sources for cfg.source."""
     if cfg.source == "synthetic":
         return synthetic.split(cfg.synthetic_vocab, seq_len, _seed32(seed), cfg.eval_fraction)
     if cfg.source == "tokens":
         return _token_sources(cfg, seq_len, vocab_size)
+    if cfg.source == "chat":
+        return _chat_sources(cfg, seq_len, vocab_size, train_on)
     for path in cfg.paths:
         if is_prepared(os.path.expanduser(path)):
+            chat = os.path.exists(os.path.join(os.path.expanduser(path), "meta.json")) and \
+                is_chat(load_meta(os.path.expanduser(path)))
             raise DataError(f"data.paths: {path!r} is a directory made by `jaxinfra data prepare`; read it with "
-                            f"data.source=tokens (not {cfg.source})")
+                            f"data.source={'chat' if chat else 'tokens'} (not {cfg.source})")
     if cfg.source in ("jsonl", "parquet"):
         return _record_sources(cfg)
     if cfg.paths:
@@ -171,6 +185,42 @@ def _record_sources(cfg: DataConfig) -> tuple[RecordSource, RecordSource]:
     return RecordSource(records, encoder, train_ids), RecordSource(records, encoder, held_ids)
 
 
+def _chat_sources(cfg: DataConfig, seq_len: int, vocab_size: int, train_on: str) -> tuple[ChatSource, ChatSource]:
+    """Conversations split by record: rendered when read, or from `data prepare --chat` directories."""
+    paths = [os.path.expanduser(p) for p in cfg.paths]
+    prepared = [p for p in paths if is_prepared(p)]
+    if prepared and len(prepared) < len(paths):
+        raise DataError(f"data.paths: mixes prepared directories ({prepared[0]!r}) with chat files; prepare the "
+                        f"files with `jaxinfra data prepare --chat` too, or list only files")
+    if prepared:
+        prepared_metas(cfg)  # the tokenizer and kind checks, also for callers that skipped config validation
+        opened = [open_prepared(p) for p in prepared]
+        for p in opened:
+            if p.vocab_size > vocab_size:
+                raise DataError(f"data.paths: {p.directory!r} holds ids of a {p.vocab_size}-token vocabulary, "
+                                f"more than vocab_size {vocab_size}")
+        conversations: Any = PreparedChats(opened, vocab_size)
+        parts, start = [], 0
+        for p in opened:  # split each directory as its inputs read on the fly split
+            train_ids, held_ids = split_records(*p.record_keys(), cfg.eval_fraction)
+            parts.append((train_ids + start, held_ids + start))
+            start += len(p.documents)
+        train_ids, held_ids = (np.concatenate([part[k] for part in parts]) for k in (0, 1))
+    else:
+        files = expand_paths(cfg.paths)
+        for f in files:
+            if input_kind(f) not in ("jsonl", "parquet"):
+                raise DataError(f"data.paths: {f!r} is not a .jsonl, .jsonl.gz or .parquet file (data.source=chat)")
+        from jaxinfra.data.chat import load_chat_template
+
+        records = RecordFiles(files, None)
+        conversations = RenderedChats(records, load_chat_template(cfg.chat_template, cfg.tokenizer),
+                                      make_encoder(cfg.tokenizer))
+        train_ids, held_ids = split_records(relative_names(files), records.counts, cfg.eval_fraction)
+    return (ChatSource(conversations, train_ids, seq_len, train_on),
+            ChatSource(conversations, held_ids, seq_len, train_on))
+
+
 def _window_pair(reader: Any, train: np.ndarray, held: np.ndarray, seq_len: int,
                  cfg: DataConfig) -> tuple[WindowSource, WindowSource]:
     train_src, held_src = WindowSource(reader, train, seq_len), WindowSource(reader, held, seq_len)
@@ -200,7 +250,8 @@ def _pipeline(sources: dict[str, Any], *, seq_len: int, global_batch: int, local
     rows = []
     for slot in range(first, first + local_batch):
         parts = [_packed_rows(ds[slot::global_batch].repeat(None), seq_len, _seed32(seed + slot),
-                              documents=isinstance(sources[name], RecordSource)) for name, ds in streams.items()]
+                              documents=isinstance(sources[name], RecordSource),
+                              chat=isinstance(sources[name], ChatSource)) for name, ds in streams.items()]
         rows.append(parts[0] if schedule is None else MixedRows(parts, list(streams), schedule,
                                                                   slot_phase(seed, slot)))
     return grain.experimental.ZipIterDataset(rows).map(_stack_rows)
@@ -216,13 +267,17 @@ def _shuffled(source: Any, name: str, global_batch: int, seed: int, shuffle: boo
     return ds.shuffle(seed=_seed32(seed)) if shuffle else ds  # reshuffled every epoch by repeat()
 
 
-def _packed_rows(ds: grain.MapDataset, seq_len: int, seed: int, documents: bool = False) -> grain.IterDataset:
+def _packed_rows(ds: grain.MapDataset, seq_len: int, seed: int, documents: bool = False,
+                 chat: bool = False) -> grain.IterDataset:
     # Reading a window is one small pread; threads would only fight over the GIL.
     it = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
     if documents:  # whole tokenized documents (jsonl / parquet): cut into windows here
         it = grain.experimental.FlatMapIterDataset(it, DocumentWindows(seq_len))
+    # Every field in length_struct is packed alongside (zero on padding). Items never exceed a row:
+    # windows are seq_len long and chat items are cut to it (grain refuses longer ones).
+    fields = CHAT_FIELDS if chat else ("inputs", "targets")
     return grain.experimental.FirstFitPackIterDataset(
-        it, length_struct={"inputs": seq_len, "targets": seq_len}, num_packing_bins=_PACKING_BINS_PER_ROW,
+        it, length_struct=dict.fromkeys(fields, seq_len), num_packing_bins=_PACKING_BINS_PER_ROW,
         seed=seed, shuffle_bins=False)
 
 
@@ -232,12 +287,13 @@ def _stack_rows(rows: tuple[dict[str, np.ndarray], ...]) -> dict[str, np.ndarray
 
 
 def _model_layout(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    return {
+    layout = {
         "inputs": packed["inputs"],
         "targets": packed["targets"],
         "segment_ids": packed["inputs_segment_ids"],
         "positions": packed["inputs_positions"],
     }
+    return {**layout, **{k: packed[k] for k in ("assistant", "truncated") if k in packed}}  # chat's fields
 
 
 def _seed32(seed: int) -> int:

@@ -4,11 +4,15 @@
     DIR/tokenizer.json       a copy of the tokenizer (absent for byte-level data)
     DIR/shard-00000.bin      token ids, raw little-endian uint16/uint32 (the nanoGPT .bin layout)
     DIR/shard-00000.docs.npy int64 document offsets into that shard: documents + 1 entries
+    DIR/shard-00000.roles.bin chat only (`--chat`): one uint8 role code per token of the shard
+                             (jaxinfra/data/chat.py: 0 not trained, 1 assistant, 2 last assistant turn)
     DIR/ledger.jsonl         one line per completed shard (what an interrupted run resumes from)
     DIR/meta.json            written last: counts, per-input and per-shard figures; its presence
                              means the preparation is complete
 
 Documents never span shards and each ends with the end-of-document id (jaxinfra/data/encode.py).
+A chat preparation (meta.json `chat`: the template's origin and sha256) holds one rendered
+conversation per document and no end-of-document id: the template ends the turns.
 """
 
 from __future__ import annotations
@@ -27,6 +31,15 @@ META, PLAN, LEDGER, TOKENIZER = "meta.json", "prepare.json", "ledger.jsonl", "to
 
 def shard_names(index: int) -> tuple[str, str]:
     return f"shard-{index:05d}.bin", f"shard-{index:05d}.docs.npy"
+
+
+def roles_name(index: int) -> str:
+    return f"shard-{index:05d}.roles.bin"
+
+
+def is_chat(meta: dict) -> bool:
+    """Whether a preparation holds chat conversations (`data prepare --chat`)."""
+    return bool(meta.get("chat"))
 
 
 def is_prepared(path: str) -> bool:
@@ -70,6 +83,7 @@ class Prepared:
     meta: dict
     shards: list[str]
     documents: np.ndarray  # [n, 3] int64: (shard index in `shards`, start, end)
+    roles: list[str] = dataclasses.field(default_factory=list)  # chat: role-code shards beside `shards`
 
     @property
     def dtype(self) -> str:
@@ -88,7 +102,7 @@ def open_prepared(directory: str) -> Prepared:
     """Load meta.json and check every shard against it (sizes and offsets, no hashing)."""
     meta = load_meta(directory)
     itemsize = np.dtype(meta["dtype"]).itemsize
-    shards, docs = [], []
+    shards, docs, roles = [], [], []
     for s, shard in enumerate(meta["shards"]):
         path, offsets_path = (os.path.join(directory, shard[k]) for k in ("file", "offsets"))
         want = int(shard["tokens"]) * itemsize
@@ -99,10 +113,22 @@ def open_prepared(directory: str) -> Prepared:
                             f"({want} bytes): truncated or replaced; rerun `jaxinfra data prepare` into a new "
                             f"directory")
         offsets = _offsets(offsets_path, int(shard["documents"]), int(shard["tokens"]))
+        if is_chat(meta):
+            roles.append(_roles(directory, shard))
         docs.append(np.stack([np.full(len(offsets) - 1, s), offsets[:-1], offsets[1:]], axis=1))
         shards.append(path)
     documents = np.concatenate(docs) if docs else np.zeros((0, 3), np.int64)
-    return Prepared(directory, meta, shards, documents.astype(np.int64))
+    return Prepared(directory, meta, shards, documents.astype(np.int64), roles)
+
+
+def _roles(directory: str, shard: dict) -> str:
+    path = os.path.join(directory, shard.get("roles", ""))
+    size = os.path.getsize(path) if shard.get("roles") and os.path.exists(path) else None
+    if size != int(shard["tokens"]):
+        found = "missing" if size is None else f"{size} bytes"
+        raise DataError(f"data.paths: role codes {path!r} are {found}, but {META} records {shard['tokens']} tokens: "
+                        f"truncated or replaced; rerun `jaxinfra data prepare --chat` into a new directory")
+    return path
 
 
 def _offsets(path: str, documents: int, tokens: int) -> np.ndarray:

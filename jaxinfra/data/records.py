@@ -16,7 +16,16 @@ import numpy as np
 
 from jaxinfra.data.config import DataError
 from jaxinfra.data.encode import Encoder
-from jaxinfra.data.formats import input_kind, is_gzip, json_text, parquet_file, read_bytes
+from jaxinfra.data.formats import (
+    chat_columns,
+    input_kind,
+    is_gzip,
+    json_object,
+    json_text,
+    parquet_chat_file,
+    parquet_file,
+    read_bytes,
+)
 from jaxinfra.data.sources import window_counts
 
 _SCAN_BYTES = 1 << 26  # newline scan block
@@ -40,9 +49,10 @@ def index_lines(data) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 class RecordFiles:
-    """Random access to the documents of .jsonl(.gz) and .parquet files (one text per record)."""
+    """Random access to the records of .jsonl(.gz) and .parquet files: one text per record (`text`),
+    or, with text_key None (chat), the whole row (`row`)."""
 
-    def __init__(self, files: Sequence[str], text_key: str):
+    def __init__(self, files: Sequence[str], text_key: str | None):
         self.files = list(files)
         self.text_key = text_key
         self.kinds = [input_kind(f) for f in self.files]
@@ -57,7 +67,7 @@ class RecordFiles:
     def _index(self, f: int) -> int:
         path, kind = self.files[f], self.kinds[f]
         if kind == "parquet":
-            n = parquet_file(path, path, self.text_key).metadata.num_rows
+            n = self._parquet(f).metadata.num_rows
         elif kind == "jsonl":
             if is_gzip(path):
                 data = self._cache[f] = read_bytes(path)
@@ -71,10 +81,32 @@ class RecordFiles:
             raise DataError(f"data.paths: {path!r} holds no documents")
         return n
 
+    def _parquet(self, f: int):
+        path = self.files[f]
+        return parquet_file(path, path, self.text_key) if self.text_key else parquet_chat_file(path, path)
+
+    def _locate(self, index: int) -> tuple[int, int]:
+        """(file, record within it) of global record `index` (files in order)."""
+        f = int(np.searchsorted(self.ends, index, side="right"))
+        return f, index - (int(self.ends[f - 1]) if f else 0)
+
+    def row(self, index: int) -> tuple[dict, str]:
+        """(the whole row of global record `index`, where it is: "file:line" or "file row N")."""
+        f, i = self._locate(index)
+        path = self.files[f]
+        if self.kinds[f] == "parquet":
+            table = self._cache.get(f)
+            if table is None:
+                pf = self._parquet(f)
+                table = self._cache[f] = pf.read(columns=chat_columns(pf) if not self.text_key else None)
+            return {name: table.column(name)[i].as_py() for name in table.column_names}, f"{path} row {i}"
+        starts, ends, numbers = self._lines[f]
+        line = int(numbers[i])
+        return json_object(self._line(f, int(starts[i]), int(ends[i])), path, line), f"{path}:{line}"
+
     def text(self, index: int) -> str:
         """The text of global record `index` (files in order)."""
-        f = int(np.searchsorted(self.ends, index, side="right"))
-        i = index - (int(self.ends[f - 1]) if f else 0)
+        f, i = self._locate(index)
         path = self.files[f]
         if self.kinds[f] == "parquet":
             column = self._cache.get(f)

@@ -10,7 +10,7 @@ import os
 
 from jaxinfra.data.config import DataConfig, DataError
 from jaxinfra.data.encode import BYTE_EOD, file_sha256, make_encoder
-from jaxinfra.data.prepared import describe_tokenizer, is_prepared, load_meta, tokenizer_of
+from jaxinfra.data.prepared import TOKENIZER, describe_tokenizer, is_chat, is_prepared, load_meta, tokenizer_of
 from jaxinfra.data.tokenizer import tokenizer_vocab_size
 
 _BYTES = "bytes"
@@ -40,6 +40,8 @@ def _vocab_and_identity(cfg: DataConfig) -> tuple[int, tuple[str, str] | None]:
             return 0, None
         meta = next(iter(metas.values()))
         return max(int(m["vocab_size"]) for m in metas.values()), (tokenizer_of(meta), describe_tokenizer(meta))
+    if cfg.source == "chat":
+        return _chat_vocab_and_identity(cfg)
     if cfg.tokenizer is None:
         ident = (_BYTES, "byte-level ids")
         return (256 if cfg.source == "text" else BYTE_EOD + 1), ident
@@ -50,9 +52,57 @@ def _vocab_and_identity(cfg: DataConfig) -> tuple[int, tuple[str, str] | None]:
     return make_encoder(cfg.tokenizer).vocab_size, ident
 
 
+def _chat_vocab_and_identity(cfg: DataConfig) -> tuple[int, tuple[str, str]]:
+    """Chat ids: 256 bytes (the template ends turns: no end-of-document id) or the tokenizer's
+    vocabulary; a prepared chat directory says its own, and must have used data.chat_template."""
+    metas = prepared_metas(cfg)
+    for path, meta in metas.items():
+        check_chat_template(cfg, path, meta)
+    if metas:
+        meta = next(iter(metas.values()))
+        return max(int(m["vocab_size"]) for m in metas.values()), (tokenizer_of(meta), describe_tokenizer(meta))
+    from jaxinfra.data.chat import load_chat_template
+
+    load_chat_template(cfg.chat_template, cfg.tokenizer)  # a bad template spec fails before anything compiles
+    if cfg.tokenizer is None:
+        return 256, (_BYTES, "byte-level ids")
+    sha = file_sha256(cfg.tokenizer, "data.tokenizer")
+    name = os.path.basename(cfg.tokenizer)
+    return tokenizer_vocab_size(cfg.tokenizer), (sha, f"tokenizer {name} (sha256 {sha[:12]})")
+
+
+def check_chat_template(cfg: DataConfig, path: str, meta: dict) -> None:
+    """A prepared chat directory was rendered with the template data.chat_template names (the run's
+    `generate --chat` renders with it too); DataError otherwise."""
+    from jaxinfra.data.chat import load_chat_template
+    from jaxinfra.data.chat_source import template_identity
+
+    tokenizer = cfg.tokenizer
+    if tokenizer is None and meta["tokenizer"]["kind"] != "bytes":
+        tokenizer = os.path.join(path, TOKENIZER)  # the copy that travels with the data
+    want = template_identity(load_chat_template(cfg.chat_template, tokenizer))
+    have = meta["chat"]
+    if have.get("sha256") != want["sha256"]:
+        raise DataError(f"data.paths: {path!r} was rendered with chat template {have.get('origin')!r} (sha256 "
+                        f"{str(have.get('sha256'))[:12]}), not data.chat_template={cfg.chat_template!r} (sha256 "
+                        f"{want['sha256'][:12]}); set data.chat_template to the one it was prepared with")
+
+
+def kind_mismatch(path: str, meta: dict) -> str:
+    """The one line for a chat preparation read as tokens, or a plain one read as chat."""
+    if is_chat(meta):
+        return (f"data.paths: {path!r} holds chat conversations (made by `jaxinfra data prepare --chat`); read it "
+                f"with data.source=chat")
+    return (f"data.paths: {path!r} holds plain documents, not chat conversations; read it with data.source=tokens, "
+            f"or prepare the conversations with `jaxinfra data prepare --chat`")
+
+
 def prepared_metas(cfg: DataConfig) -> dict[str, dict]:
     """meta.json of each prepared directory in cfg.paths, checked against data.tokenizer."""
     metas = {p: load_meta(p) for p in (os.path.expanduser(p) for p in cfg.paths) if is_prepared(p)}
+    for path, meta in metas.items():
+        if is_chat(meta) != (cfg.source == "chat"):
+            raise DataError(kind_mismatch(path, meta))
     if cfg.tokenizer is not None:
         want = file_sha256(cfg.tokenizer, "data.tokenizer")
         for path, meta in metas.items():
