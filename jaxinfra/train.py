@@ -146,12 +146,9 @@ class Trainer:
         self.restore_from = restore_from
         self.local_rows = t.batch_size // jax.process_count()
         self.first_row = jax.process_index() * self.local_rows
-        # sft.train_on: the data refuses conversations with nothing to train on. getattr until the sft
-        # section is merged (the `sft` helper adds it): then plain cfg.sft.train_on.
-        train_on = getattr(getattr(cfg, "sft", None), "train_on", "assistant")
         data_args = dict(seq_len=t.seq_len, global_batch_size=t.batch_size, vocab_size=cfg.model.vocab_size,
                          seed=t.seed, process_index=jax.process_index(), process_count=jax.process_count(),
-                         train_on=train_on)
+                         train_on=cfg.sft.train_on)  # chat data refuses conversations with nothing to train on
         self.train_iter = make_train_iterator(cfg.data, **data_args)
         self.eval_sets = make_eval_sets(cfg.data, **data_args)  # per mixture source ("": the one source)
         self.eval_batches = [b for batches in self.eval_sets.values() for b in batches]

@@ -33,7 +33,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise ConfigError(f"hf export takes no KEY=VALUE overrides: {' '.join(args.overrides)}")
     report = export_hf(args.source, args.out_dir, args.dtype, int(args.max_shard_gb * 2**30))
     print(f"exported {report['family']} (step {report['step']}, {report['tensors']} tensors, "
-          f"{report['bytes'] / 2**20:.1f} MiB in {len(report['files'])} file(s)) -> {report['out_dir']}")
+          f"{report['bytes'] / 2**20:.1f} MiB in {len(report['files'])} file(s))"
+          + (f" + {', '.join(report['tokenizer_files'])}" if report["tokenizer_files"] else "")
+          + f" -> {report['out_dir']}")
     return 0
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import pathlib
+import shutil
 from collections.abc import Iterator
 from typing import Any
 
@@ -121,5 +122,44 @@ def export_hf(source: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: st
         index = {"metadata": {"total_size": data_bytes}, "weight_map": weight_map}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (out_dir / "config.json").write_text(json.dumps(to_hf(cfg.model, dtype), indent=2))
+    tokenizer_files = export_tokenizer_files(cfg, _run_dir(source), out_dir)
     return {"family": family, "step": step, "files": files, "tensors": len(specs), "bytes": total,
-            "out_dir": str(out_dir)}
+            "out_dir": str(out_dir), "tokenizer_files": tokenizer_files}
+
+
+def _run_dir(source: pathlib.Path) -> pathlib.Path | None:
+    """The run directory of a run dir or RUN/checkpoints/N (None for a bare checkpoint step dir)."""
+    for candidate in (source, source.parent.parent):
+        if (candidate / "config.yaml").is_file():
+            return candidate
+    return None
+
+
+def export_tokenizer_files(cfg: Config, run_dir: pathlib.Path | None, out_dir: pathlib.Path) -> list[str]:
+    """The run's tokenizer beside the weights, as transformers loads it: tokenizer.json and
+    tokenizer_config.json (the run's own, or a minimal one) whose `chat_template` is the template
+    the run trained with (chat data). Byte-level runs have no tokenizer.json (no HF tokenizer maps
+    bytes to these ids); a byte-level chat run writes its template as chat_template.jinja."""
+    from jaxinfra.data.chat import load_chat_template
+    from jaxinfra.infer.chat import run_file
+
+    data = cfg.data
+    tokenizer = run_file(data.tokenizer, run_dir) if data.tokenizer is not None else None
+    chat = any(part.source == "chat" for part in data.parts().values())
+    template = None
+    if chat:
+        spec = data.chat_template if data.chat_template in ("chatml", "tokenizer") else run_file(data.chat_template,
+                                                                                                  run_dir)
+        template = load_chat_template(spec, tokenizer).source
+    if tokenizer is None:
+        if template is None:
+            return []
+        (out_dir / "chat_template.jinja").write_text(template, encoding="utf-8")
+        return ["chat_template.jinja"]
+    shutil.copyfile(tokenizer, out_dir / "tokenizer.json")
+    beside = pathlib.Path(tokenizer).parent / "tokenizer_config.json"
+    config = json.loads(beside.read_text(encoding="utf-8")) if beside.is_file() else {}
+    if template is not None:
+        config["chat_template"] = template
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
+    return ["tokenizer.json", "tokenizer_config.json"]

@@ -26,8 +26,10 @@ TRUNCATED_SUM = "truncated_sum"
 
 
 def for_config(cfg: Config) -> StepExtension | None:
-    """The `jaxinfra.extensions` entry point (pyproject.toml): SFT exactly when the data is chat."""
-    return Sft(cfg.sft.train_on) if cfg.data.source == "chat" else None
+    """The `jaxinfra.extensions` entry point (pyproject.toml): SFT exactly when the data is chat (a
+    mixture is all chat or all documents: jaxinfra/data/config.py refuses a mix)."""
+    chat = any(part.source == "chat" for part in cfg.data.parts().values())
+    return Sft(cfg.sft.train_on) if chat else None
 
 
 class Sft(StepExtension):

@@ -1,0 +1,97 @@
+"""A synthetic chat task for tests and the docs' measured recipe: two-digit addition.
+
+    train, held = addition_chat(4000, seed=0)          # rows {"messages": [user, assistant]}
+    write_jsonl(train, "train.jsonl")
+    rate = exact_match(replies, [answer(r) for r in held])
+
+"What is 37 plus 45?" -> "82". The held-out prompts are 100 (a, b) pairs that no training row
+holds (disjoint by the pair), so a model that scores on them has learned the sum, not the rows.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+Row = dict[str, list[dict[str, str]]]
+
+
+def addition_row(a: int, b: int) -> Row:
+    return {"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},
+                         {"role": "assistant", "content": str(a + b)}]}
+
+
+def addition_chat(n: int, seed: int = 0, held_out: int = 100) -> tuple[list[Row], list[Row]]:
+    """(n training rows, `held_out` rows) of two-digit additions; no (a, b) pair is in both
+    (training rows may repeat a pair when n exceeds the 8100 - held_out pairs left)."""
+    rng = np.random.default_rng(seed)
+    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+    order = rng.permutation(len(pairs))
+    held = [pairs[i] for i in order[:held_out]]
+    rest = [pairs[i] for i in order[held_out:]]
+    train = [rest[i] for i in rng.integers(0, len(rest), n)] if n > len(rest) else rest[:n]
+    return [addition_row(a, b) for a, b in train], [addition_row(a, b) for a, b in held]
+
+
+def reversal_row(word: str) -> Row:
+    return {"messages": [{"role": "user", "content": f"Reverse {word}"},
+                         {"role": "assistant", "content": word[::-1]}]}
+
+
+def reversal_chat(n: int, seed: int = 0, held_out: int = 100, lengths: tuple[int, int] = (3, 5)) -> tuple[
+        list[Row], list[Row]]:
+    """(n training rows, `held_out` rows) reversing random lowercase words of `lengths` letters
+    (inclusive); no held-out word is a training word."""
+    rng = np.random.default_rng(seed)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+
+    def word() -> str:
+        return "".join(rng.choice(letters, int(rng.integers(lengths[0], lengths[1] + 1))))
+
+    held = list(dict.fromkeys(word() for _ in range(held_out * 2)))[:held_out]
+    taken, train = set(held), []
+    while len(train) < n:
+        w = word()
+        if w not in taken:
+            train.append(w)
+    return [reversal_row(w) for w in train], [reversal_row(w) for w in held]
+
+
+def prompt(row: Mapping) -> str:
+    """The user turn of a task row."""
+    return row["messages"][0]["content"]
+
+
+def answer(row: Mapping) -> str:
+    """The assistant reply a task row expects."""
+    return row["messages"][-1]["content"]
+
+
+def exact_match(replies: Sequence[str], answers: Sequence[str]) -> float:
+    """The share of replies that equal their answer exactly (surrounding whitespace ignored)."""
+    if len(replies) != len(answers) or not answers:
+        raise ValueError(f"{len(replies)} replies for {len(answers)} answers")
+    return sum(r.strip() == a.strip() for r, a in zip(replies, answers, strict=True)) / len(answers)
+
+
+def write_jsonl(rows: Sequence[Row], path: str | pathlib.Path) -> pathlib.Path:
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def held_out_rate(run: str | pathlib.Path, rows: Sequence[Mapping], max_new_tokens: int = 12,
+                  overrides: Sequence[str] = ()) -> tuple[float, list[str]]:
+    """(exact-match rate, replies) of greedy `generate --chat` (the function the CLI calls, batched)
+    on the user turns of `rows`, against their assistant replies."""
+    from jaxinfra.infer import Generator, chat_replies, load_model, resolve_checkpoint, run_chat_template
+
+    cfg, params = load_model(run, overrides)
+    template, encoder = run_chat_template(cfg, resolve_checkpoint(run)[0])
+    replies, _ = chat_replies(Generator(cfg, params), template, encoder, [prompt(r) for r in rows],
+                              max_new_tokens=max_new_tokens)
+    return exact_match(replies, [answer(r) for r in rows]), replies
