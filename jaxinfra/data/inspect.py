@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxinfra.data.config import DataError
 from jaxinfra.data.encode import Encoder, file_sha256
-from jaxinfra.data.prepared import TOKENIZER, describe_tokenizer, open_prepared
+from jaxinfra.data.prepared import TOKENIZER, describe_tokenizer, is_chat, open_prepared
 from jaxinfra.metrics.table import Column, format_table
 
 
@@ -23,9 +23,10 @@ def inspect(directory: str, cfg: Any = None, sample: int = 0, verify: bool = Fal
     prepared = open_prepared(directory)  # shard sizes and offsets are checked here (DataError)
     meta = prepared.meta
     lengths = prepared.documents[:, 2] - prepared.documents[:, 1]
+    ends = (f"chat conversations rendered with template {meta['chat']['origin']}, role codes beside the ids"
+            if is_chat(meta) else f"end of document = id {meta['eod_id']}")
     lines = [f"{directory}: {meta['documents']:,} documents, {meta['tokens']:,} tokens in {len(meta['shards'])} "
-             f"shard(s) of {meta['dtype']}; vocabulary {meta['vocab_size']} ({describe_tokenizer(meta)}, "
-             f"end of document = id {meta['eod_id']})"]
+             f"shard(s) of {meta['dtype']}; vocabulary {meta['vocab_size']} ({describe_tokenizer(meta)}, {ends})"]
     lines += [f"  input {i['name']}: {i['size']:,} bytes, {i['documents']:,} documents, {i['tokens']:,} tokens, "
               f"sha256 {i['sha256'][:12]}" for i in meta["inputs"]]
     lines += ["", "document length (tokens, end-of-document id included):", _histogram(lengths), ""]
@@ -90,6 +91,8 @@ def _checks(prepared, cfg: Any, verify: bool) -> list[tuple[bool, str]]:
     if cfg is not None:
         vocab = cfg.model.vocab_size
         out.append((vocab >= meta["vocab_size"], f"model.vocab_size={vocab} >= the data's {meta['vocab_size']} ids"))
+        want = "chat" if is_chat(meta) else "tokens"
+        out.append((cfg.data.source == want, f"data.source={cfg.data.source} reads it (it needs {want})"))
         if cfg.data.tokenizer is not None:
             same = file_sha256(cfg.data.tokenizer, "data.tokenizer") == meta["tokenizer"]["sha256"]
             out.append((same, f"data.tokenizer={cfg.data.tokenizer} is the tokenizer the data was prepared with"))
