@@ -162,19 +162,21 @@ def _tokenizer_config(tokenizer: str | None, required: bool) -> dict | None:
 
 
 def _stored_template(config: dict | None, tokenizer: str | None) -> tuple[str, str]:
-    """HF stores the template in tokenizer_config.json's `chat_template` (a string, or a list of
-    {name, template} with a "default"), or since transformers 5 in chat_template.jinja beside it."""
+    """The default template as transformers loads it: chat_template.jinja beside the tokenizer
+    (transformers 5 saves it there), else additional_chat_templates/default.jinja, else
+    tokenizer_config.json's `chat_template` (a string, or a list of {name, template})."""
     folder = os.path.dirname(os.path.abspath(str(tokenizer)))
+    for name in ("chat_template.jinja", os.path.join("additional_chat_templates", "default.jinja")):
+        if os.path.isfile(path := os.path.join(folder, name)):
+            return _read_template_file(path), path
     config_path = os.path.join(folder, "tokenizer_config.json")
     found = (config or {}).get("chat_template")
     if isinstance(found, list):
-        named = {t.get("name"): t.get("template") for t in found if isinstance(t, dict)}
-        found = named.get("default")
+        found = {t.get("name"): t.get("template") for t in found if isinstance(t, dict)}.get("default")
+    if isinstance(found, dict):
+        found = found.get("default")
     if isinstance(found, str) and found:
         return found, f"tokenizer:{config_path}"
-    jinja = os.path.join(folder, "chat_template.jinja")
-    if os.path.isfile(jinja):
-        return _read_template_file(jinja), jinja
     raise DataError(f"data.chat_template=tokenizer: {config_path!r} has no 'chat_template' (and there is no "
                     "chat_template.jinja beside it); give data.chat_template=chatml or a Jinja file")
 
