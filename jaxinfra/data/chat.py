@@ -162,19 +162,21 @@ def _tokenizer_config(tokenizer: str | None, required: bool) -> dict | None:
 
 
 def _stored_template(config: dict | None, tokenizer: str | None) -> tuple[str, str]:
-    """HF stores the template in tokenizer_config.json's `chat_template` (a string, or a list of
-    {name, template} with a "default"), or since transformers 5 in chat_template.jinja beside it."""
+    """The default template as transformers loads it: chat_template.jinja beside the tokenizer
+    (transformers 5 saves it there), else additional_chat_templates/default.jinja, else
+    tokenizer_config.json's `chat_template` (a string, or a list of {name, template})."""
     folder = os.path.dirname(os.path.abspath(str(tokenizer)))
+    for name in ("chat_template.jinja", os.path.join("additional_chat_templates", "default.jinja")):
+        if os.path.isfile(path := os.path.join(folder, name)):
+            return _read_template_file(path), path
     config_path = os.path.join(folder, "tokenizer_config.json")
     found = (config or {}).get("chat_template")
     if isinstance(found, list):
-        named = {t.get("name"): t.get("template") for t in found if isinstance(t, dict)}
-        found = named.get("default")
+        found = {t.get("name"): t.get("template") for t in found if isinstance(t, dict)}.get("default")
+    if isinstance(found, dict):
+        found = found.get("default")
     if isinstance(found, str) and found:
         return found, f"tokenizer:{config_path}"
-    jinja = os.path.join(folder, "chat_template.jinja")
-    if os.path.isfile(jinja):
-        return _read_template_file(jinja), jinja
     raise DataError(f"data.chat_template=tokenizer: {config_path!r} has no 'chat_template' (and there is no "
                     "chat_template.jinja beside it); give data.chat_template=chatml or a Jinja file")
 
@@ -387,6 +389,9 @@ def render(template: ChatTemplate, messages: Sequence[Mapping[str, str]], add_ge
 def encode_chat(template: ChatTemplate, encoder: Encoder, messages: Sequence[Mapping[str, str]],
                 where: str = "") -> tuple[np.ndarray, np.ndarray]:
     """The conversation's token ids (int32) and one role code per id (uint8; see the module doc)."""
+    for i, m in enumerate(messages):
+        if m.get("role") not in ROLES:
+            raise DataError(f"{where}: message {i} has unknown role {m.get('role')!r} (one of {list(ROLES)})")
     text, generation = render(template, messages, where=where)
     spans = generation if template.has_generation else _assistant_spans(template, messages, text, where)
     ids, offsets = _tokenize(encoder, text)
@@ -431,8 +436,11 @@ def _assistant_spans(template: ChatTemplate, messages: Sequence[Mapping[str, str
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
+        if contents[i] is None:  # an empty content the template rewrote: nothing to mark
+            out.append((0, 0))
+            continue
         start, end = contents[i]
-        limit = next((s for s, _ in contents[i + 1:]), len(text))
+        limit = next((s for s, _ in filter(None, contents[i + 1:])), len(text))
         if template.end_of_turn:
             found = text.find(template.end_of_turn, end, max(limit, end))
             if found >= 0:
@@ -442,16 +450,19 @@ def _assistant_spans(template: ChatTemplate, messages: Sequence[Mapping[str, str
 
 
 def _content_spans(template: ChatTemplate, messages: Sequence[Mapping[str, str]], text: str,
-                   where: str) -> list[tuple[int, int]]:
-    """Where each message's content sits in the rendered text: markers first, else a search."""
-    marked = [dict(m, content=f"{_OPEN}{m['content']}{_CLOSE}") for m in messages]
-    try:
-        marked_text, _ = render(template, marked, where=where)
-    except DataError:
-        marked_text = ""
-    plain, spans = _strip_markers(marked_text)
-    if plain == text and len(spans) == len(messages):
-        return spans
+                   where: str) -> list[tuple[int, int] | None]:
+    """Where each message's content sits in the rendered text: markers around each content (then
+    around each stripped content, for templates that `| trim` it), else a search."""
+    for strip in (False, True):
+        marked = [dict(m, content=f"{_OPEN}{m['content'].strip() if strip else m['content']}{_CLOSE}")
+                  for m in messages]
+        try:
+            marked_text, _ = render(template, marked, where=where)
+        except DataError:
+            continue
+        plain, spans = _strip_markers(marked_text)
+        if plain == text and len(spans) == len(messages):
+            return list(spans)
     return _searched_spans(messages, text, where)
 
 
@@ -476,22 +487,24 @@ def _strip_markers(marked: str) -> tuple[str, list[tuple[int, int]]]:
     return "".join(plain), spans
 
 
-def _searched_spans(messages: Sequence[Mapping[str, str]], text: str, where: str) -> list[tuple[int, int]]:
-    spans = []
+def _searched_spans(messages: Sequence[Mapping[str, str]], text: str, where: str) -> list[tuple[int, int] | None]:
+    """Each content (or its stripped form) searched in order; None where it cannot be found (an
+    empty content is not searched: it would be found anywhere)."""
+    spans: list[tuple[int, int] | None] = []
     cursor = 0
     for i, m in enumerate(messages):
-        content = m["content"]
-        found = text.find(content, cursor) if content else -1
-        if found < 0 and content.strip():
-            content = content.strip()
-            found = text.find(content, cursor)
+        found, content = -1, m["content"]
+        for candidate in dict.fromkeys((content, content.strip())):
+            if candidate and (found := text.find(candidate, cursor)) >= 0:
+                content = candidate
+                break
         if found < 0:
-            if m["role"] == "assistant":
+            if m["role"] == "assistant" and content.strip():
                 raise DataError(f"{where}: the chat template does not write assistant message {i}'s content "
                                 "into the text, so its tokens cannot be found (use a template with "
                                 "{% generation %} blocks)")
-            found, content = cursor, ""
+            spans.append(None)
+            continue
         spans.append((found, found + len(content)))
         cursor = found + len(content)
     return spans
-
