@@ -35,7 +35,9 @@ from jaxinfra.data.tokenizer import tokenizer_vocab_size
 from jaxinfra.data.units import UNIT_BYTES, Unit, encode_unit, init_worker, iter_units
 
 DEFAULT_SHARD_TOKENS = 50_000_000  # 100 MB of uint16 ids per shard
-TOKENIZER_CONFIG = "tokenizer_config.json"
+# where a tokenizer's chat template is stored (jaxinfra/data/chat.py looks in this order, the config last)
+TEMPLATE_FILES = ("chat_template.jinja", os.path.join("additional_chat_templates", "default.jinja"),
+                  "tokenizer_config.json")
 
 
 def prepare(inputs: Sequence[str], out: str, *, tokenizer: str | None = None, text_key: str = "text",
@@ -164,9 +166,10 @@ def _open_output(out: str, plan: dict, encoder: Encoder) -> dict | None:
     os.makedirs(out, exist_ok=True)
     if encoder.tokenizer is not None:  # a copy travels with the data (decoding, data.tokenizer)
         _atomic_copy(encoder.tokenizer, os.path.join(out, TOKENIZER))
-        config = os.path.join(os.path.dirname(encoder.tokenizer), TOKENIZER_CONFIG)
-        if plan.get("chat") and os.path.isfile(config):  # data.chat_template=tokenizer finds it beside the copy
-            _atomic_copy(config, os.path.join(out, TOKENIZER_CONFIG))
+        for name in TEMPLATE_FILES if plan.get("chat") else ():  # data.chat_template=tokenizer finds them there
+            if os.path.isfile(os.path.join(os.path.dirname(encoder.tokenizer), name)):
+                os.makedirs(os.path.dirname(os.path.join(out, name)), exist_ok=True)
+                _atomic_copy(os.path.join(os.path.dirname(encoder.tokenizer), name), os.path.join(out, name))
     _atomic_write(plan_path, json.dumps(plan, indent=1).encode())
     return None
 
