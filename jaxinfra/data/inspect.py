@@ -91,8 +91,6 @@ def _checks(prepared, cfg: Any, verify: bool) -> list[tuple[bool, str]]:
     if cfg is not None:
         vocab = cfg.model.vocab_size
         out.append((vocab >= meta["vocab_size"], f"model.vocab_size={vocab} >= the data's {meta['vocab_size']} ids"))
-        want = "chat" if is_chat(meta) else "tokens"
-        out.append((cfg.data.source == want, f"data.source={cfg.data.source} reads it (it needs {want})"))
         if cfg.data.tokenizer is not None:
             same = file_sha256(cfg.data.tokenizer, "data.tokenizer") == meta["tokenizer"]["sha256"]
             out.append((same, f"data.tokenizer={cfg.data.tokenizer} is the tokenizer the data was prepared with"))
