@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
 
 import numpy as np
@@ -267,3 +268,39 @@ def test_process_count_invariant_and_resumes_across_counts(chats):
     for batch in expected:
         parts = [next(it) for it in resumed]
         assert _equal([batch], [{k: np.concatenate([p[k] for p in parts]) for k in batch}])
+
+
+def test_prepare_chat_with_workers_and_after_an_interruption_writes_the_same_files(chats, prepared, tmp_path,
+                                                                                    monkeypatch):
+    from jaxinfra.data import prepare as prepare_module
+
+    inputs = [chats["path"]["chat.jsonl"], chats["path"]["chat.parquet"]]
+    kw = dict(chat_template="chatml", shard_tokens=2000, progress=False, unit_bytes=2000)
+    real_write, calls = prepare_module._ShardWriter._write, []
+
+    def interrupted(self, **write_kw):
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # killed after two shards
+        calls.append(1)
+        real_write(self, **write_kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(prepare_module._ShardWriter, "_write", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            prepare_module.prepare(inputs, str(tmp_path / "resumed"), workers=1, **kw)
+    os.truncate(tmp_path / "resumed" / "shard-00001.roles.bin", 10)  # a damaged shard is redone
+    reference = prepare_module.prepare(inputs, str(tmp_path / "ref"), workers=1, **kw)
+    assert prepare_module.prepare(inputs, str(tmp_path / "resumed"), workers=1, **kw) == reference
+    assert prepare_module.prepare(inputs, str(tmp_path / "two"), workers=2, **kw) == reference
+    assert len(reference["shards"]) > 2 and reference["documents"] == 88
+    files = {name: _files(tmp_path / name) for name in ("ref", "resumed", "two")}
+    assert files["ref"] == files["resumed"] == files["two"]
+    (tmp_path / "other.jinja").write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    with pytest.raises(DataError, match=r"different preparation \(chat template .*chatml.* there, .*other\.jinja"):
+        prepare_module.prepare(inputs, str(tmp_path / "ref"), workers=1, **{**kw, "chat_template": str(
+            tmp_path / "other.jinja")})
+
+
+def _files(directory) -> dict[str, bytes]:
+    skip = {"prepare.json", "meta.json"}  # they name the directory's own path
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.name not in skip}
