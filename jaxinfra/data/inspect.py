@@ -29,7 +29,8 @@ def inspect(directory: str, cfg: Any = None, sample: int = 0, verify: bool = Fal
              f"shard(s) of {meta['dtype']}; vocabulary {meta['vocab_size']} ({describe_tokenizer(meta)}, {ends})"]
     lines += [f"  input {i['name']}: {i['size']:,} bytes, {i['documents']:,} documents, {i['tokens']:,} tokens, "
               f"sha256 {i['sha256'][:12]}" for i in meta["inputs"]]
-    lines += ["", "document length (tokens, end-of-document id included):", _histogram(lengths), ""]
+    what = "conversation length (tokens)" if is_chat(meta) else "document length (tokens, end-of-document id included)"
+    lines += ["", f"{what}:", _histogram(lengths), ""]
     lines += _sample(prepared, sample)
     checks = _checks(prepared, cfg, verify)
     lines += ["", "checks:"] + [f"  {'ok  ' if ok else 'FAIL'} {text}" for ok, text in checks]
