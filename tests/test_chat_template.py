@@ -163,6 +163,8 @@ def test_errors(tmp_path):
     folder = tmp_path / "tok"
     folder.mkdir()
     (folder / "tokenizer.json").write_text((FIXTURES / "qwen" / "tokenizer.json").read_text())
+    with pytest.raises(DataError, match=r"there is no .*tokenizer_config.json'"):
+        load_chat_template("tokenizer", str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text('{"eos_token": "<|im_end|>"}')
     with pytest.raises(DataError, match=r"tokenizer_config.json' has no 'chat_template'"):
         load_chat_template("tokenizer", str(folder / "tokenizer.json"))

@@ -154,8 +154,6 @@ def _tokenizer_config(tokenizer: str | None, required: bool) -> dict | None:
         return None
     path = os.path.join(os.path.dirname(os.path.abspath(tokenizer)), "tokenizer_config.json")
     if not os.path.isfile(path):
-        if required:
-            raise DataError(f"data.chat_template=tokenizer: no tokenizer_config.json beside {tokenizer!r}")
         return None
     try:
         with open(path, encoding="utf-8") as f:
@@ -183,8 +181,9 @@ def _stored_template(config: dict | None, tokenizer: str | None) -> tuple[str, s
         found = found.get("default")
     if isinstance(found, str) and found:
         return found, f"tokenizer:{config_path}"
-    raise DataError(f"data.chat_template=tokenizer: {config_path!r} has no 'chat_template' (and there is no "
-                    "chat_template.jinja beside it); give data.chat_template=chatml or a Jinja file")
+    what = f"{config_path!r} has no 'chat_template'" if config is not None else f"there is no {config_path!r}"
+    raise DataError(f"data.chat_template=tokenizer: {what} (and no chat_template.jinja beside it); give "
+                    "data.chat_template=chatml or a Jinja file")
 
 
 def _read_template_file(path: str) -> str:
