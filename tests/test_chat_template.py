@@ -42,6 +42,7 @@ def test_constants():
 def test_chatml_bytes_render_and_mask():
     template = load_chat_template("chatml", None)
     assert template.end_of_turn == "<|im_end|>" and not template.has_generation
+    assert _text(chat.end_of_turn_ids(template, BYTES)) == "<|im_end|>"
     ids, codes = encode_chat(template, BYTES, CONVERSATION)
     assert ids.dtype == np.int32 and codes.dtype == np.uint8 and ids.shape == codes.shape
     assert _text(ids) == CHATML_TEXT  # no end-of-document id for chat
@@ -91,10 +92,12 @@ def _fixture(name: str):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_fixture_template(name):
-    template, _, expected = _fixture(name)
+    template, encoder, expected = _fixture(name)
     assert template.has_generation == expected["has_generation"]
     assert template.end_of_turn == expected["end_of_turn"]  # read from the template, not eos_token
     assert dict(template.special_tokens) == expected["special_tokens"]
+    eot = chat.end_of_turn_ids(template, encoder)
+    assert len(eot) == 1 and encoder.decode(eot) == expected["end_of_turn"]  # one special token
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -160,8 +163,25 @@ def test_errors(tmp_path):
     folder = tmp_path / "tok"
     folder.mkdir()
     (folder / "tokenizer.json").write_text((FIXTURES / "qwen" / "tokenizer.json").read_text())
+    with pytest.raises(DataError, match=r"there is no .*tokenizer_config.json'"):
+        load_chat_template("tokenizer", str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text('{"eos_token": "<|im_end|>"}')
     with pytest.raises(DataError, match=r"tokenizer_config.json' has no 'chat_template'"):
         load_chat_template("tokenizer", str(folder / "tokenizer.json"))
     (folder / "chat_template.jinja").write_text(chat.CHATML)  # where transformers 5 saves it
     assert load_chat_template("tokenizer", str(folder / "tokenizer.json")).source == chat.CHATML
+
+
+def test_end_of_turn_falls_back_to_eos_token(tmp_path):
+    # Llama-2 writes " " + eos_token after a reply: the end of turn is eos_token (from the
+    # tokenizer config beside the tokenizer), the space before it is marked with it.
+    (tmp_path / "tokenizer.json").write_text((FIXTURES / "llama3" / "tokenizer.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": {"content": "</s>"}}')
+    (tmp_path / "llama2.jinja").write_text(
+        "{% for m in messages %}{% if m.role == 'user' %}{{ bos_token + '[INST] ' + m.content.strip() + ' [/INST]' }}"
+        "{% elif m.role == 'assistant' %}{{ ' ' + m.content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}")
+    template = load_chat_template(str(tmp_path / "llama2.jinja"), str(tmp_path / "tokenizer.json"))
+    assert template.end_of_turn == "</s>" and template.token("bos_token") == "<s>"
+    ids, codes = encode_chat(template, BYTES, CONVERSATION[1:])
+    assert _text(ids) == "<s>[INST] Héllo [/INST] Hï! </s><s>[INST] again [/INST] ok </s>"
+    assert _text(ids[codes == ASSISTANT]) == "Hï! </s>" and _text(ids[codes == LAST_ASSISTANT]) == "ok </s>"
