@@ -4,7 +4,7 @@ In the command-line layer beside cli.py, not in data/: `data inspect` reads a ru
 jaxinfra/config.py imports data/ (its section types, its vocabulary), so data/ cannot import it back.
 
     jaxinfra data prepare INPUT... --out DIR (--tokenizer PATH | --bytes) [--text-key text] [--workers N]
-                          [--shard-tokens N] [--eod-token TOKEN]
+                          [--shard-tokens N] [--eod-token TOKEN] [--chat [--chat-template SPEC]]
     jaxinfra data inspect DIR [CONFIG] [KEY=VALUE ...] [--sample N] [--verify]
 
 Bad data raises DataError, which jaxinfra.cli.main turns into one line on stderr and exit status 2.
@@ -24,9 +24,17 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         raise ConfigError(f"data prepare takes no KEY=VALUE overrides: {' '.join(args.overrides)}")
     start = time.perf_counter()
     sizes = {"shard_tokens": args.shard_tokens} if args.shard_tokens is not None else {}
+    if args.chat_template is not None and not args.chat:
+        raise ConfigError("data prepare: --chat-template needs --chat")
+    chat = (args.chat_template or "chatml") if args.chat else None
     meta = prepare(args.inputs, args.out, tokenizer=args.tokenizer, text_key=args.text_key, workers=args.workers,
-                   eod_token=args.eod_token, progress=not args.no_progress, **sizes)
+                   eod_token=args.eod_token, progress=not args.no_progress, chat_template=chat, **sizes)
     seconds = time.perf_counter() - start
+    if chat:
+        print(f"prepared {meta['documents']:,} conversations, {meta['tokens']:,} tokens ({meta['dtype']} ids + "
+              f"uint8 role codes, vocabulary {meta['vocab_size']}, chat template {meta['chat']['origin']}) in "
+              f"{len(meta['shards'])} shard(s) -> {args.out} ({seconds:.1f}s)")
+        return 0
     print(f"prepared {meta['documents']:,} documents, {meta['tokens']:,} tokens ({meta['dtype']}, vocabulary "
           f"{meta['vocab_size']}, end of document = id {meta['eod_id']}) in {len(meta['shards'])} shard(s) -> "
           f"{args.out} ({seconds:.1f}s)")
@@ -67,6 +75,10 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                    help="close a shard after the document that reaches N tokens (default 50M)")
     p.add_argument("--eod-token", metavar="TOKEN", help="the tokenizer's end-of-document token (default: the "
                    "first of <|endoftext|>, <|end_of_text|>, </s>, <eos>, ... it has; else a new id)")
+    p.add_argument("--chat", action="store_true", help="inputs are chat rows (messages, or prompt/response): "
+                   "each becomes one rendered conversation, with uint8 role-code shards (data.source=chat)")
+    p.add_argument("--chat-template", metavar="SPEC", help="with --chat: chatml (default), tokenizer (the "
+                   "tokenizer_config.json beside --tokenizer) or a Jinja file; train with the same data.chat_template")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_prepare)
 

@@ -1,8 +1,9 @@
-"""Training data: text, JSONL/Parquet, token files (prepared or not), a synthetic language, or a
-weighted mixture of them, packed into fixed-size batches.
+"""Training data: text, JSONL/Parquet, token files (prepared or not), chat conversations, a synthetic
+language, or a weighted mixture of them, packed into fixed-size batches.
 
     it = make_train_iterator(cfg, seq_len=..., global_batch_size=..., vocab_size=..., seed=...)
     batch = next(it)  # inputs, targets, segment_ids, positions: int32 [local_batch, seq_len]
+                      # (chat adds assistant and truncated: jaxinfra/data/chat_source.py)
 """
 
 from typing import Any

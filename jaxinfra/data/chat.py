@@ -24,13 +24,19 @@ Assistant mask (role codes: 0 not trained, 1 assistant, 2 the conversation's las
   "<|im_end|>", "<|eot_id|>") when it is the next occurrence before the following message's
   content; every token overlapping those characters is marked (the same overlap rule). The
   content is located by rendering once more with private-use markers around each message's
-  content; a template that changes content (e.g. `| trim`) so that the marked render, markers
-  removed, differs from the plain one falls back to searching each message's content (then its
-  stripped form) in order in the rendered text. An empty assistant content marks its end-of-turn
-  token only.
+  content (then around each stripped content, for templates that `| trim` it) and keeping the
+  marked spans when the marked render, markers removed, equals the plain one; otherwise each
+  content (then its stripped form) is searched in order in the rendered text, and an assistant
+  content the template does not write verbatim is a DataError (use `{% generation %}` blocks).
+  An empty assistant content marks its end-of-turn token only.
 - `end_of_turn` is read from the template itself: a probe conversation (user, assistant) is
   rendered and the text right after the assistant content is taken: the longest special token
-  of the tokenizer config it starts with, else its run of non-space characters, else eos_token.
+  of the tokenizer config it starts with, else its run of non-space characters, else eos_token
+  (e.g. Llama-2's " </s>": eos_token, and the space before it is marked too).
+The template: "chatml" (built in, transformers' old default ChatML), "tokenizer" (found as
+transformers loads it: chat_template.jinja beside the tokenizer.json, additional_chat_templates/
+default.jinja, else tokenizer_config.json's `chat_template`), or a Jinja file. Messages carry
+role and content only (tool calls and other fields are not read from the data).
 Byte-level, a character's bytes are all marked together (a multi-byte character is several ids).
 """
 
@@ -148,8 +154,6 @@ def _tokenizer_config(tokenizer: str | None, required: bool) -> dict | None:
         return None
     path = os.path.join(os.path.dirname(os.path.abspath(tokenizer)), "tokenizer_config.json")
     if not os.path.isfile(path):
-        if required:
-            raise DataError(f"data.chat_template=tokenizer: no tokenizer_config.json beside {tokenizer!r}")
         return None
     try:
         with open(path, encoding="utf-8") as f:
@@ -162,21 +166,24 @@ def _tokenizer_config(tokenizer: str | None, required: bool) -> dict | None:
 
 
 def _stored_template(config: dict | None, tokenizer: str | None) -> tuple[str, str]:
-    """HF stores the template in tokenizer_config.json's `chat_template` (a string, or a list of
-    {name, template} with a "default"), or since transformers 5 in chat_template.jinja beside it."""
+    """The default template as transformers loads it: chat_template.jinja beside the tokenizer
+    (transformers 5 saves it there), else additional_chat_templates/default.jinja, else
+    tokenizer_config.json's `chat_template` (a string, or a list of {name, template})."""
     folder = os.path.dirname(os.path.abspath(str(tokenizer)))
+    for name in ("chat_template.jinja", os.path.join("additional_chat_templates", "default.jinja")):
+        if os.path.isfile(path := os.path.join(folder, name)):
+            return _read_template_file(path), path
     config_path = os.path.join(folder, "tokenizer_config.json")
     found = (config or {}).get("chat_template")
     if isinstance(found, list):
-        named = {t.get("name"): t.get("template") for t in found if isinstance(t, dict)}
-        found = named.get("default")
+        found = {t.get("name"): t.get("template") for t in found if isinstance(t, dict)}.get("default")
+    if isinstance(found, dict):
+        found = found.get("default")
     if isinstance(found, str) and found:
         return found, f"tokenizer:{config_path}"
-    jinja = os.path.join(folder, "chat_template.jinja")
-    if os.path.isfile(jinja):
-        return _read_template_file(jinja), jinja
-    raise DataError(f"data.chat_template=tokenizer: {config_path!r} has no 'chat_template' (and there is no "
-                    "chat_template.jinja beside it); give data.chat_template=chatml or a Jinja file")
+    what = f"{config_path!r} has no 'chat_template'" if config is not None else f"there is no {config_path!r}"
+    raise DataError(f"data.chat_template=tokenizer: {what} (and no chat_template.jinja beside it); give "
+                    "data.chat_template=chatml or a Jinja file")
 
 
 def _read_template_file(path: str) -> str:
@@ -387,6 +394,7 @@ def render(template: ChatTemplate, messages: Sequence[Mapping[str, str]], add_ge
 def encode_chat(template: ChatTemplate, encoder: Encoder, messages: Sequence[Mapping[str, str]],
                 where: str = "") -> tuple[np.ndarray, np.ndarray]:
     """The conversation's token ids (int32) and one role code per id (uint8; see the module doc)."""
+    _check_roles(messages, where)
     text, generation = render(template, messages, where=where)
     spans = generation if template.has_generation else _assistant_spans(template, messages, text, where)
     ids, offsets = _tokenize(encoder, text)
@@ -399,8 +407,21 @@ def encode_chat(template: ChatTemplate, encoder: Encoder, messages: Sequence[Map
 
 def encode_chat_prompt(template: ChatTemplate, encoder: Encoder, messages: Sequence[Mapping[str, str]]) -> np.ndarray:
     """The ids of the conversation followed by the template's generation prompt (for `generate --chat`)."""
+    _check_roles(messages, "prompt")
     text, _ = render(template, messages, add_generation_prompt=True)
     return _tokenize(encoder, text)[0]
+
+
+def end_of_turn_ids(template: ChatTemplate, encoder: Encoder) -> np.ndarray:
+    """The ids of the template's end-of-turn text (one special token with a tokenizer.json, its
+    bytes byte-level; empty when the template has none): where a chat reply stops."""
+    return _tokenize(encoder, template.end_of_turn)[0]
+
+
+def _check_roles(messages: Sequence[Mapping[str, str]], where: str) -> None:
+    for i, m in enumerate(messages):
+        if m.get("role") not in ROLES:
+            raise DataError(f"{where}: message {i} has unknown role {m.get('role')!r} (one of {list(ROLES)})")
 
 
 def _overlapping(offsets: np.ndarray, start: int, end: int) -> np.ndarray:
@@ -431,8 +452,11 @@ def _assistant_spans(template: ChatTemplate, messages: Sequence[Mapping[str, str
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
+        if contents[i] is None:  # an empty content the template rewrote: nothing to mark
+            out.append((0, 0))
+            continue
         start, end = contents[i]
-        limit = next((s for s, _ in contents[i + 1:]), len(text))
+        limit = next((s for s, _ in filter(None, contents[i + 1:])), len(text))
         if template.end_of_turn:
             found = text.find(template.end_of_turn, end, max(limit, end))
             if found >= 0:
@@ -442,16 +466,19 @@ def _assistant_spans(template: ChatTemplate, messages: Sequence[Mapping[str, str
 
 
 def _content_spans(template: ChatTemplate, messages: Sequence[Mapping[str, str]], text: str,
-                   where: str) -> list[tuple[int, int]]:
-    """Where each message's content sits in the rendered text: markers first, else a search."""
-    marked = [dict(m, content=f"{_OPEN}{m['content']}{_CLOSE}") for m in messages]
-    try:
-        marked_text, _ = render(template, marked, where=where)
-    except DataError:
-        marked_text = ""
-    plain, spans = _strip_markers(marked_text)
-    if plain == text and len(spans) == len(messages):
-        return spans
+                   where: str) -> list[tuple[int, int] | None]:
+    """Where each message's content sits in the rendered text: markers around each content (then
+    around each stripped content, for templates that `| trim` it), else a search."""
+    for strip in (False, True):
+        marked = [dict(m, content=f"{_OPEN}{m['content'].strip() if strip else m['content']}{_CLOSE}")
+                  for m in messages]
+        try:
+            marked_text, _ = render(template, marked, where=where)
+        except DataError:
+            continue
+        plain, spans = _strip_markers(marked_text)
+        if plain == text and len(spans) == len(messages):
+            return list(spans)
     return _searched_spans(messages, text, where)
 
 
@@ -476,22 +503,24 @@ def _strip_markers(marked: str) -> tuple[str, list[tuple[int, int]]]:
     return "".join(plain), spans
 
 
-def _searched_spans(messages: Sequence[Mapping[str, str]], text: str, where: str) -> list[tuple[int, int]]:
-    spans = []
+def _searched_spans(messages: Sequence[Mapping[str, str]], text: str, where: str) -> list[tuple[int, int] | None]:
+    """Each content (or its stripped form) searched in order; None where it cannot be found (an
+    empty content is not searched: it would be found anywhere)."""
+    spans: list[tuple[int, int] | None] = []
     cursor = 0
     for i, m in enumerate(messages):
-        content = m["content"]
-        found = text.find(content, cursor) if content else -1
-        if found < 0 and content.strip():
-            content = content.strip()
-            found = text.find(content, cursor)
+        found, content = -1, m["content"]
+        for candidate in dict.fromkeys((content, content.strip())):
+            if candidate and (found := text.find(candidate, cursor)) >= 0:
+                content = candidate
+                break
         if found < 0:
-            if m["role"] == "assistant":
+            if m["role"] == "assistant" and content.strip():
                 raise DataError(f"{where}: the chat template does not write assistant message {i}'s content "
                                 "into the text, so its tokens cannot be found (use a template with "
                                 "{% generation %} blocks)")
-            found, content = cursor, ""
+            spans.append(None)
+            continue
         spans.append((found, found + len(content)))
         cursor = found + len(content)
     return spans
-

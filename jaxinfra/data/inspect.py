@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxinfra.data.config import DataError
 from jaxinfra.data.encode import Encoder, file_sha256
-from jaxinfra.data.prepared import TOKENIZER, describe_tokenizer, open_prepared
+from jaxinfra.data.prepared import TOKENIZER, describe_tokenizer, is_chat, open_prepared
 from jaxinfra.metrics.table import Column, format_table
 
 
@@ -23,12 +23,14 @@ def inspect(directory: str, cfg: Any = None, sample: int = 0, verify: bool = Fal
     prepared = open_prepared(directory)  # shard sizes and offsets are checked here (DataError)
     meta = prepared.meta
     lengths = prepared.documents[:, 2] - prepared.documents[:, 1]
+    ends = (f"chat conversations rendered with template {meta['chat']['origin']}, role codes beside the ids"
+            if is_chat(meta) else f"end of document = id {meta['eod_id']}")
     lines = [f"{directory}: {meta['documents']:,} documents, {meta['tokens']:,} tokens in {len(meta['shards'])} "
-             f"shard(s) of {meta['dtype']}; vocabulary {meta['vocab_size']} ({describe_tokenizer(meta)}, "
-             f"end of document = id {meta['eod_id']})"]
+             f"shard(s) of {meta['dtype']}; vocabulary {meta['vocab_size']} ({describe_tokenizer(meta)}, {ends})"]
     lines += [f"  input {i['name']}: {i['size']:,} bytes, {i['documents']:,} documents, {i['tokens']:,} tokens, "
               f"sha256 {i['sha256'][:12]}" for i in meta["inputs"]]
-    lines += ["", "document length (tokens, end-of-document id included):", _histogram(lengths), ""]
+    what = "conversation length (tokens)" if is_chat(meta) else "document length (tokens, end-of-document id included)"
+    lines += ["", f"{what}:", _histogram(lengths), ""]
     lines += _sample(prepared, sample)
     checks = _checks(prepared, cfg, verify)
     lines += ["", "checks:"] + [f"  {'ok  ' if ok else 'FAIL'} {text}" for ok, text in checks]

@@ -9,15 +9,19 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
 from jaxinfra.data.encode import Encoder
 from jaxinfra.data.formats import (
     input_kind,
+    jsonl_rows,
     jsonl_texts,
     open_stream,
+    parquet_chat_file,
     parquet_file,
+    parquet_rows,
     parquet_texts,
     read_block,
     read_bytes,
@@ -40,8 +44,8 @@ class Unit:
     last: bool = False  # the input's last unit
 
 
-def iter_units(files: Sequence[str], text_key: str, unit_bytes: int = UNIT_BYTES) -> Iterator[Unit]:
-    """Every unit of the inputs, in order."""
+def iter_units(files: Sequence[str], text_key: str | None, unit_bytes: int = UNIT_BYTES) -> Iterator[Unit]:
+    """Every unit of the inputs, in order (text_key None: chat rows)."""
     index = 0
     for f, path in enumerate(files):
         kind = input_kind(path)
@@ -86,16 +90,22 @@ def _jsonl_pieces(path: str, unit_bytes: int) -> Iterator[dict]:
             line += chunk.count(b"\n")
 
 
-def _parquet_pieces(path: str, text_key: str) -> Iterator[dict]:
-    pf = parquet_file(path, path, text_key)
+def _parquet_pieces(path: str, text_key: str | None) -> Iterator[dict]:
+    pf = parquet_file(path, path, text_key) if text_key else parquet_chat_file(path, path)
     rows, size = pf.metadata.num_rows, os.path.getsize(path)
     starts = row_group_starts(pf)
     for group, (start, end) in enumerate(zip(starts, [*starts[1:], rows])):  # progress: a share of the file
         yield {"first": start, "group": group, "progress": size * end // rows - size * start // rows}
 
 
-def encode_unit(unit: Unit, encoder: Encoder, text_key: str) -> tuple[np.ndarray, np.ndarray]:
-    """(ids of the unit's documents back to back, each document's length), ids in encoder.dtype."""
+def encode_unit(unit: Unit, encoder: Encoder, text_key: str | None,
+                template: Any = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(ids of the unit's documents back to back, each document's length, None), ids in encoder.dtype.
+
+    With a chat template (jaxinfra/data/chat.py): each row is one conversation, and the third item
+    is the role code (uint8) of every id."""
+    if template is not None:
+        return _encode_chat_unit(unit, encoder, template)
     if unit.kind == "jsonl":
         texts: list = jsonl_texts(unit.data, unit.path, unit.first, text_key)
     elif unit.kind == "parquet":
@@ -106,7 +116,22 @@ def encode_unit(unit: Unit, encoder: Encoder, text_key: str) -> tuple[np.ndarray
     arrays = encoder.encode(texts)
     lengths = np.fromiter((len(a) for a in arrays), np.int64, len(arrays))
     tokens = np.concatenate(arrays).astype(encoder.dtype) if arrays else np.zeros(0, encoder.dtype)
-    return tokens, lengths
+    return tokens, lengths, None
+
+
+def _encode_chat_unit(unit: Unit, encoder: Encoder, template: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    from jaxinfra.data.chat import encode_chat, messages_of
+
+    if unit.kind == "jsonl":
+        rows = jsonl_rows(unit.data, unit.path, unit.first)
+    else:
+        rows = parquet_rows(parquet_chat_file(unit.path, unit.path), unit.group, unit.path, unit.first)
+    pairs = [encode_chat(template, encoder, messages_of(row, where), where) for row, where in rows]
+    lengths = np.fromiter((len(ids) for ids, _ in pairs), np.int64, len(pairs))
+    if not pairs:
+        return np.zeros(0, encoder.dtype), lengths, np.zeros(0, np.uint8)
+    return (np.concatenate([ids for ids, _ in pairs]).astype(encoder.dtype), lengths,
+            np.concatenate([codes for _, codes in pairs]).astype(np.uint8))
 
 
 def init_worker() -> None:
