@@ -4,6 +4,9 @@ included) and the eval step; masked targets contribute exactly nothing; the metr
 
 from __future__ import annotations
 
+import json
+import pathlib
+import shutil
 import types
 
 import jax
@@ -11,21 +14,30 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import yaml
 from flax import nnx
 from parity import PARAM_ATOL, packed_batches, parity_config
 
 from jaxinfra import cli
 from jaxinfra.config import ConfigError, OptimizerConfig, load_config
+from jaxinfra.data.chat import CHATML, load_chat_template
+from jaxinfra.data.encode import make_encoder
+from jaxinfra.hf.exporter import export_hf
+from jaxinfra.infer import Generator, load_model
+from jaxinfra.infer.chat import end_of_turn_id, reply_text
 from jaxinfra.optim import global_norm
 from jaxinfra.runtime import build_runtime
 from jaxinfra.sft.extension import Sft, for_config
+from jaxinfra.sft.tasks import addition_chat, write_jsonl
 from jaxinfra.state import model_state
 from jaxinfra.step import make_eval_step
+from jaxinfra.train import train
 from models import ModelConfig
 
 V, BATCH, SEQ = 64, 4, 16
 MODEL = ModelConfig(vocab_size=V, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64,
                     loss_chunk_size=8)  # the mask is cut into loss chunks like the targets
+LLAMA3 = pathlib.Path(__file__).parent / "fixtures" / "chat" / "llama3"
 OPT = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad_norm=None, eps=1e-5)  # eps: see tests/test_step.py
 
 
@@ -145,3 +157,80 @@ def test_bad_sft_config_is_one_line_exit_2(tmp_path, capsys):
     assert cli.main(["train", "tiny", "--run-dir", str(tmp_path / "run"), "sft.train_on=prompt"]) == cli.EXIT_BAD_INPUT
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "sft.train_on" in err
+
+
+# ---------------------------------------------------------------- the user path: restore, generate --chat, export
+
+TINY = ["model.vocab_size=384", "model.d_model=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1", "model.mlp_dim=64",
+        "train.batch_size=4", "train.seq_len=128", "train.steps=2", "data.eval_batches=1", "train.eval_every=0",
+        "log.progress=false", "log.tensorboard=false"]
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory):
+    """A 2-step tiny pre-training run, then 2 SFT steps restored from it (tiny-chat preset, lr ~0 so the
+    params stay the restored ones)."""
+    root = tmp_path_factory.mktemp("sft")
+    train(load_config("tiny", TINY), root / "pre", devices=jax.devices()[:1])
+    rows, _ = addition_chat(200, seed=0, held_out=4)
+    path = write_jsonl(rows, root / "chat.jsonl")
+    cfg = load_config("tiny-chat", [*TINY, f"data.paths={path}", "optimizer.lr=1e-12", "schedule.warmup_steps=0",
+                                    "checkpoint.restore=params"])
+    summary = train(cfg, root / "sft", devices=jax.devices()[:1], restore_from=root / "pre", extensions=[Sft()])
+    return root, summary
+
+
+def test_sft_run_starts_from_the_restored_params_and_logs_its_metrics(sft_run):
+    root, summary = sft_run
+    (_, pre), (_, sft) = load_model(root / "pre"), load_model(root / "sft")
+    for a, b in zip(jax.tree.leaves(pre), jax.tree.leaves(sft), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-9)
+    lines = [json.loads(x) for x in (root / "sft" / "metrics.jsonl").read_text().splitlines()]
+    steps = [x for x in lines if "loss" in x]
+    assert steps and all(x["trained_tokens"] > 0 and x["truncated_conversations"] == 0 for x in steps)
+    assert any("eval_loss" in x for x in lines)
+
+
+def test_generate_chat_prints_the_reply_to_the_rendered_user_turn(sft_run, capsys):
+    root, _ = sft_run
+    argv = ["generate", str(root / "sft"), "--chat", "--prompt", "What is 1 plus 2?", "--max-new-tokens", "12"]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    cfg, params = load_model(root / "sft")
+    rendered = "<|im_start|>user\nWhat is 1 plus 2?<|im_end|>\n<|im_start|>assistant\n"  # ChatML, by hand
+    ids = Generator(cfg, params).generate([list(rendered.encode())], max_new_tokens=12).tokens[0]
+    text = bytes(ids).decode("utf-8", errors="replace")
+    assert printed == text.split("<|im_end|>")[0] + "\n"
+    assert cli.main(["generate", str(root / "pre"), "--chat", "--prompt", "hi"]) == cli.EXIT_BAD_INPUT
+    assert "data.source=chat" in capsys.readouterr().err
+
+
+def test_end_of_turn_is_one_stop_id_with_a_tokenizer_and_cut_from_the_text_byte_level():
+    template = load_chat_template("tokenizer", str(LLAMA3 / "tokenizer.json"))
+    encoder = make_encoder(str(LLAMA3 / "tokenizer.json"))
+    eot = end_of_turn_id(template, encoder)
+    assert eot is not None and encoder.decode([eot]) == "<|eot_id|>"
+    assert reply_text(template, encoder, [*encoder.encode(["Hello"])[0][:-1], eot]) == "Hello"
+    chatml, byte = load_chat_template("chatml", None), make_encoder(None)
+    assert end_of_turn_id(chatml, byte) is None
+    assert reply_text(chatml, byte, list(b"82<|im_end|>\n<|im_start|>")) == "82"
+
+
+def test_hf_export_carries_the_chat_template_and_tokenizer_files(sft_run, tmp_path):
+    root, _ = sft_run
+    report = export_hf(root / "sft", tmp_path / "bytes")
+    assert report["tokenizer_files"] == ["chat_template.jinja"]
+    assert (tmp_path / "bytes" / "chat_template.jinja").read_text() == CHATML
+    assert not (tmp_path / "bytes" / "tokenizer.json").exists()
+    # The same run as if it had trained with the Llama-3 tokenizer and ChatML: both files, ChatML set in.
+    run = tmp_path / "run"
+    shutil.copytree(root / "sft", run, ignore=shutil.ignore_patterns("*.lock"))
+    tree = yaml.safe_load((run / "config.yaml").read_text())
+    tree["data"]["tokenizer"] = str(LLAMA3 / "tokenizer.json")
+    (run / "config.yaml").write_text(yaml.safe_dump(tree))
+    export_hf(run, tmp_path / "tok")
+    assert (tmp_path / "tok" / "tokenizer.json").read_bytes() == (LLAMA3 / "tokenizer.json").read_bytes()
+    config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    stored = json.loads((LLAMA3 / "tokenizer_config.json").read_text())
+    assert config == {**stored, "chat_template": CHATML}
+    assert cli.main(["hf", "export", str(run), str(tmp_path / "cli")]) == 0

@@ -13,7 +13,7 @@ import pathlib
 from collections.abc import Sequence
 
 from jaxinfra.config import Config
-from jaxinfra.data.chat import ChatTemplate, encode_chat_prompt, load_chat_template
+from jaxinfra.data.chat import ChatTemplate, encode_chat_prompt, end_of_turn_ids, load_chat_template
 from jaxinfra.data.encode import Encoder, make_encoder
 from jaxinfra.infer.generation import GenerationResult, Generator, Sampling
 from jaxinfra.infer.loading import InferenceError
@@ -43,13 +43,9 @@ def run_chat_template(cfg: Config, run_dir: str | pathlib.Path | None = None) ->
 
 
 def end_of_turn_id(template: ChatTemplate, encoder: Encoder) -> int | None:
-    """The end-of-turn as one token id (None: byte-level, or several tokens)."""
-    if encoder.tokenizer is None or not template.end_of_turn:
-        return None
-    from jaxinfra.data.tokenizer import load_tokenizer
-
-    found = load_tokenizer(encoder.tokenizer).token_to_id(template.end_of_turn)
-    return None if found is None else int(found)
+    """The end-of-turn as one token id (None: byte-level, or several tokens, or none)."""
+    ids = end_of_turn_ids(template, encoder)
+    return int(ids[0]) if len(ids) == 1 else None
 
 
 def reply_text(template: ChatTemplate, encoder: Encoder, ids: Sequence[int]) -> str:
