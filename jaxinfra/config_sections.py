@@ -7,11 +7,22 @@ package (tests/test_layout.py), so their types live here, in the core, without j
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 # Sections whose `enabled` turns on a step extension of the same name (jaxinfra/extensions.py
 # check_sections_claimed: a section that is on with no extension to run it is refused).
 FEATURE_SECTIONS: tuple[str, ...] = ("distill",)
+
+
+def chat_data(cfg: Any) -> bool:
+    """Whether the run config's data is chat conversations (a mixture is all chat or none)."""
+    return any(part.source == "chat" for part in cfg.data.parts().values())
+
+
+# Step extensions that another section turns on (the data, not a switch of their own), by name:
+# check_sections_claimed refuses such a config without them just the same.
+IMPLIED_EXTENSIONS: dict[str, Callable[[Any], bool]] = {"sft": chat_data}
 
 DistillSchedule = Literal["linear", "cosine"]
 TeacherDType = Literal["float32", "bfloat16"]

@@ -54,7 +54,7 @@ import numpy as np
 from flax import nnx
 
 from jaxinfra.config import Config, ConfigError
-from jaxinfra.config_sections import FEATURE_SECTIONS
+from jaxinfra.config_sections import FEATURE_SECTIONS, IMPLIED_EXTENSIONS
 from models import ModelConfig
 from models.project import roll_histories
 from models.router import apply_bias_updates
@@ -208,8 +208,10 @@ def extensions_for(cfg: Config) -> list[StepExtension]:
 def check_sections_claimed(cfg: Config, exts: Sequence[StepExtension]) -> None:
     """A feature section that is on but has no extension would silently train without it: refuse."""
     names = {e.name for e in exts}
-    for section in FEATURE_SECTIONS:
-        if getattr(cfg, section).enabled and section not in names:
-            raise ConfigError(f"{section}: the config turns it on but no step extension named {section!r} "
+    wanted = [(s, s) for s in FEATURE_SECTIONS if getattr(cfg, s).enabled]
+    wanted += [(name, "data") for name, on in IMPLIED_EXTENSIONS.items() if on(cfg)]  # e.g. chat data: sft
+    for name, section in wanted:
+        if name not in names:
+            raise ConfigError(f"{section}: the config turns on {name!r} but no step extension named {name!r} "
                               f"was given or registered under the {ENTRY_POINTS!r} entry points (is jaxinfra "
                               f"installed? pip install -e .)")

@@ -4,10 +4,10 @@ included) and the eval step; masked targets contribute exactly nothing; the metr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import shutil
-import types
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +20,7 @@ from parity import PARAM_ATOL, packed_batches, parity_config
 
 from jaxinfra import cli
 from jaxinfra.config import ConfigError, OptimizerConfig, load_config
+from jaxinfra.config_sections import SftConfig
 from jaxinfra.data.chat import CHATML, load_chat_template
 from jaxinfra.data.encode import make_encoder
 from jaxinfra.hf.exporter import export_hf
@@ -143,10 +144,11 @@ def test_a_few_sft_steps_reduce_the_masked_loss(runs):
 
 
 def test_extension_is_on_exactly_for_chat_data():
-    chat = types.SimpleNamespace(data=types.SimpleNamespace(source="chat"),
-                                 sft=types.SimpleNamespace(train_on="last_assistant"))
+    tiny = load_config("tiny")
+    chat = dataclasses.replace(tiny, data=dataclasses.replace(tiny.data, source="chat"),
+                               sft=SftConfig(train_on="last_assistant"))
     assert for_config(chat).train_on == "last_assistant"
-    assert for_config(load_config("tiny")) is None
+    assert for_config(tiny) is None
 
 
 def test_bad_sft_config_is_one_line_exit_2(tmp_path, capsys):
@@ -234,3 +236,11 @@ def test_hf_export_carries_the_chat_template_and_tokenizer_files(sft_run, tmp_pa
     stored = json.loads((LLAMA3 / "tokenizer_config.json").read_text())
     assert config == {**stored, "chat_template": CHATML}
     assert cli.main(["hf", "export", str(run), str(tmp_path / "cli")]) == 0
+
+
+def test_chat_data_without_the_sft_extension_is_refused(sft_run):
+    root, _ = sft_run
+    cfg = load_config(str(root / "sft" / "config.yaml"))
+    assert isinstance(for_config(cfg), Sft)
+    with pytest.raises(ConfigError, match=r"^data: the config turns on 'sft' but no step extension named 'sft'"):
+        build_runtime(cfg, jax.devices()[:1], extensions=[])

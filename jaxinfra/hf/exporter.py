@@ -25,6 +25,7 @@ from flax import nnx
 
 from jaxinfra.checkpoint import CheckpointError, restore_params
 from jaxinfra.config import Config, load_config
+from jaxinfra.config_sections import chat_data
 from jaxinfra.hf.families import HFError, hf_family, to_hf
 from jaxinfra.hf.safetensors_io import plan_shards, write_safetensors
 from jaxinfra.hf.tensors import Rule, rules
@@ -145,9 +146,8 @@ def export_tokenizer_files(cfg: Config, run_dir: pathlib.Path | None, out_dir: p
 
     data = cfg.data
     tokenizer = run_file(data.tokenizer, run_dir) if data.tokenizer is not None else None
-    chat = any(part.source == "chat" for part in data.parts().values())
     template = None
-    if chat:
+    if chat_data(cfg):
         spec = data.chat_template if data.chat_template in ("chatml", "tokenizer") else run_file(data.chat_template,
                                                                                                   run_dir)
         template = load_chat_template(spec, tokenizer).source

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfra.config import Config
+from jaxinfra.config_sections import chat_data
 from jaxinfra.extensions import StepContext, StepExtension
 
 TRUNCATED_SUM = "truncated_sum"
@@ -28,8 +29,7 @@ TRUNCATED_SUM = "truncated_sum"
 def for_config(cfg: Config) -> StepExtension | None:
     """The `jaxinfra.extensions` entry point (pyproject.toml): SFT exactly when the data is chat (a
     mixture is all chat or all documents: jaxinfra/data/config.py refuses a mix)."""
-    chat = any(part.source == "chat" for part in cfg.data.parts().values())
-    return Sft(cfg.sft.train_on) if chat else None
+    return Sft(cfg.sft.train_on) if chat_data(cfg) else None
 
 
 class Sft(StepExtension):
