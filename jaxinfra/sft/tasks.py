@@ -60,6 +60,29 @@ def reversal_chat(n: int, seed: int = 0, held_out: int = 100, lengths: tuple[int
     return [reversal_row(w) for w in train], [reversal_row(w) for w in held]
 
 
+def capitals_row(word: str) -> Row:
+    return {"messages": [{"role": "user", "content": f"Write {word} in capitals"},
+                         {"role": "assistant", "content": word.upper()}]}
+
+
+def capitals_chat(n: int, seed: int = 0, held_out: int = 100, lengths: tuple[int, int] = (4, 8)) -> tuple[
+        list[Row], list[Row]]:
+    """(n training rows, `held_out` rows) writing random lowercase words of `lengths` letters in
+    capitals; no held-out word is a training word."""
+    words = _random_words(n + held_out * 2, seed, lengths)
+    held = list(dict.fromkeys(words[:held_out * 2]))[:held_out]
+    taken = set(held)
+    train = [w for w in words[held_out * 2:] if w not in taken]
+    return [capitals_row(w) for w in train[:n]], [capitals_row(w) for w in held]
+
+
+def _random_words(n: int, seed: int, lengths: tuple[int, int]) -> list[str]:
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(lengths[0], lengths[1] + 1, n)
+    letters = rng.integers(0, 26, (n, lengths[1]))
+    return ["".join(chr(97 + c) for c in row[:k]) for row, k in zip(letters, sizes, strict=True)]
+
+
 def prompt(row: Mapping) -> str:
     """The user turn of a task row."""
     return row["messages"][0]["content"]
