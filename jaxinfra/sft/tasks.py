@@ -60,6 +60,22 @@ def reversal_chat(n: int, seed: int = 0, held_out: int = 100, lengths: tuple[int
     return [reversal_row(w) for w in train], [reversal_row(w) for w in held]
 
 
+def successor_row(n: int) -> Row:
+    return {"messages": [{"role": "user", "content": f"What number comes after {n}?"},
+                         {"role": "assistant", "content": str(n + 1)}]}
+
+
+def successor_chat(n: int, seed: int = 0, held_out: int = 100, low: int = 100, high: int = 9999) -> tuple[
+        list[Row], list[Row]]:
+    """(n training rows, `held_out` rows) asking for the successor of an integer in [low, high);
+    no held-out number is a training number (training rows repeat numbers when n exceeds the rest)."""
+    rng = np.random.default_rng(seed)
+    numbers = rng.permutation(np.arange(low, high))
+    held, rest = numbers[:held_out], numbers[held_out:]
+    train = rest[rng.integers(0, len(rest), n)] if n > len(rest) else rest[:n]
+    return [successor_row(int(x)) for x in train], [successor_row(int(x)) for x in held]
+
+
 def capitals_row(word: str) -> Row:
     return {"messages": [{"role": "user", "content": f"Write {word} in capitals"},
                          {"role": "assistant", "content": word.upper()}]}
