@@ -160,6 +160,8 @@ def test_bad_sft_config_is_one_line_exit_2(tmp_path, capsys):
     assert cli.main(["train", "tiny", "--run-dir", str(tmp_path / "run"), "sft.train_on=prompt"]) == cli.EXIT_BAD_INPUT
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "sft.train_on" in err
+    with pytest.raises(ConfigError, match=r"data.paths=\(\) is invalid: must be at least one file.*'chat'"):
+        load_config("tiny-chat")  # the preset names no bundled data
 
 
 # ---------------------------------------------------------------- the user path: restore, generate --chat, export
