@@ -214,6 +214,21 @@ def test_generate_chat_prints_the_reply_to_the_rendered_user_turn(sft_run, capsy
     assert len(err) == 2 and "--prompt TEXT" in err[0] and "--system needs --chat" in err[1]
 
 
+def test_a_stop_sequence_ends_a_row_inside_the_decode_loop(sft_run):
+    root, _ = sft_run
+    cfg, params = load_model(root / "sft")
+    gen = Generator(cfg, params)
+    prompts = [list(b"Write abc in capitals"), list(b"hello")]
+    plain = gen.generate(prompts, max_new_tokens=12)
+    sequence = tuple(plain.tokens[0][4:6])
+    stopped = gen.generate(prompts, max_new_tokens=12, stop_sequence=sequence)
+    for full, got in zip(plain.tokens, stopped.tokens, strict=True):
+        ends = [j + 1 for j in range(1, len(full)) if tuple(full[j - 1:j + 1]) == sequence]
+        assert got == (full[:ends[0]] if ends else full)
+    alone = gen.generate(prompts[:1], max_new_tokens=12, stop_sequence=sequence)
+    assert alone.tokens[0] == stopped.tokens[0] and alone.decode_steps == len(alone.tokens[0]) - 1 <= 5
+
+
 def test_end_of_turn_is_one_stop_id_with_a_tokenizer_and_cut_from_the_text_byte_level():
     template = load_chat_template("tokenizer", str(LLAMA3 / "tokenizer.json"))
     encoder = make_encoder(str(LLAMA3 / "tokenizer.json"))

@@ -2,9 +2,9 @@
 
 The prompt is rendered by the template the run trained with (data.chat_template, through
 jaxinfra/data/chat.py `encode_chat_prompt`: the generation prompt added), so the model sees what
-SFT showed it. Generation stops at the template's end-of-turn: one id when the tokenizer has it as
-a single token (the decode loop then stops early); otherwise (byte-level ids) the decode runs its
-`max_new_tokens` and the reply is cut where its text first reaches the end-of-turn.
+SFT showed it. A reply stops at the template's end-of-turn, inside the decode loop: one stop id when
+the tokenizer has it as a single token, else (byte-level) a stop sequence of its ids; the printed
+reply is the text before it.
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ def chat_replies(gen: Generator, template: ChatTemplate, encoder: Encoder, promp
     `stop_ids` end a reply too (beside the end-of-turn id)."""
     head = [{"role": "system", "content": system}] if system else []
     ids = [encode_chat_prompt(template, encoder, [*head, {"role": "user", "content": p}]).tolist() for p in prompts]
-    stop = end_of_turn_id(template, encoder)
-    result = gen.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling,
-                          stop_ids=[*stop_ids, *(() if stop is None else (stop,))])
+    eot = end_of_turn_ids(template, encoder).tolist()
+    one = eot if len(eot) == 1 else []  # one id: a stop id; several (byte-level): a stop sequence
+    result = gen.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=[*stop_ids, *one],
+                          stop_sequence=eot if len(eot) > 1 else ())
     return [reply_text(template, encoder, row) for row in result.tokens], result

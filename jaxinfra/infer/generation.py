@@ -168,7 +168,9 @@ class Generator:
 
         return prefill
 
-    def _decode_fn(self) -> Callable:
+    def _decode_fn(self, stop_sequence: tuple[int, ...] = ()) -> Callable:
+        """The decode loop; `stop_sequence` (ids baked into the program, e.g. a byte-level
+        end-of-turn) also ends a row whose last ids spell it (none: the program as without it)."""
         graphdef, absorb = self.graphdef, self.absorb
 
         def decode(params, state, stop_ids, settings):
@@ -186,15 +188,18 @@ class Generator:
                 tok = jnp.where(s["done"], -1, tok)
                 out = jax.lax.dynamic_update_slice_in_dim(s["out"], tok[:, None], s["t"], axis=1)
                 cache = self._cache_constrain(cache, b, cache_len(cache))
-                return {"cache": cache, "out": out, "done": s["done"] | jnp.isin(tok, stop_ids),
-                        "pos": s["pos"] + 1, "t": s["t"] + 1}
+                done = s["done"] | jnp.isin(tok, stop_ids)
+                if stop_sequence:
+                    done = done | _ends_with(out, s["t"], stop_sequence)
+                return {"cache": cache, "out": out, "done": done, "pos": s["pos"] + 1, "t": s["t"] + 1}
 
             return jax.lax.while_loop(cond, body, state)
 
         return decode
 
-    def _compile(self, batch: int, prompt_len: int, max_new: int, n_stop: int) -> tuple[Any, Any]:
-        key = (batch, prompt_len, max_new, n_stop)
+    def _compile(self, batch: int, prompt_len: int, max_new: int, n_stop: int,
+                 stop_sequence: tuple[int, ...] = ()) -> tuple[Any, Any]:
+        key = (batch, prompt_len, max_new, n_stop, stop_sequence)
         if key not in self._compiled:
             m, r = self.mesh, self.rules
             tokens = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32,
@@ -208,7 +213,7 @@ class Generator:
                 state = jax.eval_shape(self._prefill_fn(max_new), self.params, tokens, lengths, stop, settings)
                 state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
                                      prefill.output_shardings)
-                decode = jax.jit(self._decode_fn(), donate_argnums=1).lower(self.params, state, stop,
+                decode = jax.jit(self._decode_fn(stop_sequence), donate_argnums=1).lower(self.params, state, stop,
                                                                             settings).compile()
             self._compiled[key] = (prefill, decode)
         return self._compiled[key]
@@ -221,9 +226,11 @@ class Generator:
     # -------------------------------------------------------- the public call
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 32,
-                 sampling: Sampling = Sampling(), stop_ids: Sequence[int] = ()) -> GenerationResult:
+                 sampling: Sampling = Sampling(), stop_ids: Sequence[int] = (),
+                 stop_sequence: Sequence[int] = ()) -> GenerationResult:
         """Continue each prompt (a list of ids) by up to `max_new_tokens` ids; a row that draws
-        one of `stop_ids` stops there (the stop id is the last one returned)."""
+        one of `stop_ids` stops there (the stop id is the last one returned), as does a row whose
+        last ids are `stop_sequence` (e.g. "<|im_end|>" in bytes; returned with it)."""
         sampling.check()
         vocab = self.model_cfg.vocab_size
         prompts = [list(map(int, p)) for p in prompts]
@@ -250,8 +257,9 @@ class Generator:
         stop_arr[:len(stops)] = stops
 
         t0 = time.perf_counter()
-        fresh = (batch, prompt_len, max_new_tokens, n_stop) not in self._compiled
-        prefill, decode = self._compile(batch, prompt_len, max_new_tokens, n_stop)
+        sequence = tuple(int(i) for i in stop_sequence)
+        fresh = (batch, prompt_len, max_new_tokens, n_stop, sequence) not in self._compiled
+        prefill, decode = self._compile(batch, prompt_len, max_new_tokens, n_stop, sequence)
         compile_s = time.perf_counter() - t0 if fresh else 0.0
         m, r = self.mesh, self.rules
         args = (jax.device_put(tokens, _sharding(m, r, ("batch", "length"), tokens.shape)),
@@ -267,16 +275,25 @@ class Generator:
         out, steps = jax.device_get((state["out"], state["t"]))
         t2 = time.perf_counter()
 
-        rows = []
-        for row in out:
-            ids = [int(x) for x in row if x >= 0]
-            for j, x in enumerate(ids):
-                if x in stops:
-                    ids = ids[:j + 1]
-                    break
-            rows.append(ids)
+        rows = [_trimmed(row, stops, sequence) for row in out]
         return GenerationResult(tokens=rows, prefill_tokens=int(lengths.sum()), prefill_s=t1 - t0,
                                 decode_steps=int(steps) - 1, decode_s=t2 - t1, compile_s=compile_s, batch=batch)
+
+
+def _ends_with(out: jax.Array, t: jax.Array, sequence: tuple[int, ...]) -> jax.Array:
+    """[B] whether each row's ids out[:, t - len + 1 : t + 1] are `sequence` (False before t + 1 >= len)."""
+    n = len(sequence)
+    window = jax.lax.dynamic_slice_in_dim(out, jnp.maximum(t - n + 1, 0), n, axis=1)
+    return (t + 1 >= n) & jnp.all(window == jnp.asarray(sequence, jnp.int32)[None], axis=1)
+
+
+def _trimmed(row: np.ndarray, stops: Sequence[int], sequence: tuple[int, ...]) -> list[int]:
+    """A row's generated ids up to and including its first stop id or stop sequence."""
+    ids = [int(x) for x in row if x >= 0]
+    for j, x in enumerate(ids):
+        if x in stops or (sequence and tuple(ids[max(j + 1 - len(sequence), 0):j + 1]) == sequence):
+            return ids[:j + 1]
+    return ids
 
 
 def cache_len(cache: kv_cache.Cache) -> int:
