@@ -1,0 +1,130 @@
+"""LoRA adapters <-> PEFT (jaxinfra/hf/adapters.py) against an adapter PEFT itself wrote
+(tests/fixtures/lora/llama, made by scripts/make_lora_fixtures.py; torch and peft are never imported here).
+
+The mapping tests are numpy only: an adapter's weight update B_hf @ A_hf in PEFT's layout must equal
+our A @ B put through the base weight's own export rule, for every family's rules (Mixtral's experts,
+DeepSeek's permuted rope columns). The logits tests load the fixture into a jaxinfra LoRA model.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from jaxinfra.hf import adapters
+from jaxinfra.hf.families import HFError, from_hf
+from jaxinfra.hf.tensors import rules
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+HF = REPO_ROOT / "tests" / "fixtures" / "hf"
+LORA = REPO_ROOT / "tests" / "fixtures" / "lora" / "llama"
+RANK = 4
+
+
+def hf_config(name: str):
+    return from_hf(json.loads((HF / name / "config.json").read_text()))
+
+
+def our_lora_shapes(rule, shape: tuple[int, ...], contracted: int, rank: int = RANK) -> tuple[tuple, tuple]:
+    """A [*lead, *contracted, r], B [*lead, r, *output] beside a weight of `shape` whose first
+    `contracted` dims after the lead are its inputs (models/lora_config.py's layout)."""
+    n = len(rule.lead)
+    inputs, outputs = shape[n:n + contracted], shape[n + contracted:]
+    return (*rule.lead, *inputs, rank), (*rule.lead, rank, *outputs)
+
+
+def weight_shapes(cfg, family: str) -> dict[str, tuple[int, ...]]:
+    """Our stacked weights' shapes from the rules' HF shapes (load turns zeros of HF shape into ours)."""
+    hf, out = _hf_shapes(cfg, family), {}
+    for rule in rules(cfg, family):
+        names = rule.names(*(0,) * len(rule.lead))
+        out[rule.path] = (*rule.lead, *rule.load([np.zeros(hf[n], np.float32) for n in names]).shape)
+    return out
+
+
+def _hf_shapes(cfg, family: str) -> dict[str, tuple[int, ...]]:
+    from jaxinfra.hf.safetensors_io import SafetensorsDir
+
+    files = SafetensorsDir(HF / family)
+    out = {}
+    for rule in rules(cfg, family):
+        for idx in np.ndindex(*rule.lead):
+            for name in rule.names(*idx):
+                out[name] = tuple(files.read(name).shape)
+    return out
+
+
+# our weight (path below the stack) -> how many of its dims after the lead are contracted (models/)
+TARGETS = {"attn/wq": 1, "attn/wk": 1, "attn/wv": 1, "attn/wo": 2, "mlp/w_gate": 1, "mlp/w_up": 1, "mlp/w_down": 1,
+           "moe/w_gate": 1, "moe/w_up": 1, "moe/w_down": 1, "attn/wq_a": 1, "attn/wq_b": 1, "attn/wkv_a": 1,
+           "attn/wkv_b": 1}
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral", "deepseek_v3", "deepseek_v2"])
+def test_peft_update_equals_ours_through_the_base_export_rule(family):
+    """B_hf @ A_hf == rule.save(A @ B) slice by slice, and from_peft inverts to_peft exactly."""
+    _, cfg = hf_config(family)
+    shapes = weight_shapes(cfg, family)
+    rng = np.random.default_rng(0)
+    checked = 0
+    for rule in rules(cfg, family):
+        suffix = rule.path.partition("/")[2]
+        if suffix not in TARGETS:
+            continue
+        a_shape, b_shape = our_lora_shapes(rule, shapes[rule.path], TARGETS[suffix])
+        n = len(rule.lead)
+        a = rng.standard_normal(a_shape[n:]).astype(np.float32)
+        b = rng.standard_normal(b_shape[n:]).astype(np.float32)
+        lora_a, lora_b = adapters.to_peft(rule, a, b)
+        delta = np.tensordot(a, b, axes=([a.ndim - 1], [0]))  # [*inputs, *outputs]: ours, like the weight
+        assert delta.shape == shapes[rule.path][n:]
+        np.testing.assert_allclose(lora_b @ lora_a, rule.save(delta)[0], rtol=1e-5, atol=1e-5)
+        back_a, back_b = adapters.from_peft(rule, lora_a, lora_b, a_shape[n:], b_shape[n:])
+        assert np.array_equal(back_a, a) and np.array_equal(back_b, b)
+        checked += 1
+    assert checked >= 4
+
+
+def test_target_modules_use_short_names_only_when_they_cover_every_module():
+    _, cfg = hf_config("llama")
+    every_q = {f"model.layers.{i}.self_attn.q_proj" for i in range(cfg.num_layers)}
+    assert adapters.target_modules(cfg, "llama", every_q) == ["q_proj"]
+    assert adapters.target_modules(cfg, "llama", {"model.layers.1.mlp.up_proj"}) == ["model.layers.1.mlp.up_proj"]
+
+
+def test_peft_adapter_reads_into_our_layout():
+    """The fixture's adapter read into our shapes, then written back with to_peft, is what PEFT wrote."""
+    from jaxinfra.hf.safetensors_io import SafetensorsDir
+
+    family, cfg = hf_config("llama")
+    shapes = {}
+    for path, shape in weight_shapes(cfg, family).items():
+        suffix = path.partition("/")[2]
+        if suffix in TARGETS:
+            rule = next(r for r in rules(cfg, family) if r.path == path)
+            shapes[path + adapters.LORA_A], shapes[path + adapters.LORA_B] = our_lora_shapes(rule, shape,
+                                                                                            TARGETS[suffix])
+    ours = adapters.read_adapters(LORA, cfg, family, shapes)
+    assert len(ours) == 2 * 7
+    files = SafetensorsDir(LORA)
+    for rule in adapters.adapter_rules(cfg, family, shapes):
+        for idx, module in adapters.modules(rule):
+            lora_a, lora_b = adapters.to_peft(rule, ours[rule.path + adapters.LORA_A][idx],
+                                              ours[rule.path + adapters.LORA_B][idx])
+            key_a, key_b = adapters.peft_keys(module)
+            assert np.array_equal(lora_a, files.read(key_a)) and np.array_equal(lora_b, files.read(key_b))
+    assert set(files.used) == set(files.where)
+
+
+def test_unsupported_peft_options_are_one_line_errors(tmp_path):
+    config = json.loads((LORA / "adapter_config.json").read_text())
+    for key, value, message in (("use_dora", True, "use_dora=True is not supported"),
+                                ("peft_type", "IA3", "only LORA adapters"),
+                                ("rank_pattern", {"q_proj": 8}, "rank_pattern")):
+        (tmp_path / "adapter_config.json").write_text(json.dumps({**config, key: value}))
+        with pytest.raises(HFError, match=message):
+            adapters.read_adapter_config(tmp_path)
+    assert adapters.scale_alpha({**config, "use_rslora": True}) == pytest.approx(8.0 * 2)
