@@ -110,9 +110,9 @@ def lora_trainable(lora: LoraConfig) -> Any:
     `lora` step extension gives the optimizer (jaxinfra/lora/extension.py)."""
     if not lora.enabled:
         return None
-    from models.project import LoraA, LoraB
+    from jaxinfra.lora.extension import ADAPTERS
 
-    return nnx.Any(LoraA, LoraB)
+    return ADAPTERS
 
 
 @functools.lru_cache(maxsize=16)
@@ -356,6 +356,37 @@ def quantized_operands(lay: Layout, state: StateBytes) -> Component | None:
     return Component("quantized operands", max(layer(moe) for moe in kinds), "layer",
                      f"{q.train} copies of one layer's matmul inputs, weights and output gradients")
 
+def _dequantized_layer_bytes(lay: Layout, moe: bool) -> float:
+    """One layer's int8-stored projection weights on this device, converted to the compute dtype."""
+    q = lay.cfg.quant
+    return lay.compute_bytes * sum(p.inputs * p.outputs * p.copies for p in projections(lay, moe)
+                                   if q.stores_int8(p.name))
+
+
+def dequantized_weights(lay: Layout, state: StateBytes) -> Component | None:
+    """QLoRA (an int8 base under training): each matmul converts its int8 weight to the compute dtype
+    (models/project.py) in the forward and again for the backward's input gradient, so one layer's
+    converted weights sit beside its backward working set (fitted: XLA's temporaries equal the float
+    base's there)."""
+    if lay.cfg.quant.weights != "int8" or not state.frozen:
+        return None
+    kinds = [moe for moe, n in zip((False, True), lay.layer_counts[1:]) if n] or [False]
+    return Component("dequantized weights", max(_dequantized_layer_bytes(lay, moe) for moe in kinds), "layer",
+                     f"one layer's int8 weights as {lay.model.dtype} for its matmuls")
+
+
+def saved_dequantized_weights(lay: Layout, state: StateBytes) -> Component | None:
+    """QLoRA without remat: autodiff saves every layer's converted weight (a matmul operand) for the
+    backward, so the forward keeps all layers' weights in the compute dtype (remat policies that
+    recompute or save only dot outputs keep none of them)."""
+    if lay.cfg.quant.weights != "int8" or not state.frozen or act.effective_policy(lay) != "none":
+        return None
+    outside, dense, sparse = lay.layer_counts
+    saved = (outside + dense) * _dequantized_layer_bytes(lay, False) + sparse * _dequantized_layer_bytes(lay, True)
+    return Component("saved dequantized weights", saved, "step",
+                     f"remat none: {outside + dense + sparse} layers' int8 weights as {lay.model.dtype}")
+
+
 # ------------------------------------------------------------ distillation (docs/distillation.md)
 @functools.lru_cache(maxsize=16)
 def _teacher_model(path: str, dtype: str, vocab: int) -> ModelConfig:
@@ -407,7 +438,8 @@ def teacher_logits(lay: Layout, state: StateBytes) -> Component | None:
 
 COMPONENTS: list[Fn] = [params, frozen_params, gradients, optimizer_state, activations, microbatch_gradients,
                         logits_and_loss, gathered_embeddings, layer_backward, gathered_layer_weights, pipeline_buffers,
-                        optimizer_update, quantized_operands, teacher_params,
+                        optimizer_update, quantized_operands, dequantized_weights, saved_dequantized_weights,
+                        teacher_params,
                         teacher_logits]
 
 
