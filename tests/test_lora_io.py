@@ -109,7 +109,7 @@ def test_peft_adapter_reads_into_our_layout():
                                                                                             TARGETS[suffix])
     ours = adapters.read_adapters(LORA, cfg, family, shapes)
     assert len(ours) == 2 * 7
-    files = SafetensorsDir(LORA)
+    files = SafetensorsDir(LORA, only=adapters.WEIGHTS_FILE)
     for rule in adapters.adapter_rules(cfg, family, shapes):
         for idx, module in adapters.modules(rule):
             lora_a, lora_b = adapters.to_peft(rule, ours[rule.path + adapters.LORA_A][idx],
@@ -128,3 +128,139 @@ def test_unsupported_peft_options_are_one_line_errors(tmp_path):
         with pytest.raises(HFError, match=message):
             adapters.read_adapter_config(tmp_path)
     assert adapters.scale_alpha({**config, "use_rslora": True}) == pytest.approx(8.0 * 2)
+
+
+# ---------------------------------------------------------------- logits: PEFT's model vs ours
+def _restored(run_dir: pathlib.Path):
+    """A run's config and params (adapters included) on one device."""
+    import jax
+
+    from jaxinfra.checkpoint import restore_params
+    from jaxinfra.config import load_config
+    from jaxinfra.state import abstract_params
+
+    cfg = load_config(str(run_dir / "config.yaml"))
+    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev),
+                          abstract_params(cfg.model, quant=cfg.quant, lora=cfg.lora))
+    return cfg, restore_params(run_dir, target)[1]
+
+
+def logits_of(run_dir: pathlib.Path, tokens: np.ndarray) -> np.ndarray:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxinfra.state import model_graphdef
+
+    cfg, params = _restored(run_dir)
+    graphdef = model_graphdef(cfg.model, cfg.quant, cfg.lora)
+    return np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, jnp.asarray(tokens)))
+
+
+def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+
+
+@pytest.fixture(scope="module")
+def peft_run(tmp_path_factory) -> pathlib.Path:
+    """`jaxinfra hf import` of the base with the PEFT adapter: a LoRA run directory."""
+    import jax
+
+    from jaxinfra.hf.importer import import_hf
+
+    out = tmp_path_factory.mktemp("peft") / "run"
+    import_hf(HF / "llama", out, devices=jax.devices()[:1], adapter=LORA)
+    return out
+
+
+def test_imported_peft_adapter_gives_peft_logits(peft_run):
+    """Acceptance: the PEFT model's logits (base + adapters, float32) equal ours within 1e-4."""
+    from jaxinfra.config import load_config
+
+    lora = load_config(str(peft_run / "config.yaml")).lora
+    assert (lora.rank, lora.alpha, lora.dropout) == (4, 8.0, 0.0)
+    assert set(lora.targets) == {"attention.q", "attention.k", "attention.v", "attention.o", "mlp.gate", "mlp.up",
+                                 "mlp.down"}
+    ref = np.load(LORA / "reference.npz")
+    assert rel_err(logits_of(peft_run, ref["tokens"]), ref["logits"]) <= 1e-4
+
+
+@pytest.fixture(scope="module")
+def trained_run(peft_run, tmp_path_factory) -> pathlib.Path:
+    """The imported LoRA run with every adapter redrawn (as a fine-tune changes them): a run that no PEFT
+    file ever held, for the export direction."""
+    import jax
+    from flax import nnx
+
+    from jaxinfra.checkpoint import save_params_only
+    from models.project import LoraA, LoraB
+
+    cfg, params = _restored(peft_run)
+    rng = np.random.default_rng(3)
+
+    def redraw(var):
+        if not isinstance(var, LoraA | LoraB):
+            return var
+        return var.replace(jax.numpy.asarray(rng.standard_normal(var.shape).astype(np.float32) / var.shape[-2]))
+
+    params = jax.tree.map(redraw, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    out = tmp_path_factory.mktemp("trained") / "run"
+    save_params_only(out, cfg, params, {"params_only": True, "step": 0})
+    return out
+
+
+def test_export_adapters_writes_pefts_files(peft_run, tmp_path):
+    """The PEFT adapter imported then exported with --adapters: the same tensors, bit for bit, the same
+    LoRA settings, and the base exactly as a plain export of the base writes it (unmerged)."""
+    from jaxinfra.hf.exporter import export_hf
+    from jaxinfra.hf.safetensors_io import SafetensorsDir
+
+    report = export_hf(peft_run, tmp_path / "hf", adapters=True)
+    assert report["adapter_tensors"] == 2 * 7 * 2
+    ours, theirs = (SafetensorsDir(d, only=adapters.WEIGHTS_FILE) for d in (tmp_path / "hf", LORA))
+    assert set(ours.where) == set(theirs.where)
+    for key in theirs.where:
+        assert np.array_equal(ours.read(key), theirs.read(key)), key
+    ours, theirs = SafetensorsDir(tmp_path / "hf"), SafetensorsDir(HF / "llama")
+    assert ours.files == ["model.safetensors"] and set(ours.where) == set(theirs.where)
+    for key in theirs.where:
+        assert np.array_equal(ours.read(key), theirs.read(key)), key
+    config = json.loads((tmp_path / "hf" / adapters.CONFIG_FILE).read_text())
+    fixture = json.loads((LORA / adapters.CONFIG_FILE).read_text())
+    for key in ("peft_type", "task_type", "r", "lora_alpha", "lora_dropout", "bias", "fan_in_fan_out", "use_rslora",
+                "use_dora"):
+        assert config[key] == fixture[key], key
+    assert sorted(config["target_modules"]) == sorted(fixture["target_modules"])
+    assert config["base_model_name_or_path"] == "."
+
+
+def test_export_then_import_gives_the_runs_logits(trained_run, tmp_path):
+    """Round trip of a run no PEFT file held: export --adapters, import base + adapter, same logits."""
+    import jax
+
+    from jaxinfra.hf.exporter import export_hf
+    from jaxinfra.hf.importer import import_hf
+
+    export_hf(trained_run, tmp_path / "hf", adapters=True)
+    import_hf(tmp_path / "hf", tmp_path / "again", devices=jax.devices()[:1], adapter=tmp_path / "hf")
+    tokens = np.load(LORA / "reference.npz")["tokens"]
+    want = logits_of(trained_run, tokens)
+    assert rel_err(want, np.load(LORA / "reference.npz")["logits"]) > 0.1  # the redrawn adapters matter
+    assert rel_err(logits_of(tmp_path / "again", tokens), want) <= 1e-6
+
+
+def test_adapters_flag_errors_are_one_line_exit_2(peft_run, tmp_path, capsys):
+    from jaxinfra import cli
+
+    assert cli.main(["hf", "export", str(peft_run), str(tmp_path / "a")]) == 2
+    assert "is a LoRA run (lora.rank=4): pass --adapters" in capsys.readouterr().err
+    plain = tmp_path / "plain"
+    import jax
+
+    from jaxinfra.hf.importer import import_hf
+
+    import_hf(HF / "llama", plain, devices=jax.devices()[:1])
+    assert cli.main(["hf", "export", str(plain), str(tmp_path / "b"), "--adapters"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "not a LoRA run" in err and len(err.splitlines()) == 1

@@ -28,12 +28,13 @@ from typing import Any
 import numpy as np
 
 from jaxinfra.hf.families import HFError
+from jaxinfra.hf.safetensors_io import ADAPTER_FILE, SafetensorsDir, write_safetensors
 from jaxinfra.hf.tensors import Rule, rules
 from models.config import ModelConfig
 
 LORA_A, LORA_B = "_lora_a", "_lora_b"  # our suffixes beside a weight `w` (models/lora_config.py)
 PEFT_PREFIX = "base_model.model."  # PeftModelForCausalLM -> LoraModel -> the HF model
-CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", ADAPTER_FILE
 # PEFT options that would make the adapter compute something our LoRA does not: (key, the value we model).
 _PLAIN = (("use_dora", False), ("fan_in_fan_out", False), ("bias", "none"), ("lora_bias", False),
           ("use_qalora", False), ("layers_to_transform", None), ("layer_replication", None),
@@ -161,8 +162,6 @@ def write_adapters(out_dir: pathlib.Path, cfg: ModelConfig, family: str, shapes:
     """adapter_config.json + adapter_model.safetensors (float32) in `out_dir` for the adapters among our
     flat param `shapes`; `fetch(path, lead index)` gives one (layer, expert) slice of a param on the
     host; `lora` is the run's LoraConfig (rank, alpha, dropout, init)."""
-    from jaxinfra.hf.safetensors_io import write_safetensors
-
     found = adapter_rules(cfg, family, shapes)
     if not found:
         raise HFError("--adapters: the checkpoint holds no LoRA adapters on weights the HF export maps")
@@ -195,13 +194,11 @@ def read_adapters(adapter_dir: str | pathlib.Path, cfg: ModelConfig, family: str
     """A PEFT adapter's tensors as our full LoRA params {path: array} for the adapters among our flat
     param `shapes` (a model built with the adapter's LoRA config); every PEFT tensor must land on one
     of them and every one of them must be in the file (HFError naming the first that does not)."""
-    from jaxinfra.hf.safetensors_io import SafetensorsDir
-
     adapter_dir = pathlib.Path(adapter_dir)
     read_adapter_config(adapter_dir)
     if not (adapter_dir / WEIGHTS_FILE).is_file():
         raise HFError(f"{adapter_dir}: no {WEIGHTS_FILE}")
-    files = SafetensorsDir(adapter_dir)
+    files = SafetensorsDir(adapter_dir, only=WEIGHTS_FILE)
     out: dict[str, np.ndarray] = {}
     for rule in adapter_rules(cfg, family, shapes):
         a_shape, b_shape = shapes[rule.path + LORA_A], shapes[rule.path + LORA_B]
@@ -217,3 +214,46 @@ def read_adapters(adapter_dir: str | pathlib.Path, cfg: ModelConfig, family: str
         raise HFError(f"{adapter_dir}: adapter tensor {unused[0]} has no LoRA target in this model "
                       f"({len(unused)} unused; check lora.targets)")
     return out
+
+
+def projection_paths(cfg: ModelConfig) -> dict[str, str]:
+    """Our flat weight path -> its projection name (models/quant_config.py PROJECTIONS), from the modules'
+    own tables (the `PROJECTIONS` that models/project.py prepare_weights reads)."""
+    from flax import nnx
+
+    from models import Transformer
+
+    model = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+    out = {}
+    for path, node in nnx.iter_graph(model):
+        for attr, (name, _) in (getattr(type(node), "PROJECTIONS", None) or {}).items():
+            if hasattr(node, attr):
+                out["/".join(map(str, (*path, attr)))] = name
+    return out
+
+
+def lora_overrides(adapter_dir: str | pathlib.Path, cfg: ModelConfig, family: str) -> list[str]:
+    """The `lora.*` KEY=VALUE overrides of a model that computes what the PEFT adapter in `adapter_dir`
+    computes on this base: rank, alpha (rsLoRA folded in), dropout, init, and as targets the full
+    projection names of the weights whose every (layer, expert) module has adapters."""
+    adapter_dir = pathlib.Path(adapter_dir)
+    config = read_adapter_config(adapter_dir)
+    if not (adapter_dir / WEIGHTS_FILE).is_file():
+        raise HFError(f"{adapter_dir}: no {WEIGHTS_FILE}")
+    keys = set(SafetensorsDir(adapter_dir, only=WEIGHTS_FILE).where)
+    names, targets = projection_paths(cfg), []
+    for rule in rules(cfg, family):
+        if rule.path not in names:
+            continue
+        have = [peft_keys(module)[0] in keys for _, module in modules(rule)]
+        if any(have) and not all(have):
+            raise HFError(f"{adapter_dir}: adapters on {sum(have)} of the {len(have)} modules of {rule.path} "
+                          f"(our LoRA targets a projection in every layer)")
+        if all(have):
+            targets.append(names[rule.path])
+    if not targets:
+        raise HFError(f"{adapter_dir}: no adapter tensor belongs to a projection of this {family} model")
+    init = "gaussian" if config.get("init_lora_weights") == "gaussian" else "kaiming"
+    return [f"lora.rank={int(config['r'])}", f"lora.alpha={scale_alpha(config)!r}",
+            f"lora.dropout={float(config.get('lora_dropout') or 0.0)!r}",
+            f"lora.targets=[{','.join(dict.fromkeys(targets))}]", f"lora.init={init}"]

@@ -1,6 +1,6 @@
 """The `hf` subcommands (registered by jaxinfra/cli.py's build_parser).
 
-    jaxinfra hf import HF_DIR OUT [KEY=VALUE ...]      e.g. mesh.fsdp=4 mesh.tensor=2
+    jaxinfra hf import HF_DIR OUT [KEY=VALUE ...] [--adapter PEFT_DIR]      e.g. mesh.fsdp=4 mesh.tensor=2
     jaxinfra hf export RUN_OR_CKPT OUT_DIR [--dtype float32|bfloat16] [--max-shard-gb 5] [--adapters]
 
 `--adapters` (a LoRA run): the base as without it (adapters NOT merged) plus PEFT's adapter_config.json
@@ -22,7 +22,7 @@ from models.config import DType
 def cmd_import(args: argparse.Namespace) -> int:
     from jaxinfra.hf.importer import import_hf
 
-    report = import_hf(args.hf_dir, args.out, list(args.overrides))
+    report = import_hf(args.hf_dir, args.out, list(args.overrides), adapter=args.adapter)
     print(f"imported {report['family']} ({report['params'] / 1e6:.2f}M params) -> {report['checkpoint']} in "
           f"{report['seconds']:.1f}s; peak host RSS {report['peak_rss_bytes'] / 2**20:.0f} MiB, checkpoint on disk "
           f"{report['bytes_on_disk'] / 2**20:.0f} MiB")
@@ -54,6 +54,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("hf_dir")
     p.add_argument("out", help="output run directory: config.yaml + checkpoints/0")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. mesh.fsdp=4")
+    p.add_argument("--adapter", metavar="PEFT_DIR", help="a PEFT LoRA adapter of this model: import a LoRA run "
+                   "(base + adapters; the lora section from its adapter_config.json)")
     p.set_defaults(func=cmd_import)
 
     p = hf_sub.add_parser("export", help="run dir or checkpoint -> HF config.json + model.safetensors")
