@@ -12,10 +12,10 @@ what `PeftModel.save_pretrained` writes (adapter_config.json, adapter_model.safe
 `reference.npz`: `tokens` [2, 16] int32 (the base fixture's) and `logits` [2, 16, vocab] float32 of the
 PEFT model (base + adapters, eager attention, float32).
 
-`--check-export` loads a `jaxinfra hf export RUN OUT --adapters` directory the way a user would
-(`AutoModelForCausalLM.from_pretrained(OUT)` then `PeftModel.from_pretrained(model, OUT)`) and compares
-its logits on REF.npz's tokens with REF.npz's logits (jaxinfra's, written by the caller): max |diff| /
-max |ref|, which must be <= 1e-4.
+`--check-export` loads a `jaxinfra hf export RUN OUT --adapters` directory both ways a user would
+(`PeftModel.from_pretrained(base, OUT)` on the bare base, and `AutoModelForCausalLM.from_pretrained(OUT)`,
+whose PEFT integration attaches the adapter it finds) and compares its logits on REF.npz's tokens with
+REF.npz's logits (jaxinfra's, written by the caller): max |diff| / max |ref|, which must be <= 1e-4.
 """
 
 from __future__ import annotations
@@ -99,14 +99,32 @@ def _rel_err(got: np.ndarray, ref: np.ndarray) -> float:
     return float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
 
 
+def bare_base(export_dir: pathlib.Path, scratch: pathlib.Path) -> torch.nn.Module:
+    """The exported base alone: transformers' from_pretrained on a directory with an adapter_config.json
+    attaches that adapter itself (its PEFT integration), so the base files are linked into `scratch`."""
+    for f in export_dir.iterdir():
+        if f.name == "config.json" or f.name.startswith("model"):
+            (scratch / f.name).symlink_to(f.absolute())
+    return base_model(scratch)
+
+
 def check_export(export_dir: pathlib.Path, reference: pathlib.Path) -> int:
+    """Both ways a user loads the pair: PeftModel.from_pretrained(base, OUT) and transformers' own
+    from_pretrained(OUT), which finds adapter_config.json and attaches the adapter."""
+    import tempfile
+
     ref = np.load(reference)
-    model = peft.PeftModel.from_pretrained(base_model(export_dir), export_dir).eval()
-    err = _rel_err(logits_of(model, ref["tokens"]), ref["logits"])
+    with tempfile.TemporaryDirectory() as scratch:
+        model = peft.PeftModel.from_pretrained(bare_base(export_dir, pathlib.Path(scratch)), export_dir).eval()
+        err = _rel_err(logits_of(model, ref["tokens"]), ref["logits"])
     loaded = sum(1 for n, _ in model.named_parameters() if ".lora_" in n)
-    ok = err <= 1e-4 and loaded > 0
-    print(f"check-export {export_dir}: PEFT {type(model.base_model).__name__} with {loaded} adapter tensors, "
-          f"max |diff| / max |ref| of the logits {err:.2e}: {'OK' if ok else 'MISMATCH'}")
+    auto = base_model(export_dir)
+    auto_err = _rel_err(logits_of(auto, ref["tokens"]), ref["logits"])
+    auto_loaded = sum(1 for n, _ in auto.named_parameters() if ".lora_" in n)
+    ok = max(err, auto_err) <= 1e-4 and loaded > 0 and auto_loaded == loaded
+    print(f"check-export {export_dir}: max |diff| / max |ref| of the logits: PeftModel.from_pretrained "
+          f"({loaded} adapter tensors) {err:.2e}, AutoModelForCausalLM.from_pretrained ({auto_loaded} adapter "
+          f"tensors) {auto_err:.2e}: {'OK' if ok else 'MISMATCH'}")
     return 0 if ok else 1
 
 
