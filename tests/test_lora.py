@@ -11,6 +11,7 @@ The installed entry points may predate the `lora` one, so runs pass the extensio
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -119,7 +120,7 @@ def test_bad_lora_config_is_one_line(extra, message):
 
 
 def test_experts_dropout_and_int8_training_without_lora_are_refused():
-    with pytest.raises(ConfigError, match="lora.dropout=0.1 is invalid: must be 0 when the targets include routed"):
+    with pytest.raises(ConfigError, match=r"lora\.dropout=0\.1 is invalid: must be 0 when the targets include routed"):
         validate(load_config("mixtral-tiny", ["lora.rank=2", "lora.dropout=0.1", "lora.targets=[up]"]))
     int8 = load_config("tiny", ["quant.weights=int8"]).quant
     with pytest.raises(ConfigError, match="train LoRA adapters over it"):
@@ -235,19 +236,38 @@ def test_restore_a_base_without_adapters_inits_them_and_another_shape_is_refused
     assert "written for another model" in str(e.value) and "model.d_model: 32 -> 64" in str(e.value)
 
 
-def test_train_restore_params_from_a_base_then_resume_is_exact(tmp_path):
-    from jaxinfra.train import train
+def _losses(run_dir) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_train_restore_params_from_a_base_then_resume_is_exact(tmp_path, monkeypatch):
+    from jaxinfra.train import Trainer, train
 
     c = cfg(ALL, "checkpoint.every=2", "checkpoint.restore=params")
     base = init_params(c.model, jax.random.key(7), c.quant)
     save_params_only(tmp_path / "base", dataclasses.replace(c, lora=dataclasses.replace(c.lora, rank=0)), base,
                      {"params_only": True})
-    train(c, tmp_path / "run", jax.devices()[:1], restore_from=str(tmp_path / "base"), extensions=[Lora()])
-    _, final = restore_params(tmp_path / "run", abstract_params(c.model, lora=c.lora))
+    go = lambda run: train(c, tmp_path / run, jax.devices()[:1], restore_from=str(tmp_path / "base"),  # noqa: E731
+                           extensions=[Lora()])
+    go("ref")
+    _, final = restore_params(tmp_path / "ref", abstract_params(c.model, lora=c.lora))
     got_base = nnx.split_state(final, ADAPTERS, ...)[1]
     for got, want in zip(jax.tree.leaves(got_base), jax.tree.leaves(base)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # never written again
     assert any(np.any(np.asarray(b) != 0) for b in jax.tree.leaves(nnx.split_state(final, LoraB, ...)[0]))
+    # Interrupted after step 2, then resumed from its own checkpoint: adapters and their moments come back.
+    calls = {"n": 0}
+
+    def stop_at_2(self, sync):
+        calls["n"] += 1
+        return calls["n"] == 2
+
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "_stop_requested", stop_at_2)
+        assert go("run")["steps"] == 2
+    assert go("run")["resumed_from_step"] == 2
+    assert _losses(tmp_path / "run") == _losses(tmp_path / "ref")
 
 
 # ---------------------------------------------------------------- QLoRA
