@@ -293,3 +293,18 @@ def test_qlora_trains_adapters_over_an_int8_base_from_quantize(trained):
     assert after["layers/attn/wq"][...].dtype == jnp.int8
     assert all(np.array_equal(np.asarray(v[...]), np.asarray(after[k][...])) for k, v in before.items()
                if not isinstance(v, (LoraA, LoraB)))
+
+
+def test_generate_from_an_unmerged_mla_run_equals_the_merged_model():
+    """Inference builds the adapters too; MLA's absorbed decode slices kv_b, which merges it first."""
+    from jaxinfra.infer.generation import Generator
+    from jaxinfra.lora.merge import merge_variables, merged_config
+
+    c = load_config("deepseek-tiny", [*BASE[:3], "model.num_layers=2", "mesh.data=1", "lora.rank=2",
+                                      "lora.targets=[q_b,kv_a,kv_b,o]"])
+    variables = _nonzero_b(init_params(c.model, jax.random.key(0), c.quant, c.lora))
+    plain = merged_config(c)
+    merged = merge_variables(c, variables, abstract_params(plain.model, quant=plain.quant))
+    prompts = [[1, 2, 3, 4], [5, 6]]
+    got = Generator(c, variables, devices=jax.devices()[:1]).generate(prompts, max_new_tokens=6).tokens
+    assert got == Generator(plain, merged, devices=jax.devices()[:1]).generate(prompts, max_new_tokens=6).tokens
