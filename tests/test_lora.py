@@ -308,3 +308,26 @@ def test_generate_from_an_unmerged_mla_run_equals_the_merged_model():
     prompts = [[1, 2, 3, 4], [5, 6]]
     got = Generator(c, variables, devices=jax.devices()[:1]).generate(prompts, max_new_tokens=6).tokens
     assert got == Generator(plain, merged, devices=jax.devices()[:1]).generate(prompts, max_new_tokens=6).tokens
+
+
+def test_bad_lora_input_on_the_command_line_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
+    from jaxinfra import cli, runtime
+
+    # The installed entry points may predate `lora`: add it as the registered one would.
+    found = runtime.extensions_for
+    monkeypatch.setattr(runtime, "extensions_for", lambda c: [*found(c), *filter(None, [for_config(c)])])
+    c = load_config("tiny", BASE)
+    save_params_only(tmp_path / "base", c, init_params(c.model, jax.random.key(0)), {"params_only": True})
+    small = " ".join(BASE).replace("model.d_model=32", "model.d_model=64").split()
+    for argv, message in [
+        (["lora", "merge", str(tmp_path / "base"), str(tmp_path / "out")], "holds no LoRA adapters (lora.rank=0)"),
+        (["train", "tiny", *BASE, "lora.rank=4", "lora.targets=[kv_b]"], "lora.targets='kv_b' is invalid"),
+        (["train", "tiny", *BASE, "lora.rank=64"], "lora.rank=64 is invalid: must be <= the smallest dimension"),
+        (["train", "tiny", *small, "mesh.data=-1", "lora.rank=4", "--restore", str(tmp_path / "base"), "--run-dir",
+          str(tmp_path / "run"), "checkpoint.restore=params"], "was written for another model (config keys "
+                                                               "model.d_model: 32 -> 64)"),
+    ]:
+        capsys.readouterr()
+        rc = cli.main(argv)
+        err = capsys.readouterr().err
+        assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, (argv, err)
