@@ -71,6 +71,7 @@ class Adapted(NamedTuple):
 
 
 Weight = jax.Array | Int8Weight | Adapted
+ADAPTERS = nnx.Any(LoraA, LoraB)  # the nnx filter of every LoRA adapter (what a LoRA run trains)
 Projections = Mapping[str, tuple[str, tuple[int, ...]]]  # weight attr -> (projection name, contracted dims)
 
 
@@ -214,6 +215,13 @@ def merged(w: Adapted, dtype: Any = jnp.float32) -> jax.Array:
     delta = jnp.einsum("...ir,...ro->...io", a.reshape(*batch, -1, a.shape[-1]), b.reshape(*batch, b.shape[nb], -1),
                        precision=jax.lax.Precision.HIGHEST)
     return (base + delta.reshape(base.shape)).astype(dtype)
+
+
+def float_weight(w: Weight, dtype: Any) -> jax.Array:
+    """Any weight as one float array: an int8 one dequantized, an adapted one merged."""
+    if isinstance(w, Adapted):
+        return merged(w, dtype)
+    return _dequantized(w, dtype) if isinstance(w, Int8Weight) else w.astype(dtype)
 
 
 def slice_weight(w: Weight, index: Any) -> Weight:

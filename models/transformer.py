@@ -151,7 +151,7 @@ class Transformer(nnx.Module):
         stored; its default is plain float matmuls and weights. `lora` (the `lora` section) adds
         low-rank adapters to the projections it targets (models/project.py)."""
         self.cfg = cfg
-        self.lora_dropout = lora.dropout if lora.enabled else 0.0
+        self.adapter_dropout = lora.dropout if lora.enabled else 0.0  # (prepare_weights sets lora_* per module)
         self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std, cfg.param_dtype)
         schedule = self.schedule
         if schedule.count("dense"):
@@ -187,7 +187,7 @@ class Transformer(nnx.Module):
     @property
     def stochastic(self) -> bool:
         """Whether the training forward draws random numbers (LoRA dropout): it then takes `rng`."""
-        return self.lora_dropout > 0
+        return self.adapter_dropout > 0
 
     def hidden(self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
                *, plan: ParallelPlan = SINGLE_DEVICE,

@@ -9,13 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from flax import nnx
-
 from jaxinfra.config import Config
 from jaxinfra.extensions import StepExtension
-from models.project import LoraA, LoraB
-
-ADAPTERS = nnx.Any(LoraA, LoraB)  # the nnx filter of the trained params
+from models.project import ADAPTERS
 
 
 class Lora(StepExtension):
