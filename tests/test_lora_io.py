@@ -264,3 +264,38 @@ def test_adapters_flag_errors_are_one_line_exit_2(peft_run, tmp_path, capsys):
     assert cli.main(["hf", "export", str(plain), str(tmp_path / "b"), "--adapters"]) == 2
     err = capsys.readouterr().err.strip()
     assert "not a LoRA run" in err and len(err.splitlines()) == 1
+
+
+def test_mixtral_expert_adapters_round_trip(tmp_path, capsys):
+    """Routed experts' adapters as PEFT names them on the Hub layout (`block_sparse_moe.experts.{j}.w1`),
+    export -> import bit for bit; `hf import` with lora.* but no adapter is a one-line error."""
+    import jax
+    from flax import nnx
+
+    from jaxinfra import cli
+    from jaxinfra.checkpoint import save_params_only
+    from jaxinfra.hf.exporter import export_hf
+    from jaxinfra.hf.importer import build_config, import_hf
+    from jaxinfra.hf.safetensors_io import SafetensorsDir
+    from jaxinfra.state import init_params
+    from models.project import LoraB
+
+    family, model = hf_config("mixtral")
+    cfg = build_config(model, ["lora.rank=2", "lora.targets=[q,experts.gate,experts.up,experts.down]"], 1)
+    params = init_params(cfg.model, jax.random.key(0), lora=cfg.lora)
+    rng = np.random.default_rng(1)
+    params = jax.tree.map(lambda v: v.replace(jax.numpy.asarray(rng.standard_normal(v.shape), np.float32))
+                          if isinstance(v, LoraB) else v, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    save_params_only(tmp_path / "run", cfg, params, {"params_only": True, "step": 0})
+    report = export_hf(tmp_path / "run", tmp_path / "hf", adapters=True)
+    assert report["target_modules"] == ["q_proj", "w1", "w2", "w3"]
+    files = SafetensorsDir(tmp_path / "hf", only=adapters.WEIGHTS_FILE)
+    d, e = cfg.model.d_model, cfg.model.moe_num_experts
+    assert files.shape(f"base_model.model.model.layers.1.block_sparse_moe.experts.{e - 1}.w2.lora_B.weight") == [d, 2]
+    assert len(files.where) == 2 * cfg.model.num_layers * (1 + 3 * e)
+    import_hf(tmp_path / "hf", tmp_path / "again", devices=jax.devices()[:1], adapter=tmp_path / "hf")
+    _, back = _restored(tmp_path / "again")
+    for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(back), strict=True):
+        assert np.array_equal(np.asarray(x), np.asarray(y))
+    assert cli.main(["hf", "import", str(HF / "llama"), str(tmp_path / "x"), "lora.rank=4"]) == 2
+    assert "needs --adapter PEFT_DIR" in capsys.readouterr().err

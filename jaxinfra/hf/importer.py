@@ -154,6 +154,9 @@ def import_hf(hf_dir: str | pathlib.Path, out: str | pathlib.Path, overrides: Se
         adapter = pathlib.Path(adapter)
         overrides = [*lora_overrides(adapter, model, family), *overrides]
     cfg = build_config(model, overrides, len(devices))
+    if cfg.lora.enabled and adapter is None:
+        raise HFError("hf import with lora.rank > 0 needs --adapter PEFT_DIR; to start new adapters, import the "
+                      "base and train it with lora.* set (train --restore OUT)")
     files = SafetensorsDir(hf_dir)
     params = load_params(cfg, family, rope_interleaved(hf, family), files, devices, adapter)
     check_unused(files, cfg.model, family)
