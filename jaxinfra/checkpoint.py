@@ -465,14 +465,18 @@ def is_params_only(directory: str | pathlib.Path) -> bool:
 
 
 def restore_params(directory: str | pathlib.Path, target_params: Any, step: int | None = None,
-                   config: dict[str, Any] | None = None) -> tuple[int, Any]:
+                   config: dict[str, Any] | None = None, optional: Any = None) -> tuple[int, Any]:
     """The model's variables (params and stats, jaxinfra/state.py model_state) only, from the newest
     readable checkpoint under `directory` (a run dir, its checkpoints/, or one step directory
     RUN/checkpoints/N), or from checkpoint `step` alone.
 
     Like `Checkpointer.restore_latest`: params of other shapes raise CheckpointFitError (naming the
     differing keys of `config`, the current resolved config as a dict); an unreadable checkpoint is
-    reported and the previous one tried (left in place: this path only reads)."""
+    reported and the previous one tried (left in place: this path only reads).
+
+    `optional`: an nnx filter of variables the checkpoint may lack altogether (LoRA adapters over a base
+    saved without them): when none of them is saved they are left out of the result, for the caller to
+    initialise; when some are, every one must fit like the rest."""
     directory, only_step = _checkpoints_dir(directory)
     directory = directory.absolute()  # Orbax refuses relative paths (`jaxinfra generate runs/x` gives one)
     step = only_step if step is None else step
@@ -488,7 +492,7 @@ def restore_params(directory: str | pathlib.Path, target_params: Any, step: int 
         steps = [step]
     for step in steps:
         try:
-            item = _model_items(directory / str(step), target_params)
+            item = _model_items(directory / str(step), _present(directory / str(step), target_params, optional))
             check_fits(directory / str(step), item, config, item_prefix=("params/", "stats/"))
             with _quiet_orbax():
                 restored = manager.restore(step, args=ocp.args.Composite(
@@ -503,6 +507,18 @@ def restore_params(directory: str | pathlib.Path, target_params: Any, step: int 
             print(f"jaxinfra: warning: checkpoint {directory / str(step)} is unreadable ({_reason(e)}); "
                   f"trying the previous one", flush=True)
     raise CheckpointError(f"no readable checkpoint under {directory}")
+
+
+def _present(step_dir: pathlib.Path, variables: Any, optional: Any) -> Any:
+    """`variables` without those matching `optional` when the checkpoint holds none of them."""
+    if optional is None:
+        return variables
+    maybe, rest = nnx.split_state(variables, optional, ...)
+    if not jax.tree.leaves(maybe):
+        return variables
+    saved = _saved_shapes(step_dir)
+    names = [f"params/{k}" for k in ocp.tree.to_flat_dict(maybe, sep="/")]
+    return variables if any(n in saved for n in names) else rest
 
 
 def _pre_stats_target(step_dir: pathlib.Path, target: TrainState) -> dict[str, Any] | None:
@@ -555,7 +571,8 @@ def export_params(run_dir: str | pathlib.Path, out: str | pathlib.Path, dtype: s
     if not cfg_path.is_file():
         raise CheckpointError(f"{run_dir} has no config.yaml: is it a jaxinfra run directory?")
     cfg = load_config(str(cfg_path))
-    target = abstract_params(cfg.model, make_mesh(MeshConfig(), jax.local_devices()[:1]), quant=cfg.quant)
+    target = abstract_params(cfg.model, make_mesh(MeshConfig(), jax.local_devices()[:1]), quant=cfg.quant,
+                             lora=cfg.lora)
     _, params = restore_params(run_dir, target)
     if dtype is not None:
         params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), params)

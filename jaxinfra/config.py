@@ -23,6 +23,7 @@ import yaml
 from jaxinfra.config_sections import DistillConfig, SftConfig
 from jaxinfra.data.config import DataConfig
 from models.config import REMAT_POLICIES, ModelConfig
+from models.lora_config import LoraConfig, model_problems
 from models.quant_config import QuantConfig, group_size_problem
 from sharding.config import (
     MESH_AXES,
@@ -138,6 +139,7 @@ class Config:
     quant: QuantConfig = QuantConfig()  # matmul, weight and KV-cache quantization (docs/quantization.md)
     distill: DistillConfig = DistillConfig()  # off unless distill.teacher or distill.logits
     sft: SftConfig = SftConfig()  # which tokens train when data.source=chat (jaxinfra/sft/)
+    lora: LoraConfig = LoraConfig()  # low-rank adapters over a frozen base; off unless lora.rank > 0
 
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(dataclasses.asdict(self))
@@ -370,7 +372,8 @@ def validate(cfg: Config, device_count: int | None = None) -> None:
         raise ConfigError(f"{bad[0]} is invalid: numbers in the config must be finite")
     for section, problems in (("model", cfg.model.problems()), ("data", cfg.data.problems()),
                               ("quant", cfg.quant.problems() + group_size_problem(cfg.model, cfg.quant)),
-                              ("distill", cfg.distill.problems(cfg.model.vocab_size))):
+                              ("distill", cfg.distill.problems(cfg.model.vocab_size)),
+                              ("lora", cfg.lora.problems() or model_problems(cfg.model, cfg.lora))):
         for key, value, allowed in problems:
             raise ConfigError(f"{section}.{key}={value!r} is invalid: must be {allowed}")
     t = cfg.train
@@ -427,6 +430,9 @@ def validate_mesh(cfg: Config, device_count: int | None) -> None:
     except MeshError as e:
         raise ConfigError(str(e)) from None
     _validate_pipeline(cfg, sizes["stage"], sizes["context"])
+    if sizes["stage"] > 1 and cfg.lora.enabled and cfg.lora.dropout:
+        raise ConfigError(f"lora.dropout={cfg.lora.dropout} with mesh.stage={sizes['stage']} is not supported (the "
+                          f"pipeline passes no per-layer dropout keys); use lora.dropout=0")
     if sizes["stage"] > 1 and cfg.quant.train == "fp8" and cfg.quant.scaling == "delayed":
         raise ConfigError(f"quant.scaling=delayed with mesh.stage={sizes['stage']} is not supported (the pipeline "
                           f"sums each microbatch's amax observation); use quant.scaling=current")

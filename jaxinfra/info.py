@@ -15,6 +15,7 @@ from jaxinfra.config import Config, pipeline_settings, validate
 from jaxinfra.metrics import flops_per_token, param_counts
 from jaxinfra.metrics.table import format_table
 from jaxinfra.optim import make_optimizer, make_schedule
+from jaxinfra.plan.memory import lora_trainable
 from jaxinfra.state import abstract_state, model_state, sharding_rules, shardings_for
 from sharding.mesh import make_mesh
 from sharding.pipeline import Schedule, bubble_fraction
@@ -42,19 +43,32 @@ def _tree_bytes(abstract: Any, shardings: Any) -> tuple[int, int]:
     return total, per_device
 
 
+def _abstract_state(cfg: Config) -> Any:
+    """The run's abstract TrainState (with LoRA: the adapters, and the optimizer state theirs only)."""
+    tx = make_optimizer(cfg.optimizer, make_schedule(cfg.schedule, cfg.optimizer.lr, cfg.train.steps))
+    return abstract_state(cfg.model, tx, cfg.quant, trainable=lora_trainable(cfg.lora), lora=cfg.lora)
+
+
 def memory_table(cfg: Config, mesh: jax.sharding.Mesh) -> dict[str, tuple[int, int]]:
     """{params, grads, optimizer state[, stats]}: (total bytes, bytes per device), from shapes and shardings
-    (stats: the model's non-trained variables, e.g. router bias, amax histories; models/stat.py)."""
+    (stats: the model's non-trained variables, e.g. router bias, amax histories; models/stat.py). With
+    LoRA, params split into `frozen params` (the base: no grads, no optimizer state) and `trained params`
+    (the adapters), and grads are the adapters' only."""
     rules = sharding_rules(cfg.parallelism)
-    tx = make_optimizer(cfg.optimizer, make_schedule(cfg.schedule, cfg.optimizer.lr, cfg.train.steps))
-    state = abstract_state(cfg.model, tx, cfg.quant)
+    state = _abstract_state(cfg)
     shardings = shardings_for(state, mesh, rules)
     params = _tree_bytes(state.params, shardings.params)
     stats = {"stats": _tree_bytes(state.stats, shardings.stats)} if jax.tree.leaves(state.stats) else {}
+    optimizer = {"optimizer state": _tree_bytes(state.opt_state, shardings.opt_state)}
+    trainable = lora_trainable(cfg.lora)
+    if trainable is not None:
+        trained, frozen = (_tree_bytes(*(nnx.split_state(t, trainable, ...)[i] for t in (state.params,
+                                                                                        shardings.params)))
+                           for i in (0, 1))
+        return {"frozen params": frozen, "trained params": trained, "grads": trained, **optimizer, **stats}
     if cfg.quant.weights != "none":  # an inference checkpoint: no gradients, no optimizer
         return {"params": params, **stats}
-    return {"params": params, "grads": params, "optimizer state": _tree_bytes(state.opt_state, shardings.opt_state),
-            **stats}
+    return {"params": params, "grads": params, **optimizer, **stats}
 
 
 def quant_lines(cfg: Config) -> list[str]:
@@ -90,6 +104,39 @@ def pipeline_line(cfg: Config, stages: int) -> str:
             f" (same microbatches: {others})")
 
 
+def lora_lines(cfg: Config) -> list[str]:
+    """The lora section in words: rank, scale, targets and the trained parameter count."""
+    from models.lora_config import adapter_param_count, lora_targets
+
+    lora = cfg.lora
+    if not lora.enabled:
+        return []
+    base = "int8 (weights + float32 scales)" if cfg.quant.weights == "int8" else cfg.model.param_dtype
+    return [f"lora: rank {lora.rank}, alpha {lora.alpha:g} (scale {lora.scale:g}), dropout {lora.dropout:g} on "
+            f"{', '.join(lora_targets(lora))}: {adapter_param_count(cfg.model, lora):,} trained params (float32) "
+            f"over a frozen {base} base"]
+
+
+def parameter_table(state: Any, shardings: Any, trainable: Any = None) -> str:
+    """One row per parameter and stat: shape, dtype, logical axes, mesh sharding, bytes per device and,
+    when a base is frozen (LoRA), whether the optimizer trains it (trainable, frozen, or stat: updated
+    outside the optimizer). Without a frozen base the column is left out, as before LoRA existed."""
+    trained = {path for path, _ in nnx.to_flat_state(state.params if trainable is None else
+                                                      nnx.split_state(state.params, trainable, ...)[0])}
+    rows = []
+    flat_shardings = dict(nnx.to_flat_state(model_state(shardings)))
+    for path, var in nnx.to_flat_state(model_state(state)):  # params and stats
+        sharding = flat_shardings[path].get_raw_value()
+        role = "trainable" if path in trained else "frozen" if isinstance(var, nnx.Param) else "stat"
+        rows.append(("/".join(map(str, path)), str(tuple(var.shape)), str(np.dtype(var.dtype)),
+                     str(tuple(var.get_metadata()["out_sharding"])), str(tuple(sharding.spec)),
+                     f"{_bytes_per_device(var.shape, var.dtype, sharding):,}", role))
+    columns = ["parameter", "shape", "dtype", "logical axes", "mesh sharding", "bytes/device", "training"]
+    if trainable is None:
+        return format_table([row[:-1] for row in rows], columns[:-1])
+    return format_table(rows, columns)
+
+
 def describe(cfg: Config | None = None) -> str:
     devices = jax.devices()
     lines = [
@@ -110,18 +157,10 @@ def describe(cfg: Config | None = None) -> str:
     active = f", {counts['active']:,} active per token" if "active" in counts else ""
     lines.append(f"params: {counts['total']:,} ({counts['non_embedding']:,} non-embedding{active}); "
                  f"train FLOPs/token at seq {cfg.train.seq_len}: {flops_per_token(cfg.model, cfg.train.seq_len):.4g}")
-    tx = make_optimizer(cfg.optimizer, make_schedule(cfg.schedule, cfg.optimizer.lr, cfg.train.steps))
-    state = abstract_state(cfg.model, tx, cfg.quant)
+    state = _abstract_state(cfg)
     shardings = shardings_for(state, mesh, rules)
-    lines += quant_lines(cfg)
-    rows = []
-    flat_shardings = dict(nnx.to_flat_state(model_state(shardings)))
-    for path, var in nnx.to_flat_state(model_state(state)):  # params and stats
-        sharding = flat_shardings[path].get_raw_value()
-        rows.append(("/".join(map(str, path)), str(tuple(var.shape)), str(np.dtype(var.dtype)),
-                     str(tuple(var.get_metadata()["out_sharding"])), str(tuple(sharding.spec)),
-                     f"{_bytes_per_device(var.shape, var.dtype, sharding):,}"))
-    lines.append(format_table(rows, ["parameter", "shape", "dtype", "logical axes", "mesh sharding", "bytes/device"]))
+    lines += quant_lines(cfg) + lora_lines(cfg)
+    lines.append(parameter_table(state, shardings, lora_trainable(cfg.lora)))
     for name, (total, per_device) in memory_table(cfg, mesh).items():
         lines.append(f"{name:>16}: {per_device / 2**20:10.2f} MiB per device of {total / 2**20:10.2f} MiB "
                      f"({per_device / total:.3f})")

@@ -40,9 +40,11 @@ def check_backend(quant: QuantConfig, devices: Sequence[jax.Device]) -> None:
                       f"quant.train=int8, or a GPU of compute capability >= {FP8_GPU_CAPABILITY}")
 
 
-def check_trainable(quant: QuantConfig, devices: Sequence[jax.Device]) -> None:
-    """The quant section of a training run: float weights, and fp8 only where it runs (ConfigError)."""
-    if quant.weights != "none":
+def check_trainable(quant: QuantConfig, devices: Sequence[jax.Device], frozen_base: bool = False) -> None:
+    """The quant section of a training run: float weights (int8 ones only as the frozen base of LoRA
+    adapters: QLoRA), and fp8 only where it runs (ConfigError)."""
+    if quant.weights != "none" and not frozen_base:
         raise ConfigError(f"quant.weights={quant.weights} marks an inference checkpoint (jaxinfra quantize); "
-                          f"training needs float weights: train from the run it was quantized from")
+                          f"training needs float weights: train from the run it was quantized from, or "
+                          f"train LoRA adapters over it (lora.rank > 0)")
     check_backend(quant, devices)

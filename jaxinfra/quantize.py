@@ -64,6 +64,9 @@ def quantized_config(cfg: Config, weights: str, group_size: int, source: str) ->
     if cfg.quant.weights != "none":
         raise CheckpointError(f"{source} is already quantized (quant.weights={cfg.quant.weights}, "
                               f"group_size={cfg.quant.group_size}); quantize the float run it came from")
+    if cfg.lora.enabled:
+        raise CheckpointError(f"{source} holds LoRA adapters (lora.rank={cfg.lora.rank}); merge them first "
+                              f"(jaxinfra lora merge), then quantize the merged run")
     if group_size < 0:
         raise ConfigError(f"--group-size {group_size} is invalid: must be >= 0 (0: per output channel)")
     quant = dataclasses.replace(cfg.quant, weights=weights, group_size=group_size, train="none")

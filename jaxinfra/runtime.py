@@ -68,13 +68,13 @@ class Runtime:
     def init_state(self) -> TrainState:
         state, _ = create_train_state(self.cfg.model, self.tx, jax.random.key(self.cfg.train.seed),
                                       self.mesh, self.rules, self.cfg.quant, init_ext_fn(self.extensions),
-                                      trainable_filter(self.extensions))
+                                      trainable_filter(self.extensions), self.cfg.lora)
         return state
 
     def abstract_state(self) -> TrainState:
         """The TrainState's shapes, dtypes and logical metadata (with the extensions' state)."""
         return abstract_state(self.cfg.model, self.tx, self.cfg.quant, init_ext_fn(self.extensions),
-                              trainable_filter(self.extensions))
+                              trainable_filter(self.extensions), self.cfg.lora)
 
     def extension(self, name: str) -> StepExtension | None:
         return next((e for e in self.extensions if e.name == name), None)
@@ -122,14 +122,14 @@ def build_runtime(cfg: Config, devices: Sequence[jax.Device] | None = None,
     (jaxinfra/extensions.py extensions_for: the registered entry points). The core's ModelStats always runs first."""
     devices = list(devices) if devices is not None else jax.devices()
     validate(cfg, len(devices))
-    check_trainable(cfg.quant, devices)
+    check_trainable(cfg.quant, devices, frozen_base=cfg.lora.enabled)
     t = cfg.train
     mesh = make_mesh(cfg.mesh, devices)
     rules = sharding_rules(cfg.parallelism)
     plan = plan_for(mesh, rules, pipeline_settings(cfg.parallelism))  # settings kept only when mesh.stage > 1
     schedule = make_schedule(cfg.schedule, cfg.optimizer.lr, t.steps)
     tx = make_optimizer(cfg.optimizer, schedule)
-    graphdef = model_graphdef(cfg.model, cfg.quant)
+    graphdef = model_graphdef(cfg.model, cfg.quant, cfg.lora)
     data_sharding = batch_sharding(mesh, rules)
     if extensions is None:
         extensions = extensions_for(cfg)

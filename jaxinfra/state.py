@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfra.config import ParallelismConfig
 from models import ModelConfig, Transformer
+from models.lora_config import NO_LORA, LoraConfig
 from models.quant_config import NO_QUANT, QuantConfig
 from models.stat import Stat
 from sharding.rules import ShardingRules, Table, logical_to_mesh, rules_for
@@ -48,20 +49,26 @@ def split_model_state(variables: nnx.State) -> tuple[nnx.State, nnx.State]:
     return nnx.split_state(variables, nnx.Param, Stat)
 
 
+LORA_STREAM = 0x10A  # the adapters' init keys: the params key folded with this
+
+
 def _is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def model_graphdef(cfg: ModelConfig, quant: QuantConfig = NO_QUANT) -> nnx.GraphDef:
-    """The model's static structure (with how its projections quantize), from an abstract construction."""
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0), quant))
+def model_graphdef(cfg: ModelConfig, quant: QuantConfig = NO_QUANT, lora: LoraConfig = NO_LORA) -> nnx.GraphDef:
+    """The model's static structure (with how its projections quantize and which carry LoRA adapters),
+    from an abstract construction."""
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0), quant, lora))
     graphdef, _, _ = nnx.split(abstract, nnx.Param, Stat)
     return graphdef
 
 
-def init_params(cfg: ModelConfig, rng: jax.Array, quant: QuantConfig = NO_QUANT) -> nnx.State:
-    """The model's variables, Params and Stats in one State (`split_model_state` separates them)."""
-    model = Transformer(cfg, nnx.Rngs(params=rng), quant)
+def init_params(cfg: ModelConfig, rng: jax.Array, quant: QuantConfig = NO_QUANT,
+                lora: LoraConfig = NO_LORA) -> nnx.State:
+    """The model's variables, Params and Stats in one State (`split_model_state` separates them). LoRA
+    adapters draw from their own stream, so the base weights are the same with or without them."""
+    model = Transformer(cfg, nnx.Rngs(params=rng, lora=jax.random.fold_in(rng, LORA_STREAM)), quant, lora)
     _, variables, rest = nnx.split(model, (nnx.Param, Stat), ...)
     if jax.tree.leaves(rest):  # the train state only carries Params and Stats
         raise ValueError(f"model has state that is neither a Param nor a Stat, which training would drop: {rest}")
@@ -69,14 +76,14 @@ def init_params(cfg: ModelConfig, rng: jax.Array, quant: QuantConfig = NO_QUANT)
 
 
 def abstract_params(model_cfg: ModelConfig, mesh: Mesh | None = None, rules: ShardingRules | None = None,
-                    quant: QuantConfig = NO_QUANT) -> nnx.State:
+                    quant: QuantConfig = NO_QUANT, lora: LoraConfig = NO_LORA) -> nnx.State:
     """The model's variables' (params and stats) shapes, dtypes and logical metadata, unallocated.
 
     With a mesh every leaf is a ShapeDtypeStruct carrying its sharding on that mesh (by
     `rules.params`, replicated without rules): the target that Orbax restores into and that
     `jax.make_array_from_callback` builds. A 1-device mesh gives a single-device target.
     """
-    abstract = jax.eval_shape(lambda: init_params(model_cfg, jax.random.key(0), quant))
+    abstract = jax.eval_shape(lambda: init_params(model_cfg, jax.random.key(0), quant, lora))
     if mesh is None:
         return abstract
     if rules is None:
@@ -119,9 +126,9 @@ InitExt = Callable[[nnx.State], dict[str, Any]]  # params -> extensions' state (
 
 
 def _init_fn(model_cfg: ModelConfig, tx: optax.GradientTransformation, quant: QuantConfig = NO_QUANT,
-             init_ext: InitExt | None = None, trainable: Any = None):
+             init_ext: InitExt | None = None, trainable: Any = None, lora: LoraConfig = NO_LORA):
     def init(rng: jax.Array) -> TrainState:
-        params, stats = split_model_state(init_params(model_cfg, rng, quant))
+        params, stats = split_model_state(init_params(model_cfg, rng, quant, lora))
         ext = init_ext(params) if init_ext is not None else {}
         # The optimizer holds moments for the trained params only (a frozen base has none).
         opt_state = tx.init(params if trainable is None else nnx.split_state(params, trainable, ...)[0])
@@ -131,20 +138,22 @@ def _init_fn(model_cfg: ModelConfig, tx: optax.GradientTransformation, quant: Qu
 
 
 def abstract_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, quant: QuantConfig = NO_QUANT,
-                   init_ext: InitExt | None = None, trainable: Any = None) -> TrainState:
-    """Shapes, dtypes and logical metadata of the TrainState, without allocating it."""
-    return jax.eval_shape(_init_fn(model_cfg, tx, quant, init_ext, trainable), jax.random.key(0))
+                   init_ext: InitExt | None = None, trainable: Any = None, lora: LoraConfig = NO_LORA) -> TrainState:
+    """Shapes, dtypes and logical metadata of the TrainState, without allocating it (with LoRA: pass the
+    adapters' filter as `trainable`, so the optimizer state holds only theirs)."""
+    return jax.eval_shape(_init_fn(model_cfg, tx, quant, init_ext, trainable, lora), jax.random.key(0))
 
 
 def create_train_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, rng: jax.Array,
                        mesh: Mesh, rules: ShardingRules, quant: QuantConfig = NO_QUANT,
-                       init_ext: InitExt | None = None, trainable: Any = None) -> tuple[TrainState, Any]:
+                       init_ext: InitExt | None = None, trainable: Any = None,
+                       lora: LoraConfig = NO_LORA) -> tuple[TrainState, Any]:
     """Initialise params, stats, extension state and optimizer state under jit, each shard on its own device.
 
     Returns (state, state_shardings). The shardings equal `shardings_for(abstract_state(...))`, which
     build_runtime computes once, before anything is allocated, for the jitted steps' in/out shardings.
     """
-    init = _init_fn(model_cfg, tx, quant, init_ext, trainable)
+    init = _init_fn(model_cfg, tx, quant, init_ext, trainable, lora)
     state_shardings = shardings_for(jax.eval_shape(init, rng), mesh, rules)
     with jax.set_mesh(mesh):
         state = jax.jit(init, out_shardings=state_shardings)(rng)

@@ -24,6 +24,7 @@ from models.project import merge_observations
 from sharding.plan import SINGLE_DEVICE, ParallelPlan
 
 Batch = dict[str, jax.Array]
+DROPOUT_SEED = 0x10A  # the training forward's dropout keys are this seed folded with the step number
 SumsFn = Callable[..., dict[str, jax.Array]]
 
 
@@ -59,7 +60,9 @@ def forward_sums(graphdef: nnx.GraphDef, cfg: ModelConfig, extensions: Sequence[
     def sums_fn(variables: tuple[nnx.State, ...], batch: Batch, step: Any = None, inputs: tuple = (),
                 ext_state: dict | None = None) -> dict[str, jax.Array]:
         model = nnx.merge(graphdef, *variables)
-        h, moe_stats = model.hidden(batch["inputs"], batch["positions"], batch["segment_ids"], plan=plan)
+        # Training draws a per-step key for a stochastic model (LoRA dropout); evaluation (no step) none.
+        rng = jax.random.fold_in(jax.random.key(DROPOUT_SEED), step) if step is not None and model.stochastic else None
+        h, moe_stats = model.hidden(batch["inputs"], batch["positions"], batch["segment_ids"], plan=plan, rng=rng)
         ctxs = [StepContext(model, batch, step, x, (ext_state or {}).get(e.name), plan)
                 for e, x in zip(extensions, inputs or ((),) * len(extensions), strict=True)]
         extra = [e.per_token(c, h) for e, c in zip(extensions, ctxs)]

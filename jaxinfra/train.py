@@ -32,6 +32,7 @@ from typing import Any, NoReturn
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.experimental import multihost_utils
 
 from jaxinfra.checkpoint import (
@@ -75,6 +76,7 @@ from jaxinfra.rundir import RunDirError, RunDirLock, check_run_dir
 from jaxinfra.runtime import build_runtime
 from jaxinfra.state import TrainState, bytes_per_device, model_state, split_model_state
 from jaxinfra.watchdog import Watchdog
+from models.project import ADAPTERS
 
 
 @dataclasses.dataclass
@@ -217,9 +219,13 @@ class Trainer:
             print(f"jaxinfra: {params_only} holds params only (e.g. an HF import); starting from them with a "
                   f"fresh optimizer at step 0 (as checkpoint.restore=params)", flush=True)
         target = self._target()
-        _, variables = restore_params(source, model_state(target), config=self.cfg.to_dict())
+        # LoRA over a base saved without adapters: the base is restored by name, the adapters start fresh.
+        _, variables = restore_params(source, model_state(target), config=self.cfg.to_dict(), optional=ADAPTERS)
+        fresh = self.rt.init_state()
         params, stats = split_model_state(variables)
-        return 0, self.rt.init_state().replace(params=params, stats=stats), {}
+        if not jax.tree.leaves(nnx.split_state(params, ADAPTERS, ...)[0]):
+            params = nnx.merge_state(params, nnx.split_state(fresh.params, ADAPTERS, ...)[0])
+        return 0, fresh.replace(params=params, stats=stats), {}
 
     def _resume(self, step: int, state: TrainState, data: dict, meta: dict) -> tuple[int, TrainState, dict]:
         if meta.get("global_batch") != self.cfg.train.batch_size or meta.get("seq_len") != self.cfg.train.seq_len:

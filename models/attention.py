@@ -13,6 +13,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.config import ModelConfig
 from models.layers import DTYPES, apply_rope, ones_param, param, rms_norm, zeros_bias
+from models.lora_config import NO_LORA, LoraConfig
 from models.project import Projections, prepare_weights, project_attr
 from models.quant_config import NO_QUANT, QuantConfig
 from sharding.context import attention as context_attention
@@ -27,7 +28,7 @@ class Attention(nnx.Module):
         "wq": ("attention.q", (-3,)), "wk": ("attention.k", (-3,)), "wv": ("attention.v", (-3,)),
         "wo": ("attention.o", (-3, -2))}
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, quant: QuantConfig = NO_QUANT):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, quant: QuantConfig = NO_QUANT, lora: LoraConfig = NO_LORA):
         d, h, kv, dh, std = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.resolved_head_dim, cfg.init_std
         self.wq = param(rngs, (d, h, dh), ("embed", "heads", "head_dim"), std, cfg.param_dtype)
         self.wk = param(rngs, (d, kv, dh), ("embed", "kv_heads", "head_dim"), std, cfg.param_dtype)
@@ -44,7 +45,7 @@ class Attention(nnx.Module):
         self.qk_norm = cfg.qk_norm
         self.eps = cfg.norm_eps
         self.impl = cfg.attention_impl
-        prepare_weights(self, quant, self.PROJECTIONS, DTYPES[cfg.dtype])
+        prepare_weights(self, quant, self.PROJECTIONS, DTYPES[cfg.dtype], lora, rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                  rope_freqs: jax.Array, *, plan: ParallelPlan = SINGLE_DEVICE) -> jax.Array:

@@ -12,6 +12,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from models.config import ModelConfig
+from models.lora_config import NO_LORA, LoraConfig
 from models.project import Projections, prepare_weights, project_attr
 from models.quant_config import NO_QUANT, QuantConfig
 from sharding.plan import SINGLE_DEVICE, ParallelPlan
@@ -118,13 +119,14 @@ class MLP(nnx.Module):
     PROJECTIONS: ClassVar[Projections] = {
         "w_gate": ("mlp.gate", (-2,)), "w_up": ("mlp.up", (-2,)), "w_down": ("mlp.down", (-2,))}
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, width: int | None = None, quant: QuantConfig = NO_QUANT):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, width: int | None = None, quant: QuantConfig = NO_QUANT,
+                 lora: LoraConfig = NO_LORA):
         d, f, std = cfg.d_model, cfg.mlp_dim if width is None else width, cfg.init_std
         self.w_gate = param(rngs, (d, f), ("embed", "mlp"), std, cfg.param_dtype)
         self.w_up = param(rngs, (d, f), ("embed", "mlp"), std, cfg.param_dtype)
         # Residual-branch outputs are scaled down with depth (GPT-2) so the stream's variance stays flat.
         self.w_down = param(rngs, (f, d), ("mlp", "embed"), std / math.sqrt(2 * cfg.num_layers), cfg.param_dtype)
-        prepare_weights(self, quant, self.PROJECTIONS, DTYPES[cfg.dtype])
+        prepare_weights(self, quant, self.PROJECTIONS, DTYPES[cfg.dtype], lora, rngs)
 
     def __call__(self, x: jax.Array, *, plan: ParallelPlan = SINGLE_DEVICE) -> jax.Array:
         # Matmuls on [batch*length, features]: with one row dimension the backward's weight

@@ -34,6 +34,7 @@ from jax.ad_checkpoint import checkpoint_name
 from models.attention import Cache, decode_attention
 from models.config import ModelConfig
 from models.layers import DTYPES, apply_rope, ones_param, param, rms_norm, yarn_softmax_scale
+from models.lora_config import NO_LORA, LoraConfig
 from models.project import Projections, prepare_weights, project_attr, slice_weight, weight
 from models.quant import dequantize
 from models.quant_config import NO_QUANT, QuantConfig
@@ -47,7 +48,7 @@ class MLA(nnx.Module):
         "wq": ("mla.q", (-3,)), "wq_a": ("mla.q_a", (-2,)), "wq_b": ("mla.q_b", (-3,)),
         "wkv_a": ("mla.kv_a", (-2,)), "wkv_b": ("mla.kv_b", (-3,)), "wo": ("mla.o", (-3, -2))}
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, quant: QuantConfig = NO_QUANT):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, quant: QuantConfig = NO_QUANT, lora: LoraConfig = NO_LORA):
         d, h, std, dtype = cfg.d_model, cfg.num_heads, cfg.init_std, cfg.param_dtype
         nope, rope, dv, rank = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         if cfg.q_lora_rank is None:
@@ -65,7 +66,7 @@ class MLA(nnx.Module):
         self.impl = cfg.attention_impl
         # The attention entry scales by d_qk^-1/2; a different scale is folded into q.
         self.q_scale = yarn_softmax_scale(cfg)
-        prepare_weights(self, quant, self.PROJECTIONS, DTYPES[cfg.dtype])
+        prepare_weights(self, quant, self.PROJECTIONS, DTYPES[cfg.dtype], lora, rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                  rope_freqs: jax.Array, *, plan: ParallelPlan = SINGLE_DEVICE) -> jax.Array:

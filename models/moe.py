@@ -38,10 +38,13 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.config import ModelConfig
 from models.layers import DTYPES, MLP, param
+from models.lora_config import NO_LORA, LoraConfig
 from models.project import (
+    Adapted,
     Int8Weight,
     Projections,
     Weight,
+    adapter_layout,
     matmul_of,
     prepare_weights,
     project,
@@ -62,7 +65,7 @@ class MoE(nnx.Module):
     PROJECTIONS: ClassVar[Projections] = {
         "w_gate": ("experts.gate", (-2,)), "w_up": ("experts.up", (-2,)), "w_down": ("experts.down", (-2,))}
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, quant: QuantConfig = NO_QUANT):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, quant: QuantConfig = NO_QUANT, lora: LoraConfig = NO_LORA):
         e, d, f, std = cfg.moe_num_experts, cfg.d_model, cfg.expert_dim, cfg.init_std
         self.router = Router(cfg, rngs, quant)
         self.w_gate = param(rngs, (e, d, f), GATE_NAMES, std, cfg.param_dtype)
@@ -70,9 +73,9 @@ class MoE(nnx.Module):
         # Residual-branch output scaled down with depth, as the dense MLP's w_down.
         self.w_down = param(rngs, (e, f, d), DOWN_NAMES, std / math.sqrt(2 * cfg.num_layers), cfg.param_dtype)
         if cfg.moe_shared_experts:
-            self.shared = MLP(cfg, rngs, width=cfg.moe_shared_experts * f, quant=quant)
+            self.shared = MLP(cfg, rngs, width=cfg.moe_shared_experts * f, quant=quant, lora=lora)
         self.cfg = cfg
-        prepare_weights(self, quant, self.PROJECTIONS, DTYPES[cfg.dtype])
+        prepare_weights(self, quant, self.PROJECTIONS, DTYPES[cfg.dtype], lora, rngs)
 
     def __call__(self, x: jax.Array, mask: jax.Array, order: jax.Array | None = None, *,
                  plan: ParallelPlan = SINGLE_DEVICE) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -92,7 +95,7 @@ class MoE(nnx.Module):
         experts, gates = routing.experts.reshape(b, t, k), routing.weights.reshape(b, t, k)
         # Float weights enter the expert exchange in the compute dtype (gathers move half the bytes in
         # bfloat16); int8-stored ones as they are. Flat leaves: an Int8Weight is two arrays.
-        weights = [w if isinstance(w, Int8Weight) else w.astype(dt) for w in map(partial(weight, self), ATTRS)]
+        weights = [_exchanged(w, dt) for w in map(partial(weight, self), ATTRS)]
         leaves, treedef = jax.tree.flatten(weights)
         matmuls = tuple(matmul_of(self, a) for a in ATTRS)
         if cfg.moe_dispatch == "capacity":
@@ -104,7 +107,7 @@ class MoE(nnx.Module):
             y = jnp.einsum("gsec,gecd->gsd", combine.astype(dt), y_e)
         else:
             names = jax.tree.leaves([_names(w, n) for w, n in zip(weights, (GATE_NAMES, GATE_NAMES, DOWN_NAMES))],
-                                    is_leaf=lambda n: isinstance(n, tuple) and not isinstance(n, Int8Weight))
+                                    is_leaf=lambda n: isinstance(n, tuple) and not isinstance(n, (Int8Weight, Adapted)))
             y = dropless_experts(x, experts, gates, leaves, names,
                                  partial(_unflattened, grouped_swiglu, treedef, matmuls, dt, ragged=True),
                                  cfg.moe_num_experts, plan=plan)
@@ -166,8 +169,20 @@ def capacity_assignment(experts: jax.Array, gates: jax.Array, mask: jax.Array, n
 ATTRS = ("w_gate", "w_up", "w_down")
 
 
-def _names(w: Weight, names: tuple[str, ...]) -> tuple | Int8Weight:
-    """Logical names of a weight's arrays: a scale has None where it is reduced (size 1)."""
+def _exchanged(w: Weight, dtype) -> Weight:
+    """A weight as it enters the expert exchange: float arrays (adapters too) in the compute dtype."""
+    if isinstance(w, Adapted):
+        return Adapted(_exchanged(w.base, dtype), w.a.astype(dtype), w.b.astype(dtype))
+    return w if isinstance(w, Int8Weight) else w.astype(dtype)
+
+
+def _names(w: Weight, names: tuple[str, ...]) -> tuple | Int8Weight | Adapted:
+    """Logical names of a weight's arrays: a scale has None where it is reduced (size 1); adapters'
+    as models/project.py gives them (A: batch and contracted dims + None, B: batch + None + output)."""
+    if isinstance(w, Adapted):
+        batch, axes, out = adapter_layout(names, names, (-2,))
+        return Adapted(_names(w.base, names), tuple(names[i] for i in batch + axes) + (None,),
+                       tuple(names[i] for i in batch) + (None,) + tuple(names[i] for i in out))
     if not isinstance(w, Int8Weight):
         return names
     return Int8Weight(names, tuple(n if s == v else None for n, s, v in zip(names, w.scale.shape, w.values.shape)))

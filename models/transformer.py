@@ -28,6 +28,8 @@ down to every layer that shards; its default is one device, so bare calls comput
 
 from __future__ import annotations
 
+import zlib
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -36,6 +38,7 @@ from models.attention import Attention, Cache
 from models.cache import write as write_cache
 from models.config import ModelConfig
 from models.layers import DTYPES, MLP, RMSNorm, param, rope_frequencies
+from models.lora_config import NO_LORA, LoraConfig
 from models.mla import MLA
 from models.moe import MOE_STATS, MoE
 from models.project import lookup, prepare_weights, project_attr, weight
@@ -44,8 +47,9 @@ from models.stack import LayerSchedule, layer_schedule, run, run_pipelined
 from sharding.plan import SINGLE_DEVICE, ParallelPlan
 
 
-def make_attention(cfg: ModelConfig, rngs: nnx.Rngs, quant: QuantConfig = NO_QUANT) -> nnx.Module:
-    return MLA(cfg, rngs, quant) if cfg.is_mla else Attention(cfg, rngs, quant)
+def make_attention(cfg: ModelConfig, rngs: nnx.Rngs, quant: QuantConfig = NO_QUANT,
+                   lora: LoraConfig = NO_LORA) -> nnx.Module:
+    return MLA(cfg, rngs, quant, lora) if cfg.is_mla else Attention(cfg, rngs, quant, lora)
 
 
 RESIDUAL = ("batch", "residual_length", "embed")  # the residual stream's logical axes
@@ -54,11 +58,11 @@ RESIDUAL = ("batch", "residual_length", "embed")  # the residual stream's logica
 class Block(nnx.Module):
     """Pre-norm residual block: attention then SwiGLU MLP."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, quant: QuantConfig = NO_QUANT):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, quant: QuantConfig = NO_QUANT, lora: LoraConfig = NO_LORA):
         self.attn_norm = RMSNorm(cfg.d_model, cfg)
-        self.attn = make_attention(cfg, rngs, quant)
+        self.attn = make_attention(cfg, rngs, quant, lora)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg)
-        self.mlp = MLP(cfg, rngs, quant=quant)
+        self.mlp = MLP(cfg, rngs, quant=quant, lora=lora)
 
     def __call__(self, h: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                  rope_freqs: jax.Array, *, plan: ParallelPlan = SINGLE_DEVICE) -> jax.Array:
@@ -82,11 +86,11 @@ class Block(nnx.Module):
 class MoEBlock(nnx.Module):
     """Pre-norm residual block: attention then a Mixture-of-Experts feed-forward."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, quant: QuantConfig = NO_QUANT):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, quant: QuantConfig = NO_QUANT, lora: LoraConfig = NO_LORA):
         self.attn_norm = RMSNorm(cfg.d_model, cfg)
-        self.attn = make_attention(cfg, rngs, quant)
+        self.attn = make_attention(cfg, rngs, quant, lora)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg)
-        self.moe = MoE(cfg, rngs, quant)
+        self.moe = MoE(cfg, rngs, quant, lora)
 
     def __call__(self, h: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                  rope_freqs: jax.Array, mask: jax.Array, order: jax.Array, *,
@@ -119,28 +123,41 @@ def sequence_order(positions: jax.Array, segment_ids: jax.Array | None) -> jax.A
     return jnp.lexsort((positions, segment_ids), axis=-1)
 
 
-def _stack(cfg: ModelConfig, rngs: nnx.Rngs, cls: type, count: int, quant: QuantConfig) -> nnx.Module:
+def _stack(cfg: ModelConfig, rngs: nnx.Rngs, cls: type, count: int, quant: QuantConfig,
+           lora: LoraConfig) -> nnx.Module:
     """`count` layers of `cls` with parameters stacked on a leading `layers` axis."""
 
     @nnx.split_rngs(splits=count)
     @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def make(rngs: nnx.Rngs) -> nnx.Module:
-        return cls(cfg, rngs, quant)
+        return cls(cfg, rngs, quant, lora)
 
     return make(rngs)
 
 
+def _keyed(blk: nnx.Module, key: jax.Array | None) -> nnx.Module:
+    """`blk` (a layer merged for this step) with its LoRA modules given this layer's dropout key, one
+    per module path (models/project.py folds in each projection's name)."""
+    if key is not None:
+        for path, module in nnx.iter_modules(blk):
+            if getattr(module, "lora_dropout", 0.0):
+                module.lora_key = jax.random.fold_in(key, zlib.crc32("/".join(map(str, path)).encode()) & 0x7FFFFFFF)
+    return blk
+
+
 class Transformer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, quant: QuantConfig = NO_QUANT):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, quant: QuantConfig = NO_QUANT, lora: LoraConfig = NO_LORA):
         """`quant` (the run's `quant` section) decides how the projections compute and how weights are
-        stored; its default is plain float matmuls and weights."""
+        stored; its default is plain float matmuls and weights. `lora` (the `lora` section) adds
+        low-rank adapters to the projections it targets (models/project.py)."""
         self.cfg = cfg
+        self.adapter_dropout = lora.dropout if lora.enabled else 0.0  # (prepare_weights sets lora_* per module)
         self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std, cfg.param_dtype)
         schedule = self.schedule
         if schedule.count("dense"):
-            self.layers = _stack(cfg, rngs, Block, schedule.count("dense"), quant)
+            self.layers = _stack(cfg, rngs, Block, schedule.count("dense"), quant, lora)
         if schedule.is_moe:
-            self.moe_layers = _stack(cfg, rngs, MoEBlock, schedule.count("moe"), quant)
+            self.moe_layers = _stack(cfg, rngs, MoEBlock, schedule.count("moe"), quant, lora)
         self.final_norm = RMSNorm(cfg.d_model, cfg)
         if not cfg.tie_embeddings:
             self.unembed = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std,
@@ -167,29 +184,37 @@ class Transformer(nnx.Module):
         h, stats = self.hidden(tokens, positions, segment_ids, plan=plan)
         return self.logits(h, plan=plan), stats
 
+    @property
+    def stochastic(self) -> bool:
+        """Whether the training forward draws random numbers (LoRA dropout): it then takes `rng`."""
+        return self.adapter_dropout > 0
+
     def hidden(self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-               *, plan: ParallelPlan = SINGLE_DEVICE) -> tuple[jax.Array, dict[str, jax.Array]]:
+               *, plan: ParallelPlan = SINGLE_DEVICE,
+               rng: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
         """(final-normed hidden states [B, T, d], MoE statistics): the forward without the output
         projection. `logits(h)` finishes it; the loss applies it per sequence chunk
-        (jaxinfra/loss.py) so that no [B, T, vocab] float32 buffer is ever whole."""
+        (jaxinfra/loss.py) so that no [B, T, vocab] float32 buffer is ever whole. `rng`: this training
+        step's key for LoRA dropout (None, or a model without dropout: none)."""
         h, positions, rope_freqs = self._embed(tokens, positions, plan)
+        keys = self._dropout_keys(rng)
         # Per-row inputs of every layer ("side"): the pipeline splits them into microbatches.
         side = (positions, segment_ids)
         if self.cfg.is_moe:
             mask = segment_ids > 0 if segment_ids is not None else jnp.ones(tokens.shape, jnp.bool_)
             side = (*side, mask, sequence_order(positions, segment_ids))
 
-        def dense(blk: Block, h: jax.Array, side: tuple) -> tuple[jax.Array, None]:
-            return blk(h, side[0], side[1], rope_freqs, plan=plan), None
+        def dense(blk: Block, h: jax.Array, side: tuple, key: jax.Array | None = None) -> tuple[jax.Array, None]:
+            return _keyed(blk, key)(h, side[0], side[1], rope_freqs, plan=plan), None
 
-        def moe(blk: MoEBlock, h: jax.Array, side: tuple) -> tuple[jax.Array, dict]:
-            return blk(h, side[0], side[1], rope_freqs, *side[2:], plan=plan)
+        def moe(blk: MoEBlock, h: jax.Array, side: tuple, key: jax.Array | None = None) -> tuple[jax.Array, dict]:
+            return _keyed(blk, key)(h, side[0], side[1], rope_freqs, *side[2:], plan=plan)
 
         if plan.pipelined:  # the periods split over the `stage` mesh axis (sharding/pipeline.py)
             h, stats = run_pipelined(self, h, dense, moe, side, plan)
         else:
-            h, ys = run(self, h, lambda blk, h, _: dense(blk, h, side), lambda blk, h, _: moe(blk, h, side),
-                        remat=True)
+            h, ys = run(self, h, lambda blk, h, k: dense(blk, h, side, k), lambda blk, h, k: moe(blk, h, side, k),
+                        xs=keys, remat=True)
             stats = {k: ys["moe_layers"][k] for k in MOE_STATS} if self.cfg.is_moe else {}
         return self.final_norm(h), stats
 
@@ -204,6 +229,14 @@ class Transformer(nnx.Module):
         if cfg.logit_softcap is not None:
             logits = cfg.logit_softcap * jnp.tanh(logits / cfg.logit_softcap)
         return plan.constrain(logits, ("batch", "length", "vocab"))
+
+    def _dropout_keys(self, rng: jax.Array | None) -> dict[str, jax.Array] | None:
+        """One LoRA-dropout key per layer of each stacked group (the runner's per-layer xs), or None."""
+        if rng is None or not self.stochastic:
+            return None
+        schedule = self.schedule
+        return {stack: jax.random.split(jax.random.fold_in(rng, i), schedule.count(kind))
+                for i, (kind, stack) in enumerate((("dense", "layers"), ("moe", "moe_layers"))) if schedule.count(kind)}
 
     # ------------------------------------------------------------ inference (jaxinfra/infer/)
 

@@ -179,9 +179,13 @@ FEATURES = [
     ("online distill, top-k, float32 teacher", "MoE expert none", ["distill.teacher={teacher}", "distill.top_k=16",
                                                                    "distill.teacher_dtype=float32"]),
     ("online distill, chunked loss", "GQA dp none", ["distill.teacher={teacher}", "model.loss_chunk_size=64"]),
+    ("LoRA", "GQA dp none", ["lora.rank=8", "lora.targets=[q,k,v,o,gate,up,down]"]),
+    ("QLoRA, int8 base", "GQA fsdp full", ["lora.rank=8", "lora.targets=[q,k,v,o,gate,up,down]",
+                                          "quant.weights=int8"]),
 ]
-# Default run: int8 training (the teacher components' shardings are checked without a compile below).
-FAST_FEATURES = ("int8 train",)
+# Default run: int8 training and QLoRA (the teacher components' shardings and the float LoRA base's
+# accounting are checked without a compile below).
+FAST_FEATURES = ("int8 train", "QLoRA, int8 base")
 
 
 @pytest.fixture(scope="module")
@@ -229,6 +233,49 @@ def test_teacher_params_are_resident_without_gradients_or_optimizer_state(teache
                                           rt.extension("distill").input_shardings()[0]))
     assert mem["teacher_params"] == sum(shards)
     assert (mem["gradients"], mem["optimizer_state"]) == (plain["gradients"], plain["optimizer_state"])
+
+
+def _lora_plan(layout: str, extra: list[str]) -> dict[str, int]:
+    _, preset, base = next(row for row in LAYOUTS if row[0] == layout)
+    return estimate(Layout.of(layout_config(preset, [*base, *extra]), 8, "cpu")).as_dict()
+
+
+def test_lora_prices_a_frozen_base_and_trained_adapters():
+    """The base keeps its params' bytes but gets no gradients, no optimizer state and no update copy;
+    the adapters (float32, replicated under dp) get all three: rank * (d_in + d_out) per target matrix
+    (models/lora_config.py adapter_param_count). An int8 base is <= 0.3 of the float32 one."""
+    from models.lora_config import adapter_param_count
+
+    lora = ["lora.rank=8", "lora.targets=[q,k,v,o,gate,up,down]"]
+    plain, mem = _lora_plan("GQA dp none", []), _lora_plan("GQA dp none", lora)
+    _, preset, base = next(row for row in LAYOUTS if row[0] == "GQA dp none")
+    cfg = layout_config(preset, [*base, *lora])
+    adapters = 4 * adapter_param_count(cfg.model, cfg.lora)
+    assert mem["frozen_params"] == plain["params"]
+    assert mem["params"] == adapters
+    # the optimizer state's scalars (AdamW's step counts) add a few bytes to the moments
+    assert (mem["gradients"], mem["optimizer_state"]) == pytest.approx((adapters, 2 * adapters), abs=64)
+    assert mem["optimizer_update"] == pytest.approx(2 * adapters, abs=64)  # new adapters + moments - gradients
+    for layout in ("GQA dp none", "GQA fsdp full"):
+        int8, float32 = _lora_plan(layout, [*lora, "quant.weights=int8"]), _lora_plan(layout, lora)
+        assert int8["frozen_params"] <= 0.3 * float32["frozen_params"], layout
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        assert cli.main(["plan", "tiny", *lora, "quant.weights=int8", "--devices", "8", "--device-kind", "h100"]) == 0
+    assert re.search(r"params: frozen base .* \(no gradients, no optimizer state\) \+ trained adapters", text.getvalue())
+
+
+def test_info_marks_frozen_and_trainable_params():
+    from jaxinfra.info import describe
+
+    cfg = load_config("tiny", ["lora.rank=4", "lora.targets=[q,down]", "quant.weights=int8"])
+    rows = {line.split()[0]: line.split()[-1] for line in describe(cfg).splitlines() if line.startswith("layers/")}
+    assert rows["layers/attn/wq_lora_a"] == rows["layers/mlp/w_down_lora_b"] == "trainable"
+    assert rows["layers/attn/wq"] == rows["layers/attn/wq_scale"] == rows["layers/attn/wk"] == "frozen"
+    assert "layers/attn/wk_lora_a" not in rows
+    text = describe(cfg)
+    assert "frozen params:" in text and "trained params:" in text and "over a frozen int8" in text
+    assert "training" not in describe(load_config("tiny")).splitlines()[-5]  # no column without a frozen base
 
 
 def test_quantized_inference_params_and_kv_cache_match_the_compiled_decode():

@@ -192,33 +192,40 @@ def _chat_sources(cfg: DataConfig, seq_len: int, vocab_size: int, train_on: str)
     if prepared and len(prepared) < len(paths):
         raise DataError(f"data.paths: mixes prepared directories ({prepared[0]!r}) with chat files; prepare the "
                         f"files with `jaxinfra data prepare --chat` too, or list only files")
-    if prepared:
-        prepared_metas(cfg)  # the tokenizer and kind checks, also for callers that skipped config validation
-        opened = [open_prepared(p) for p in prepared]
-        for p in opened:
-            if p.vocab_size > vocab_size:
-                raise DataError(f"data.paths: {p.directory!r} holds ids of a {p.vocab_size}-token vocabulary, "
-                                f"more than vocab_size {vocab_size}")
-        conversations: Any = PreparedChats(opened, vocab_size)
-        parts, start = [], 0
-        for p in opened:  # split each directory as its inputs read on the fly split
-            train_ids, held_ids = split_records(*p.record_keys(), cfg.eval_fraction)
-            parts.append((train_ids + start, held_ids + start))
-            start += len(p.documents)
-        train_ids, held_ids = (np.concatenate([part[k] for part in parts]) for k in (0, 1))
-    else:
-        files = expand_paths(cfg.paths)
-        for f in files:
-            if input_kind(f) not in ("jsonl", "parquet"):
-                raise DataError(f"data.paths: {f!r} is not a .jsonl, .jsonl.gz or .parquet file (data.source=chat)")
-        from jaxinfra.data.chat import load_chat_template
-
-        records = RecordFiles(files, None)
-        conversations = RenderedChats(records, load_chat_template(cfg.chat_template, cfg.tokenizer),
-                                      make_encoder(cfg.tokenizer))
-        train_ids, held_ids = split_records(relative_names(files), records.counts, cfg.eval_fraction)
+    conversations, train_ids, held_ids = (_prepared_chats(cfg, prepared, vocab_size) if prepared
+                                          else _rendered_chats(cfg))
     return (ChatSource(conversations, train_ids, seq_len, train_on),
             ChatSource(conversations, held_ids, seq_len, train_on))
+
+
+def _prepared_chats(cfg: DataConfig, directories: list[str], vocab_size: int) -> tuple[Any, np.ndarray, np.ndarray]:
+    """(conversations, train records, held-out records) of `data prepare --chat` directories."""
+    prepared_metas(cfg)  # the tokenizer and kind checks, also for callers that skipped config validation
+    opened = [open_prepared(d) for d in directories]
+    for p in opened:
+        if p.vocab_size > vocab_size:
+            raise DataError(f"data.paths: {p.directory!r} holds ids of a {p.vocab_size}-token vocabulary, more "
+                            f"than vocab_size {vocab_size}")
+    parts, start = [], 0
+    for p in opened:  # each directory splits as its inputs read on the fly split
+        train_ids, held_ids = split_records(*p.record_keys(), cfg.eval_fraction)
+        parts.append((train_ids + start, held_ids + start))
+        start += len(p.documents)
+    return PreparedChats(opened, vocab_size), *(np.concatenate([part[k] for part in parts]) for k in (0, 1))
+
+
+def _rendered_chats(cfg: DataConfig) -> tuple[Any, np.ndarray, np.ndarray]:
+    """(conversations, train records, held-out records) of .jsonl(.gz) / .parquet chat rows."""
+    from jaxinfra.data.chat import load_chat_template
+
+    files = expand_paths(cfg.paths)
+    for f in files:
+        if input_kind(f) not in ("jsonl", "parquet"):
+            raise DataError(f"data.paths: {f!r} is not a .jsonl, .jsonl.gz or .parquet file (data.source=chat)")
+    records = RecordFiles(files, None)
+    conversations = RenderedChats(records, load_chat_template(cfg.chat_template, cfg.tokenizer),
+                                  make_encoder(cfg.tokenizer))
+    return conversations, *split_records(relative_names(files), records.counts, cfg.eval_fraction)
 
 
 def _window_pair(reader: Any, train: np.ndarray, held: np.ndarray, seq_len: int,

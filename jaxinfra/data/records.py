@@ -91,14 +91,15 @@ class RecordFiles:
         return f, index - (int(self.ends[f - 1]) if f else 0)
 
     def row(self, index: int) -> tuple[dict, str]:
-        """(the whole row of global record `index`, where it is: "file:line" or "file row N")."""
+        """(the row of global record `index`, where it is: "file:line" or "file row N"); Parquet rows
+        hold the chat columns (formats.chat_columns)."""
         f, i = self._locate(index)
         path = self.files[f]
         if self.kinds[f] == "parquet":
             table = self._cache.get(f)
             if table is None:
                 pf = self._parquet(f)
-                table = self._cache[f] = pf.read(columns=chat_columns(pf) if not self.text_key else None)
+                table = self._cache[f] = pf.read(columns=chat_columns(pf))  # loaded once, like a text column
             return {name: table.column(name)[i].as_py() for name in table.column_names}, f"{path} row {i}"
         starts, ends, numbers = self._lines[f]
         line = int(numbers[i])

@@ -1,7 +1,11 @@
 """The `hf` subcommands (registered by jaxinfra/cli.py's build_parser).
 
-    jaxinfra hf import HF_DIR OUT [KEY=VALUE ...]      e.g. mesh.fsdp=4 mesh.tensor=2
-    jaxinfra hf export RUN_OR_CKPT OUT_DIR [--dtype float32|bfloat16] [--max-shard-gb 5]
+    jaxinfra hf import HF_DIR OUT [KEY=VALUE ...] [--adapter PEFT_DIR]      e.g. mesh.fsdp=4 mesh.tensor=2
+    jaxinfra hf export RUN_OR_CKPT OUT_DIR [--dtype float32|bfloat16] [--max-shard-gb 5] [--adapters]
+
+`--adapters` (a LoRA run): the base as without it (adapters NOT merged) plus PEFT's adapter_config.json
+and adapter_model.safetensors, so `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(OUT), OUT)`
+loads the fine-tune (jaxinfra/hf/adapters.py).
 
 Bad input raises HFError (a ConfigError) or CheckpointError, which jaxinfra.cli.main turns
 into one line on stderr and exit status 2.
@@ -18,7 +22,7 @@ from models.config import DType
 def cmd_import(args: argparse.Namespace) -> int:
     from jaxinfra.hf.importer import import_hf
 
-    report = import_hf(args.hf_dir, args.out, list(args.overrides))
+    report = import_hf(args.hf_dir, args.out, list(args.overrides), adapter=args.adapter)
     print(f"imported {report['family']} ({report['params'] / 1e6:.2f}M params) -> {report['checkpoint']} in "
           f"{report['seconds']:.1f}s; peak host RSS {report['peak_rss_bytes'] / 2**20:.0f} MiB, checkpoint on disk "
           f"{report['bytes_on_disk'] / 2**20:.0f} MiB")
@@ -31,11 +35,15 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     if getattr(args, "overrides", None):
         raise ConfigError(f"hf export takes no KEY=VALUE overrides: {' '.join(args.overrides)}")
-    report = export_hf(args.source, args.out_dir, args.dtype, int(args.max_shard_gb * 2**30))
+    report = export_hf(args.source, args.out_dir, args.dtype, int(args.max_shard_gb * 2**30),
+                       adapters=getattr(args, "adapters", False))
     print(f"exported {report['family']} (step {report['step']}, {report['tensors']} tensors, "
           f"{report['bytes'] / 2**20:.1f} MiB in {len(report['files'])} file(s))"
           + (f" + {', '.join(report['tokenizer_files'])}" if report["tokenizer_files"] else "")
           + f" -> {report['out_dir']}")
+    if "adapter_tensors" in report:
+        print(f"adapters: {report['adapter_tensors']} PEFT tensors ({report['adapter_bytes'] / 2**20:.2f} MiB), "
+              f"target_modules {report['target_modules']} -> {report['out_dir']}/adapter_model.safetensors")
     return 0
 
 
@@ -48,6 +56,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("hf_dir")
     p.add_argument("out", help="output run directory: config.yaml + checkpoints/0")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. mesh.fsdp=4")
+    p.add_argument("--adapter", metavar="PEFT_DIR", help="a PEFT LoRA adapter of this model: import a LoRA run "
+                   "(base + adapters; the lora section from its adapter_config.json)")
     p.set_defaults(func=cmd_import)
 
     p = hf_sub.add_parser("export", help="run dir or checkpoint -> HF config.json + model.safetensors")
@@ -55,4 +65,6 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("out_dir")
     p.add_argument("--dtype", default="float32", choices=get_args(DType))
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="split into several files above this size")
+    p.add_argument("--adapters", action="store_true",
+                   help="a LoRA run: also write its adapters in PEFT's format (the base is written unmerged)")
     p.set_defaults(func=cmd_export)

@@ -67,9 +67,42 @@ def _specs(rule: Rule, shape: tuple[int, ...], dtype: np.dtype) -> list[tuple[st
     return out
 
 
+def _check_lora(cfg: Config, source: pathlib.Path, adapters: bool) -> None:
+    """--adapters needs a LoRA run; a LoRA run without it would silently lose its fine-tune: both refused."""
+    lora = getattr(cfg, "lora", None)
+    enabled = bool(lora is not None and lora.enabled)
+    if adapters and not enabled:
+        raise HFError(f"--adapters: {source} is not a LoRA run (lora.rank=0); export it without --adapters")
+    if enabled and not adapters:
+        raise HFError(f"{source} is a LoRA run (lora.rank={lora.rank}): pass --adapters for the base + a PEFT "
+                      f"adapter, or export the output of `jaxinfra lora merge {source} OUT`")
+
+
+def _restore(source: pathlib.Path, cfg: Config) -> tuple[int, dict[str, Any]]:
+    """(step, our flat params) restored FSDP-sharded over this host's devices (whatever mesh the run
+    trained on), so that no device needs the whole model; slices are then gathered one at a time."""
+    from jaxinfra.config import ParallelismConfig
+    from jaxinfra.state import abstract_params, sharding_rules
+    from sharding.mesh import MeshConfig, make_mesh
+
+    mesh = make_mesh(MeshConfig(data=1, fsdp=-1), jax.local_devices())
+    lora = getattr(cfg, "lora", None)
+    extra = {"lora": lora} if lora is not None and lora.enabled else {}
+    target = abstract_params(cfg.model, mesh, sharding_rules(ParallelismConfig(strategy="fsdp")), cfg.quant, **extra)
+    step, params = restore_params(source, target)
+    return step, _flat(params)
+
+
+def _fetch(flat: dict[str, Any], path: str, idx: tuple) -> np.ndarray:
+    """One (layer, expert) slice of a param, on the host, in float32."""
+    value = flat[path].get_raw_value()
+    return np.asarray(jax.device_get(value[idx] if idx else value)).astype(np.float32)
+
+
 def export_hf(source: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: str = "float32",
-              max_shard_bytes: int = MAX_SHARD_BYTES) -> dict[str, Any]:
-    """Write config.json and model*.safetensors for the newest params under `source`."""
+              max_shard_bytes: int = MAX_SHARD_BYTES, adapters: bool = False) -> dict[str, Any]:
+    """Write config.json and model*.safetensors for the newest params under `source`; with `adapters`
+    (a LoRA run) also PEFT's adapter_config.json + adapter_model.safetensors (the base unmerged)."""
     source, out_dir = pathlib.Path(source), pathlib.Path(out_dir)
     if not source.exists():
         raise CheckpointError(f"no run directory or checkpoint at {source}")
@@ -80,16 +113,8 @@ def export_hf(source: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: st
     family = hf_family(cfg.model)
     if dtype not in DTYPES:
         raise HFError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
-    from jaxinfra.config import ParallelismConfig
-    from jaxinfra.state import abstract_params, sharding_rules
-    from sharding.mesh import MeshConfig, make_mesh
-
-    # Restored FSDP-sharded over this host's devices (whatever mesh the run trained on), so that no
-    # device needs the whole model; slices are then gathered to the host one at a time.
-    mesh = make_mesh(MeshConfig(data=1, fsdp=-1), jax.local_devices())
-    target = abstract_params(cfg.model, mesh, sharding_rules(ParallelismConfig(strategy="fsdp")), cfg.quant)
-    step, params = restore_params(source, target)
-    flat = _flat(params)
+    _check_lora(cfg, source, adapters)
+    step, flat = _restore(source, cfg)
     np_dtype = DTYPES[dtype]
     specs = []
     for rule in rules(cfg.model, family):
@@ -103,9 +128,7 @@ def export_hf(source: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: st
         for rule, name, _, _, idx in chunk:
             key = (rule.path, idx)
             if cache is None or cache[0] != key:
-                value = flat[rule.path].get_raw_value()
-                piece = np.asarray(jax.device_get(value[idx] if idx else value)).astype(np.float32)
-                cache = (key, dict(zip(rule.names(*idx), rule.save(piece), strict=True)))
+                cache = (key, dict(zip(rule.names(*idx), rule.save(_fetch(flat, rule.path, idx)), strict=True)))
             yield name, cache[1][name].astype(dtype_of[name])
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -123,9 +146,14 @@ def export_hf(source: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: st
         index = {"metadata": {"total_size": data_bytes}, "weight_map": weight_map}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (out_dir / "config.json").write_text(json.dumps(to_hf(cfg.model, dtype), indent=2))
-    tokenizer_files = export_tokenizer_files(cfg, _run_dir(source), out_dir)
-    return {"family": family, "step": step, "files": files, "tensors": len(specs), "bytes": total,
-            "out_dir": str(out_dir), "tokenizer_files": tokenizer_files}
+    report = {"family": family, "step": step, "files": files, "tensors": len(specs), "bytes": total,
+              "out_dir": str(out_dir), "tokenizer_files": export_tokenizer_files(cfg, _run_dir(source), out_dir)}
+    if adapters:
+        from jaxinfra.hf.adapters import write_adapters
+
+        shapes = {path: tuple(v.shape) for path, v in flat.items()}
+        report |= write_adapters(out_dir, cfg.model, family, shapes, lambda p, i: _fetch(flat, p, i), cfg.lora)
+    return report
 
 
 def _run_dir(source: pathlib.Path) -> pathlib.Path | None:

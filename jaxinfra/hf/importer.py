@@ -99,20 +99,29 @@ def _callback(rule: Rule, files: SafetensorsDir, shape: tuple[int, ...], dtype: 
 
 
 def load_params(cfg: Config, family: str, interleaved: bool, files: SafetensorsDir,
-                devices: Sequence[jax.Device] | None = None) -> Any:
-    """Our params (an nnx.State of jax.Arrays on the config's mesh) built from the HF tensors."""
+                devices: Sequence[jax.Device] | None = None, adapter: pathlib.Path | None = None) -> Any:
+    """Our params (an nnx.State of jax.Arrays on the config's mesh) built from the HF tensors; with a PEFT
+    `adapter` dir (and the config's matching lora section) its adapters too (jaxinfra/hf/adapters.py)."""
     from jaxinfra.state import abstract_params, sharding_rules
     from sharding.mesh import make_mesh
 
     mesh = make_mesh(cfg.mesh, list(devices) if devices is not None else jax.devices())
-    abstract = abstract_params(cfg.model, mesh, sharding_rules(cfg.parallelism))
+    abstract = abstract_params(cfg.model, mesh, sharding_rules(cfg.parallelism), lora=cfg.lora)
     by_path = {r.path: r for r in rules(cfg.model, family, interleaved)}
     flat = _flat(abstract)
-    if set(flat) != set(by_path):  # a model feature without a mapping is a bug here, not bad input
-        raise AssertionError(f"unmapped params: {sorted(set(flat) ^ set(by_path))}")
+    extra = {}
+    if adapter is not None:
+        from jaxinfra.hf.adapters import read_adapters
+
+        extra = read_adapters(adapter, cfg.model, family, {p: tuple(v.shape) for p, v in flat.items()})
+    if set(flat) != set(by_path) | set(extra):  # a model feature without a mapping is a bug here, not bad input
+        raise AssertionError(f"unmapped params: {sorted(set(flat) ^ (set(by_path) | set(extra)))}")
     values = {}
     for path, var in flat.items():
         target = var.get_raw_value()
+        if path in extra:  # adapters are small: placed whole
+            values[path] = jax.device_put(extra[path].astype(target.dtype), target.sharding)
+            continue
         values[path] = jax.make_array_from_callback(target.shape, target.sharding,
                                                     _callback(by_path[path], files, target.shape, target.dtype))
 
@@ -131,19 +140,30 @@ def check_unused(files: SafetensorsDir, cfg: ModelConfig, family: str) -> None:
 
 
 def import_hf(hf_dir: str | pathlib.Path, out: str | pathlib.Path, overrides: Sequence[str] = (),
-              devices: Sequence[jax.Device] | None = None) -> dict[str, Any]:
-    """Convert and save; returns a report (family, params, bytes on disk, peak RSS, seconds)."""
+              devices: Sequence[jax.Device] | None = None, adapter: str | pathlib.Path | None = None) -> dict[str, Any]:
+    """Convert and save; returns a report (family, params, bytes on disk, peak RSS, seconds). With a PEFT
+    `adapter` dir the run is a LoRA run: the lora section from its adapter_config.json, its adapters loaded."""
     start = time.perf_counter()
     hf_dir, out = pathlib.Path(hf_dir), pathlib.Path(out)
     hf = read_hf_config(hf_dir)
     family, model = from_hf(hf)
     devices = list(devices) if devices is not None else jax.devices()
+    if adapter is not None:
+        from jaxinfra.hf.adapters import lora_overrides
+
+        adapter = pathlib.Path(adapter)
+        overrides = [*lora_overrides(adapter, model, family), *overrides]
     cfg = build_config(model, overrides, len(devices))
+    if cfg.lora.enabled and adapter is None:
+        raise HFError("hf import with lora.rank > 0 needs --adapter PEFT_DIR; to start new adapters, import the "
+                      "base and train it with lora.* set (train --restore OUT)")
     files = SafetensorsDir(hf_dir)
-    params = load_params(cfg, family, rope_interleaved(hf, family), files, devices)
+    params = load_params(cfg, family, rope_interleaved(hf, family), files, devices, adapter)
     check_unused(files, cfg.model, family)
     meta = {"params_only": True, "imported_from": str(hf_dir.absolute()), "hf_family": family,
             "hf_architectures": hf.get("architectures"), "step": STEP}
+    if adapter is not None:
+        meta["peft_adapter"] = str(adapter.absolute())
     path = save_params_only(out, cfg, params, meta, STEP)
     count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     return {"family": family, "checkpoint": str(path), "params": count, "bytes_on_disk": files.bytes_on_disk(),

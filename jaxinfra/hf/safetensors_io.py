@@ -30,12 +30,18 @@ _PER_EXPERT = re.compile(r"^(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|
                          r"\.weight$")
 
 
+ADAPTER_FILE = "adapter_model.safetensors"  # PEFT's adapter weights (jaxinfra/hf/adapters.py)
+
+
 class SafetensorsDir:
     """The tensors of an HF directory (one model.safetensors or an index of shards)."""
 
-    def __init__(self, directory: str | pathlib.Path):
+    def __init__(self, directory: str | pathlib.Path, only: str | None = None):
+        """Every *.safetensors of `directory` but a PEFT adapter beside the model (`hf export --adapters`
+        writes both); `only`: just that file (the adapter)."""
         self.directory = pathlib.Path(directory)
-        files = sorted(self.directory.glob("*.safetensors"))
+        files = sorted(f for f in self.directory.glob("*.safetensors")
+                       if (f.name == only if only else f.name != ADAPTER_FILE))
         if not files:
             raise HFError(f"{self.directory}: no *.safetensors files (only safetensors checkpoints are supported)")
         self.files = [f.name for f in files]

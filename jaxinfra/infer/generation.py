@@ -135,7 +135,7 @@ class Generator:
         self.mesh, self.rules = inference_mesh(cfg, devices)
         self.plan = plan_for(self.mesh, self.rules)  # passed to the model: nothing ambient decides the program
         self.params = _place_params(params, self.mesh, self.rules)
-        self.graphdef = model_graphdef(self.model_cfg, cfg.quant)
+        self.graphdef = model_graphdef(self.model_cfg, cfg.quant, cfg.lora)
         self.absorb = absorb
         self.kv_int8 = cfg.quant.kv_cache == "int8"  # int8 values + per-token-per-head scales (models/cache.py)
         self._compiled: dict[tuple, tuple[Any, Any]] = {}

@@ -81,7 +81,7 @@ def load_model(path: str | pathlib.Path, overrides: Sequence[str] = (),
     run_dir, ckpt_dir, step = resolve_checkpoint(path)
     cfg = load_config(str(run_dir / "config.yaml"), list(overrides))
     mesh, rules = inference_mesh(cfg, devices)
-    target = abstract_params(cfg.model, mesh, rules, cfg.quant)  # int8 weights + scales when quantized
+    target = abstract_params(cfg.model, mesh, rules, cfg.quant, cfg.lora)  # int8 weights + scales when quantized
     _, params = restore_params(ckpt_dir, target, step=step, config=cfg.to_dict())
     return cfg, params
 

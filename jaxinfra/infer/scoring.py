@@ -27,7 +27,7 @@ def score(cfg: Config, params: nnx.State, tokens: np.ndarray, batch_size: int = 
     mesh, rules = inference_mesh(cfg, devices)
     plan = plan_for(mesh, rules)
     params = _place_params(params, mesh, rules)
-    graphdef = model_graphdef(inference_model_config(cfg.model), cfg.quant)
+    graphdef = model_graphdef(inference_model_config(cfg.model), cfg.quant, cfg.lora)
     batch_size = max(1, min(batch_size, n))
 
     def ce_sum(params: nnx.State, rows: jax.Array, mask: jax.Array) -> jax.Array:

@@ -39,6 +39,7 @@ from jaxinfra.plan import activations as act
 from jaxinfra.plan.layout import DTYPE_BYTES, F32_BYTES, Layout, split
 from jaxinfra.state import abstract_state
 from models.config import ModelConfig
+from models.lora_config import NO_LORA, LoraConfig
 from models.quant_config import NO_QUANT, QuantConfig
 from sharding.mesh import MESH_AXES
 from sharding.rules import logical_to_mesh, rules_for
@@ -63,43 +64,67 @@ class StateBytes:
     opt_state: int
     params_total: int
     layer_params: int = 0  # of `params`, the leaves stacked over layers (the ones a pipeline stages)
+    frozen: int = 0  # of `params`, a frozen base's (LoRA): no gradients, no moments, never rewritten
 
     @property
     def opt_params(self) -> float:
-        """Bytes of one params-shaped tree in the optimizer state's sharding (AdamW keeps two)."""
+        """Bytes of one trained-params-shaped tree in the optimizer state's sharding (AdamW keeps two):
+        the gradients' size too, since only the trained params get gradients."""
         return self.opt_state / 2
+
+    @property
+    def trained(self) -> int:
+        """Bytes of the params the optimizer updates (all but a frozen base), in their own sharding."""
+        return self.params - self.frozen
+
+    @property
+    def trained_share(self) -> float:
+        """The trained params' share of the params: what the gradient collectives move."""
+        return self.trained / self.params if self.params else 1.0
 
     @classmethod
     def of(cls, lay: Layout) -> StateBytes:
         p = lay.cfg.parallelism
         model = dataclasses.replace(lay.model, remat_policy="none")  # the state does not depend on it
-        return _state_bytes(model, lay.cfg.optimizer, lay.cfg.quant, p.strategy, tuple(sorted(p.rules.items())),
-                            tuple(lay.sizes[a] for a in MESH_AXES))
+        return _state_bytes(model, lay.cfg.optimizer, lay.cfg.quant, lay.cfg.lora, p.strategy,
+                            tuple(sorted(p.rules.items())), tuple(lay.sizes[a] for a in MESH_AXES))
 
 
 @functools.lru_cache(maxsize=1024)
-def _state_bytes(model: ModelConfig, optimizer: OptimizerConfig, quant: QuantConfig, strategy: str, rules: tuple,
-                 sizes: tuple[int, ...]) -> StateBytes:
+def _state_bytes(model: ModelConfig, optimizer: OptimizerConfig, quant: QuantConfig, lora: LoraConfig, strategy: str,
+                 rules: tuple, sizes: tuple[int, ...]) -> StateBytes:
     mesh = AbstractMesh(sizes, MESH_AXES)
     tables = rules_for(strategy, overrides=dict(rules))
-    params, opt_state = _state_leaves(model, optimizer, quant)
+    params, opt_state, frozen = _state_leaves(model, optimizer, quant, lora)
     stacked = tuple(leaf for leaf in params if "layers" in leaf[0])
     return StateBytes(_per_device(params, tables.params, mesh), _per_device(opt_state, tables.opt_state, mesh),
                       sum(math.prod(shape) * size for _, shape, size in params),
-                      _per_device(stacked, tables.params, mesh))
+                      _per_device(stacked, tables.params, mesh), _per_device(frozen, tables.params, mesh))
 
 
 Leaf = tuple[tuple, tuple[int, ...], int]  # (logical axis names, shape, bytes per element)
 
 
+def lora_trainable(lora: LoraConfig) -> Any:
+    """The params LoRA trains (its adapters) as an nnx filter, None (all) when LoRA is off: the filter the
+    `lora` step extension gives the optimizer (jaxinfra/lora/extension.py)."""
+    if not lora.enabled:
+        return None
+    from jaxinfra.lora.extension import ADAPTERS
+
+    return ADAPTERS
+
+
 @functools.lru_cache(maxsize=16)
-def _state_leaves(model: ModelConfig, optimizer: OptimizerConfig,
-                  quant: QuantConfig = NO_QUANT) -> tuple[tuple[Leaf, ...], tuple[Leaf, ...]]:
-    """(params, optimizer state) leaves of the abstract TrainState, as `jaxinfra info` sees them
-    (with the quant section's extra leaves: fp8 amax histories, int8 weights + scales); cached per
-    model, since a search prices many layouts of one model."""
+def _state_leaves(model: ModelConfig, optimizer: OptimizerConfig, quant: QuantConfig = NO_QUANT,
+                  lora: LoraConfig = NO_LORA) -> tuple[tuple[Leaf, ...], tuple[Leaf, ...], tuple[Leaf, ...]]:
+    """(params, optimizer state, frozen params) leaves of the abstract TrainState, as `jaxinfra info`
+    sees them (with the quant section's extra leaves: fp8 amax histories, int8 weights + scales; with
+    LoRA the adapters, the only trained params: the optimizer state is theirs and the rest is the
+    frozen base); cached per model, since a search prices many layouts of one model."""
     tx = make_optimizer(optimizer, make_schedule(ScheduleConfig(), optimizer.lr, 1))
-    state = abstract_state(model, tx, quant)
+    trainable = lora_trainable(lora)
+    state = abstract_state(model, tx, quant, trainable=trainable, lora=lora)
 
     def leaves(tree: Any) -> tuple[Leaf, ...]:
         out = []
@@ -108,7 +133,9 @@ def _state_leaves(model: ModelConfig, optimizer: OptimizerConfig,
             out.append((tuple(names), tuple(x.shape), np.dtype(x.dtype).itemsize))
         return tuple(out)
 
-    return leaves((state.params, state.stats)), leaves(state.opt_state)  # stats (router bias, amax) beside params
+    frozen = () if trainable is None else leaves(nnx.split_state(state.params, trainable, ...)[1])
+    # stats (router bias, amax) beside params: no gradients either way
+    return leaves((state.params, state.stats)), leaves(state.opt_state), frozen
 
 
 def _per_device(leaves: tuple[Leaf, ...], table: Any, mesh: AbstractMesh) -> int:
@@ -125,15 +152,28 @@ Fn = Callable[[Layout, StateBytes], "Component | None"]
 
 
 def params(lay: Layout, state: StateBytes) -> Component:
+    if state.frozen:
+        return Component("params", state.trained, "resident", "trained: the LoRA adapters (float32), by the "
+                         "parameter rules")
     return Component("params", state.params, "resident", f"{lay.model.param_dtype}, by the parameter rules")
+
+
+def frozen_params(lay: Layout, state: StateBytes) -> Component | None:
+    """A frozen base (LoRA): resident, but no gradients, no optimizer state, no new copy in the update."""
+    if not state.frozen:
+        return None
+    stored = ("int8 + float32 scales" if lay.cfg.quant.weights == "int8" else lay.model.param_dtype)
+    return Component("frozen params", state.frozen, "resident", f"the frozen base ({stored}): no gradients or "
+                     "optimizer state")
 
 
 def gradients(lay: Layout, state: StateBytes) -> Component:
     """The step's gradients, in the optimizer state's sharding: GSPMD reduce-scatters each
-    layer's gradients there as the backward produces them (ZeRO-1 and FSDP alike)."""
+    layer's gradients there as the backward produces them (ZeRO-1 and FSDP alike). Only the trained
+    params have gradients (a frozen base has none)."""
     accum = lay.cfg.train.grad_accum_steps > 1
-    return Component("gradients", state.opt_params, "resident",
-                     ("accumulated, " if accum else "") + "in the optimizer state's sharding")
+    return Component("gradients", state.opt_params, "resident", ("accumulated, " if accum else "")
+                     + "in the optimizer state's sharding" + (", adapters only" if state.frozen else ""))
 
 
 def microbatch_gradients(lay: Layout, state: StateBytes) -> Component | None:
@@ -210,8 +250,9 @@ def gathered_layer_weights(lay: Layout, state: StateBytes) -> Component | None:
     layers = lay.model.num_layers
     per_layer = (state.params_total - _embedding_bytes(lay)) / layers / lay.tp / (lay.ep if lay.model.is_moe else 1)
     working = layer_backward(lay, state).bytes
-    return Component("gathered layer weights", max(per_layer, 3 * per_layer - working), "layer",
-                     "one layer's weights over fsdp (three at a layer boundary)")
+    copies = 2 if state.frozen else 3  # a frozen base's layer has no full-size weight gradient
+    return Component("gathered layer weights", max(per_layer, copies * per_layer - working), "layer",
+                     f"one layer's weights over fsdp ({copies} at a layer boundary)")
 
 
 def pipeline_buffers(lay: Layout, state: StateBytes) -> Component | None:
@@ -243,7 +284,7 @@ def _embedding_bytes(lay: Layout) -> float:
 def optimizer_update(lay: Layout, state: StateBytes) -> Component:
     """New params (in their own sharding) and new moments (in the optimizer's) exist beside the
     old ones until the NaN guard (jaxinfra/step.py) selects them; the gradients' buffer is reused."""
-    new = state.params + 2 * state.opt_params
+    new = state.trained + 2 * state.opt_params  # a frozen base is passed through, never rebuilt
     return Component("optimizer update", max(0.0, new - state.opt_params), "update",
                      "new params + moments before the NaN guard, less the reused gradients")
 
@@ -315,6 +356,37 @@ def quantized_operands(lay: Layout, state: StateBytes) -> Component | None:
     return Component("quantized operands", max(layer(moe) for moe in kinds), "layer",
                      f"{q.train} copies of one layer's matmul inputs, weights and output gradients")
 
+def _dequantized_layer_bytes(lay: Layout, moe: bool) -> float:
+    """One layer's int8-stored projection weights on this device, converted to the compute dtype."""
+    q = lay.cfg.quant
+    return lay.compute_bytes * sum(p.inputs * p.outputs * p.copies for p in projections(lay, moe)
+                                   if q.stores_int8(p.name))
+
+
+def dequantized_weights(lay: Layout, state: StateBytes) -> Component | None:
+    """QLoRA (an int8 base under training): each matmul converts its int8 weight to the compute dtype
+    (models/project.py) in the forward and again for the backward's input gradient, so one layer's
+    converted weights sit beside its backward working set (fitted: XLA's temporaries equal the float
+    base's there)."""
+    if lay.cfg.quant.weights != "int8" or not state.frozen:
+        return None
+    kinds = [moe for moe, n in zip((False, True), lay.layer_counts[1:]) if n] or [False]
+    return Component("dequantized weights", max(_dequantized_layer_bytes(lay, moe) for moe in kinds), "layer",
+                     f"one layer's int8 weights as {lay.model.dtype} for its matmuls")
+
+
+def saved_dequantized_weights(lay: Layout, state: StateBytes) -> Component | None:
+    """QLoRA without remat: autodiff saves every layer's converted weight (a matmul operand) for the
+    backward, so the forward keeps all layers' weights in the compute dtype (remat policies that
+    recompute or save only dot outputs keep none of them)."""
+    if lay.cfg.quant.weights != "int8" or not state.frozen or act.effective_policy(lay) != "none":
+        return None
+    outside, dense, sparse = lay.layer_counts
+    saved = (outside + dense) * _dequantized_layer_bytes(lay, False) + sparse * _dequantized_layer_bytes(lay, True)
+    return Component("saved dequantized weights", saved, "step",
+                     f"remat none: {outside + dense + sparse} layers' int8 weights as {lay.model.dtype}")
+
+
 # ------------------------------------------------------------ distillation (docs/distillation.md)
 @functools.lru_cache(maxsize=16)
 def _teacher_model(path: str, dtype: str, vocab: int) -> ModelConfig:
@@ -364,9 +436,10 @@ def teacher_logits(lay: Layout, state: StateBytes) -> Component | None:
     hidden = rows * lay.seq * teacher.d_model * DTYPE_BYTES[d.teacher_dtype]
     return Component("teacher logits", logits + hidden, "head", "teacher hidden states + float32 logits per chunk")
 
-COMPONENTS: list[Fn] = [params, gradients, optimizer_state, activations, microbatch_gradients,
+COMPONENTS: list[Fn] = [params, frozen_params, gradients, optimizer_state, activations, microbatch_gradients,
                         logits_and_loss, gathered_embeddings, layer_backward, gathered_layer_weights, pipeline_buffers,
-                        optimizer_update, quantized_operands, teacher_params,
+                        optimizer_update, quantized_operands, dequantized_weights, saved_dequantized_weights,
+                        teacher_params,
                         teacher_logits]
 
 

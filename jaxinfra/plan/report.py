@@ -47,6 +47,11 @@ def memory_lines(plan: Plan, compiled: float | None = None) -> list[str]:
     lines = [head, table,
              f"total {size(mem.total)} (peak in the {mem.peak_phase} phase) of {size(cap)} per device: "
              + (f"headroom {size(room)} ({room / cap:.0%})" if room >= 0 else f"DOES NOT FIT by {size(-room)}")]
+    byname = {c.name: c.bytes for c in mem.components}
+    if "frozen params" in byname:  # LoRA: the split that decides what a fine-tune costs
+        lines.append(f"params: frozen base {size(byname['frozen params'])} (no gradients, no optimizer state) + "
+                     f"trained adapters {size(byname['params'])} (+ gradients {size(byname['gradients'])}, "
+                     f"optimizer state {size(byname['optimizer state'])}) per device")
     if compiled is not None:
         lines.append(f"compiled (XLA memory_analysis: arguments + temporaries + outputs - aliased): {size(compiled)}; "
                      f"analytic / compiled = {mem.total / compiled:.3f}")

@@ -204,8 +204,9 @@ def fsdp_collectives(lay: Layout, state: StateBytes) -> list[Collective]:
     fwd_calls, fwd_size = layer_visits(lay, state, backward=False)
     bwd_calls, bwd_size = layer_visits(lay, state, backward=True)
     gathered = (fwd_calls * fwd_size + bwd_calls * bwd_size) / (fwd_calls + bwd_calls)
+    grads = bwd_size * f * state.trained_share  # a frozen base (LoRA) has no gradients to reduce
     return [Collective("FSDP weight all-gather", "all_gather", ("fsdp",), gathered * f, fwd_calls + bwd_calls, True),
-            Collective("FSDP gradient reduce-scatter", "reduce_scatter", ("fsdp",), bwd_size * f, bwd_calls, True)]
+            Collective("FSDP gradient reduce-scatter", "reduce_scatter", ("fsdp",), grads, bwd_calls, True)]
 
 
 def data_parallel_collectives(lay: Layout, state: StateBytes) -> list[Collective]:
@@ -216,11 +217,12 @@ def data_parallel_collectives(lay: Layout, state: StateBytes) -> list[Collective
     axes = tuple(a for a in ("data", "fsdp") if lay.sizes[a] > 1 and not (a == "fsdp" and strategy == "fsdp"))
     out = []
     calls, size = layer_visits(lay, state, backward=True)
+    size *= state.trained_share  # gradients of the trained params only (a frozen base has none)
     if axes:
         op = "reduce_scatter" if strategy == "zero1" else "all_reduce"
         out.append(Collective("gradient " + op.replace("_", "-"), op, axes, size, calls, True))
         if strategy == "zero1":
-            out.append(Collective("ZeRO-1 param all-gather", "all_gather", axes, state.params, 1, False))
+            out.append(Collective("ZeRO-1 param all-gather", "all_gather", axes, state.trained, 1, False))
     if lay.ep > 1:  # non-expert params are replicated over `expert` (it is a data axis for them)
         dense = 1 - _expert_bytes(lay) / state.params
         out.append(Collective("gradient all-reduce", "all_reduce", ("expert",), size * dense, calls, True))
