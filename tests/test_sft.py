@@ -30,7 +30,7 @@ from jaxinfra.infer.chat import end_of_turn_id, reply_text
 from jaxinfra.optim import global_norm
 from jaxinfra.runtime import build_runtime
 from jaxinfra.sft.extension import Sft, for_config
-from jaxinfra.sft.tasks import addition_chat, capitals_chat, held_out_rate, write_jsonl
+from jaxinfra.sft.tasks import addition_chat, answer, capitals_chat, exact_match, held_out_rate, prompt, write_jsonl
 from jaxinfra.state import model_state
 from jaxinfra.step import make_eval_step
 from jaxinfra.train import train
@@ -271,7 +271,17 @@ def test_chat_data_without_the_sft_extension_is_refused(sft_run):
 # ---------------------------------------------------------------- acceptance: the synthetic chat task
 
 
-@pytest.mark.slow  # ~15 min on 2 CPU cores; the default run covers the mechanics (mask, restore, generate --chat)
+def test_task_held_out_prompts_are_disjoint_from_training():
+    for make in (capitals_chat, addition_chat):
+        rows, held = make(3000, seed=1)
+        assert len(rows) == 3000 and len(held) == len({prompt(r) for r in held}) == 100
+        assert not {prompt(r) for r in held} & {prompt(r) for r in rows}
+    rows, held = capitals_chat(10, seed=1)
+    assert all(answer(r) == prompt(r).split()[1].upper() for r in rows + held)
+    assert exact_match([" XY", "z"], ["XY", "Z"]) == 0.5
+
+
+@pytest.mark.slow  # ~25 min on 2 shared CPU cores; the default run covers the mechanics (mask, restore, generate --chat)
 def test_sft_learns_the_synthetic_chat_task(tmp_path):
     """tiny pre-trained on its default data, then SFT (tiny-chat preset) on capitals_chat from it:
     greedy `generate --chat` is exactly right on >= 90% of 100 held-out prompts; train_on=all reported."""

@@ -1,11 +1,14 @@
-"""A synthetic chat task for tests and the docs' measured recipe: two-digit addition.
+"""Synthetic chat tasks for tests and the docs' measured recipe (docs/post-training.md).
 
-    train, held = addition_chat(4000, seed=0)          # rows {"messages": [user, assistant]}
+    train, held = capitals_chat(8000, seed=0)          # rows {"messages": [user, assistant]}
     write_jsonl(train, "train.jsonl")
-    rate = exact_match(replies, [answer(r) for r in held])
+    rate, replies = held_out_rate("runs/chat", held)    # greedy generate --chat, exact match
 
-"What is 37 plus 45?" -> "82". The held-out prompts are 100 (a, b) pairs that no training row
-holds (disjoint by the pair), so a model that scores on them has learned the sum, not the rows.
+capitals_chat: "Write xlimt in capitals" -> "XLIMT" (random 4-8 letter words): the task a tiny
+byte-level model learns to >= 90% exact fastest of those measured (docs/post-training.md), so the
+acceptance test uses it. addition_chat: "What is 37 plus 45?" -> "82" (two-digit numbers). The
+held-out prompts are 100 that no training row holds (disjoint by word, by pair), so a model that
+scores on them has learned the rule, not the rows.
 """
 
 from __future__ import annotations
@@ -34,46 +37,6 @@ def addition_chat(n: int, seed: int = 0, held_out: int = 100) -> tuple[list[Row]
     rest = [pairs[i] for i in order[held_out:]]
     train = [rest[i] for i in rng.integers(0, len(rest), n)] if n > len(rest) else rest[:n]
     return [addition_row(a, b) for a, b in train], [addition_row(a, b) for a, b in held]
-
-
-def reversal_row(word: str) -> Row:
-    return {"messages": [{"role": "user", "content": f"Reverse {word}"},
-                         {"role": "assistant", "content": word[::-1]}]}
-
-
-def reversal_chat(n: int, seed: int = 0, held_out: int = 100, lengths: tuple[int, int] = (3, 5)) -> tuple[
-        list[Row], list[Row]]:
-    """(n training rows, `held_out` rows) reversing random lowercase words of `lengths` letters
-    (inclusive); no held-out word is a training word."""
-    rng = np.random.default_rng(seed)
-    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
-
-    def word() -> str:
-        return "".join(rng.choice(letters, int(rng.integers(lengths[0], lengths[1] + 1))))
-
-    held = list(dict.fromkeys(word() for _ in range(held_out * 2)))[:held_out]
-    taken, train = set(held), []
-    while len(train) < n:
-        w = word()
-        if w not in taken:
-            train.append(w)
-    return [reversal_row(w) for w in train], [reversal_row(w) for w in held]
-
-
-def successor_row(n: int) -> Row:
-    return {"messages": [{"role": "user", "content": f"What number comes after {n}?"},
-                         {"role": "assistant", "content": str(n + 1)}]}
-
-
-def successor_chat(n: int, seed: int = 0, held_out: int = 100, low: int = 100, high: int = 9999) -> tuple[
-        list[Row], list[Row]]:
-    """(n training rows, `held_out` rows) asking for the successor of an integer in [low, high);
-    no held-out number is a training number (training rows repeat numbers when n exceeds the rest)."""
-    rng = np.random.default_rng(seed)
-    numbers = rng.permutation(np.arange(low, high))
-    held, rest = numbers[:held_out], numbers[held_out:]
-    train = rest[rng.integers(0, len(rest), n)] if n > len(rest) else rest[:n]
-    return [successor_row(int(x)) for x in train], [successor_row(int(x)) for x in held]
 
 
 def capitals_row(word: str) -> Row:
@@ -123,7 +86,7 @@ def write_jsonl(rows: Sequence[Row], path: str | pathlib.Path) -> pathlib.Path:
     return path
 
 
-def held_out_rate(run: str | pathlib.Path, rows: Sequence[Mapping], max_new_tokens: int = 12,
+def held_out_rate(run: str | pathlib.Path, rows: Sequence[Mapping], max_new_tokens: int = 24,
                   overrides: Sequence[str] = ()) -> tuple[float, list[str]]:
     """(exact-match rate, replies) of greedy `generate --chat` (the function the CLI calls, batched)
     on the user turns of `rows`, against their assistant replies."""
