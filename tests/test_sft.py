@@ -300,3 +300,15 @@ def test_sft_learns_the_synthetic_chat_task(tmp_path):
         rates[train_on], _ = held_out_rate(tmp_path / train_on, held, max_new_tokens=24)
     print(f"held-out exact match {rates}, times {({k: round(v) for k, v in times.items()})}")
     assert rates["assistant"] >= 0.9
+
+
+def test_plan_compile_lowers_the_sft_step_with_the_chat_batch_fields(sft_run, monkeypatch):
+    """jaxinfra plan --compile lowers the train step from abstract batches: the SFT extension's
+    batch_specs give the `assistant` and `truncated` fields its loss mask and metrics read."""
+    import jaxinfra.runtime
+    from jaxinfra.plan.compiled import analyse
+
+    root, _ = sft_run
+    monkeypatch.setattr(jaxinfra.runtime, "extensions_for", lambda cfg: [Sft()])  # as the entry point would
+    figures = analyse(load_config(str(root / "sft" / "config.yaml")), jax.devices()[:1])
+    assert figures["flops"] > 0 and figures["total_bytes"] > 0
