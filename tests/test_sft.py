@@ -281,7 +281,7 @@ def test_task_held_out_prompts_are_disjoint_from_training():
     assert exact_match([" XY", "z"], ["XY", "Z"]) == 0.5
 
 
-@pytest.mark.slow  # ~25 min on 2 shared CPU cores; the default run covers the mechanics (mask, restore, generate --chat)
+@pytest.mark.slow  # ~17 min on 2 shared CPU cores; the default run covers the mechanics (mask, restore, generate --chat)
 def test_sft_learns_the_synthetic_chat_task(tmp_path):
     """tiny pre-trained on its default data, then SFT (tiny-chat preset) on capitals_chat from it:
     greedy `generate --chat` is exactly right on >= 90% of 100 held-out prompts; train_on=all reported."""
