@@ -7,5 +7,5 @@
     cli.py        the `jaxinfra lora` subcommands
 
 The config section (`lora`) and the adapters themselves live in models/ (models/lora_config.py,
-models/project.py): models get the section at construction, like `quant`. docs/lora.md is the user page.
+models/project.py): models get the section at construction, like `quant`. docs/post-training.md is the user page.
 """

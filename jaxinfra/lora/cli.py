@@ -4,7 +4,7 @@
                                    (config.yaml with lora.rank=0) that generate, eval, hf export and
                                    train --restore take
 
-Training needs no command: `jaxinfra train CONFIG lora.rank=8 ...` (docs/lora.md).
+Training needs no command: `jaxinfra train CONFIG lora.rank=8 ...` (docs/post-training.md).
 """
 
 from __future__ import annotations
