@@ -1,4 +1,4 @@
-"""The figures of the LoRA section of docs/post-training.md: trainable parameters, optimizer and compiled step memory, step time and
+"""The figures of docs/post-training.md (LoRA): trainable parameters, optimizer and compiled step memory, step time and
 the loss of full fine-tuning vs LoRA vs QLoRA (int8 base) on one config, plus the merge's logit error.
 
     python scripts/lora_figures.py [PRESET] [KEY=VALUE ...]     (default: tiny, rank 8 on q k v o)
