@@ -43,7 +43,6 @@ Byte-level, a character's bytes are all marked together (a multi-byte character 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 import json
@@ -245,7 +244,9 @@ def _derive_end_of_turn(template: ChatTemplate, controls: Sequence[str]) -> str:
 # ---------------------------------------------------------------- Jinja environment
 
 
-_TRACKING: contextvars.ContextVar = contextvars.ContextVar("chat_generation_tracking", default=None)
+# The render's _Tracking travels in the template's own context under this name (not in a global
+# or context variable: a render's state stays with its call).
+_TRACKING = "_jaxinfra_generation_tracking"
 
 
 class _Tracking:
@@ -287,7 +288,6 @@ def _generation_extension() -> type:
     """`{% generation %}...{% endgeneration %}`: renders its body and, while a render is tracked,
     records the body's character span (the characters emitted before it + its length), as HF's
     AssistantTracker does."""
-    import jinja2
     from jinja2 import nodes
     from jinja2.ext import Extension
 
@@ -297,12 +297,12 @@ def _generation_extension() -> type:
         def parse(self, parser: Any) -> Any:
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return nodes.CallBlock(self.call_method("_track"), [], [], body).set_lineno(lineno)
+            call = self.call_method("_track", [nodes.ContextReference()])
+            return nodes.CallBlock(call, [], [], body).set_lineno(lineno)
 
-        @jinja2.pass_eval_context
-        def _track(self, _context: Any, caller: Any) -> str:
+        def _track(self, context: Any, caller: Any) -> str:
             text = caller()
-            tracking = _TRACKING.get()
+            tracking = context.get(_TRACKING)
             if tracking is not None:
                 tracking.spans.append((tracking.position, tracking.position + len(text)))
             return text
@@ -376,18 +376,16 @@ def render(template: ChatTemplate, messages: Sequence[Mapping[str, str]], add_ge
     Jinja error's template line) when the template fails."""
     compiled = _compiled(template.source, template.origin)
     tracking = _Tracking()
-    token = _TRACKING.set(tracking)
     pieces: list[str] = []
     try:
         for piece in compiled.generate(messages=[dict(m) for m in messages], tools=None, documents=None,
-                                       add_generation_prompt=add_generation_prompt, **dict(template.special_tokens)):
+                                       add_generation_prompt=add_generation_prompt, **dict(template.special_tokens),
+                                       **{_TRACKING: tracking}):
             pieces.append(piece)
             tracking.position += len(piece)
     except Exception as e:  # noqa: BLE001 - the template is user code: every failure is a data problem
         prefix = f"{where}: " if where else ""
         raise DataError(f"{prefix}chat template {template.origin} failed: {_jinja_error(e)}") from None
-    finally:
-        _TRACKING.reset(token)
     return "".join(pieces), tracking.spans
 
 
