@@ -140,6 +140,15 @@ def test_base_is_bitwise_frozen_adapters_train_and_loss_falls(trained):
     assert trained["losses"][-1] < trained["losses"][0] - 0.05, trained["losses"]
 
 
+@pytest.mark.slow
+def test_base_is_bitwise_frozen_after_50_steps():
+    out = run(cfg(ALL, "train.steps=50"), jax.devices()[:1], steps=50)
+    before, after = flat(out["initial"]), flat(jax.device_get(out["state"].params))
+    assert all(np.array_equal(np.asarray(v[...]), np.asarray(after[k][...])) != isinstance(v, (LoraA, LoraB))
+               for k, v in before.items())
+    assert out["losses"][-1] < out["losses"][0] - 0.5, out["losses"]
+
+
 def test_optimizer_state_bytes_are_the_adapters_moments_only(trained):
     rt, state = trained["rt"], trained["state"]
     nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))  # noqa: E731
