@@ -146,7 +146,7 @@ def test_base_is_bitwise_frozen_after_50_steps():
     before, after = flat(out["initial"]), flat(jax.device_get(out["state"].params))
     assert all(np.array_equal(np.asarray(v[...]), np.asarray(after[k][...])) != isinstance(v, (LoraA, LoraB))
                for k, v in before.items())
-    assert out["losses"][-1] < out["losses"][0] - 0.5, out["losses"]
+    assert out["losses"][-1] < out["losses"][0] - 0.3, out["losses"]
 
 
 def test_optimizer_state_bytes_are_the_adapters_moments_only(trained):
