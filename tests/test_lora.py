@@ -224,6 +224,17 @@ def test_moe_experts_adapters_forward_equals_merged_and_a_step_trains(dispatch):
     assert np.all(np.isfinite(out["losses"])) and out["losses"][1] < out["losses"][0]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
+def test_moe_experts_adapters_under_expert_parallelism_equal_one_device(dispatch):
+    mk = lambda *x: load_config("mixtral-tiny", [  # noqa: E731
+        *BASE, "model.d_model=32", "model.moe_mlp_dim=32", "model.moe_num_experts=4", f"model.moe_dispatch={dispatch}",
+        "model.moe_capacity_factor=4.0", "lora.rank=2", "lora.targets=[q,experts.gate,experts.up,experts.down]", *x])
+    one = run(mk(), jax.devices()[:1], steps=3)
+    ep = run(mk("mesh.expert=2", "mesh.fsdp=2", "mesh.data=2"), jax.devices()[:8], steps=3)
+    np.testing.assert_allclose(ep["losses"], one["losses"], rtol=1e-5)
+
+
 def test_restore_a_base_without_adapters_inits_them_and_another_shape_is_refused(trained, tmp_path):
     c = cfg(ALL)
     base = init_params(c.model, jax.random.key(7), c.quant)  # a run saved without LoRA
@@ -292,6 +303,18 @@ def test_qlora_trains_adapters_over_an_int8_base_from_quantize(trained):
         base, stats = split_model_state(qparams)
         return state.replace(params=nnx.merge_state(base, nnx.split_state(state.params, ADAPTERS, ...)[0]))
 
+    # Merging dequantizes the int8 base: the merged float model computes what the int8 + adapters one does.
+    from jaxinfra.lora.merge import merge_variables, merged_config
+
+    adapted = _nonzero_b(nnx.merge_state(qparams, nnx.split_state(init_params(c.model, jax.random.key(0), c.quant,
+                                                                              c.lora), ADAPTERS, ...)[0]))
+    plain = merged_config(q)
+    assert plain.quant.weights == "none"
+    merged = merge_variables(q, adapted, abstract_params(plain.model, quant=plain.quant))
+    tokens = jnp.asarray(packed_batches(2, SEQ, VOCAB, 1)[0]["inputs"])
+    want = _logits(q, adapted, tokens)
+    np.testing.assert_allclose(_logits(plain, merged, tokens), want, rtol=1e-5,
+                               atol=1e-5 * float(jnp.max(jnp.abs(want))))
     out = run(q, jax.devices()[:1], steps=STEPS, state=with_base)
     assert out["losses"][-1] < out["losses"][0] - 0.05, out["losses"]
     before, after = flat(out["initial"]), flat(jax.device_get(out["state"].params))
