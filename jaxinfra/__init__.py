@@ -26,7 +26,8 @@ Modules of `jaxinfra/` (see docs/architecture.md for how one run goes through th
     step.py        the jitted train step (gradient accumulation, NaN guard) and eval step
     extensions.py  the train step's extension seam: loss terms, batch fields, frozen inputs, own state,
                    post-update, trainable subset; ModelStats (router bias, amax histories)
-    quant_checks.py  the quant section's checks that need the devices (fp8 support)
+    quant_checks.py  the quant section's checks that need the devices (fp8 support; int8 storage only
+                   as a LoRA run's frozen base)
     runtime.py     build_runtime: mesh, sharding rules, optimizer and jitted steps, built once
     checkpoint.py  Orbax checkpoints of state + data position + config; restore, export-params
     train.py       the training loop: resume, logging, evaluation, checkpoints, signals
@@ -35,6 +36,7 @@ Modules of `jaxinfra/` (see docs/architecture.md for how one run goes through th
     infer/         inference: checkpoint loading, generation with a KV cache, eval of token files
     quantize.py    `jaxinfra quantize`: weight-only int8 checkpoints
     distill/       knowledge distillation: online teacher or saved top-k logits, `distill save-logits`
+    lora/          LoRA / QLoRA: the adapters as the trained subset over a frozen base, `lora merge`
     hf/            Hugging Face interop: import safetensors checkpoints as runs, export runs back
     plan/          `jaxinfra plan`: analytic memory per device, step time, bottleneck, layout search
     scaling/       scaling-law sweeps: spec -> runs -> results table -> Chinchilla fits -> plots

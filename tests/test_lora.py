@@ -140,6 +140,15 @@ def test_base_is_bitwise_frozen_adapters_train_and_loss_falls(trained):
     assert trained["losses"][-1] < trained["losses"][0] - 0.05, trained["losses"]
 
 
+@pytest.mark.slow
+def test_base_is_bitwise_frozen_after_50_steps():
+    out = run(cfg(ALL, "train.steps=50"), jax.devices()[:1], steps=50)
+    before, after = flat(out["initial"]), flat(jax.device_get(out["state"].params))
+    assert all(np.array_equal(np.asarray(v[...]), np.asarray(after[k][...])) != isinstance(v, (LoraA, LoraB))
+               for k, v in before.items())
+    assert out["losses"][-1] < out["losses"][0] - 0.3, out["losses"]
+
+
 def test_optimizer_state_bytes_are_the_adapters_moments_only(trained):
     rt, state = trained["rt"], trained["state"]
     nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))  # noqa: E731
@@ -159,12 +168,8 @@ def test_lora_under_fsdp_x_tensor_equals_one_device(trained):
 
 
 def test_dropout_changes_the_loss_and_dropout_zero_traces_no_random_numbers(trained):
-    def lowered(c):
-        rt = build_runtime(c, jax.devices()[:1], extensions=[Lora()])
-        batch = rt.to_global(packed_batches(BATCH, SEQ, VOCAB, 1)[0])
-        return rt.lower_train_step(rt.init_state(), batch).as_text()
-
-    plain = lowered(cfg(ALL))
+    rt = trained["rt"]  # lora.dropout=0
+    plain = rt.lower_train_step(trained["state"], rt.to_global(packed_batches(BATCH, SEQ, VOCAB, 1)[0])).as_text()
     assert "threefry" not in plain and "rng_bit_generator" not in plain
     dropped = run(cfg(ALL, "lora.dropout=0.5"), jax.devices()[:1], steps=3)
     assert dropped["losses"][0] == trained["losses"][0]  # B = 0 at init: the adapters add nothing yet
@@ -217,6 +222,17 @@ def test_moe_experts_adapters_forward_equals_merged_and_a_step_trains(dispatch):
                                atol=1e-5 * float(jnp.max(jnp.abs(want))))
     out = run(c, jax.devices()[:1], steps=2)
     assert np.all(np.isfinite(out["losses"])) and out["losses"][1] < out["losses"][0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
+def test_moe_experts_adapters_under_expert_parallelism_equal_one_device(dispatch):
+    mk = lambda *x: load_config("mixtral-tiny", [  # noqa: E731
+        *BASE, "model.d_model=32", "model.moe_mlp_dim=32", "model.moe_num_experts=4", f"model.moe_dispatch={dispatch}",
+        "model.moe_capacity_factor=4.0", "lora.rank=2", "lora.targets=[q,experts.gate,experts.up,experts.down]", *x])
+    one = run(mk(), jax.devices()[:1], steps=3)
+    ep = run(mk("mesh.expert=2", "mesh.fsdp=2", "mesh.data=2"), jax.devices()[:8], steps=3)
+    np.testing.assert_allclose(ep["losses"], one["losses"], rtol=1e-5)
 
 
 def test_restore_a_base_without_adapters_inits_them_and_another_shape_is_refused(trained, tmp_path):
@@ -287,6 +303,18 @@ def test_qlora_trains_adapters_over_an_int8_base_from_quantize(trained):
         base, stats = split_model_state(qparams)
         return state.replace(params=nnx.merge_state(base, nnx.split_state(state.params, ADAPTERS, ...)[0]))
 
+    # Merging dequantizes the int8 base: the merged float model computes what the int8 + adapters one does.
+    from jaxinfra.lora.merge import merge_variables, merged_config
+
+    adapted = _nonzero_b(nnx.merge_state(qparams, nnx.split_state(init_params(c.model, jax.random.key(0), c.quant,
+                                                                              c.lora), ADAPTERS, ...)[0]))
+    plain = merged_config(q)
+    assert plain.quant.weights == "none"
+    merged = merge_variables(q, adapted, abstract_params(plain.model, quant=plain.quant))
+    tokens = jnp.asarray(packed_batches(2, SEQ, VOCAB, 1)[0]["inputs"])
+    want = _logits(q, adapted, tokens)
+    np.testing.assert_allclose(_logits(plain, merged, tokens), want, rtol=1e-5,
+                               atol=1e-5 * float(jnp.max(jnp.abs(want))))
     out = run(q, jax.devices()[:1], steps=STEPS, state=with_base)
     assert out["losses"][-1] < out["losses"][0] - 0.05, out["losses"]
     before, after = flat(out["initial"]), flat(jax.device_get(out["state"].params))
