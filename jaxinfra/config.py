@@ -20,7 +20,7 @@ from typing import Any, Literal
 import yaml
 
 # Only jax-free modules (tests/test_layout.py): a bad config fails before jax loads.
-from jaxinfra.config_sections import DistillConfig, SftConfig
+from jaxinfra.config_sections import DistillConfig, DpoConfig, GrpoConfig, SftConfig, prompt_data
 from jaxinfra.data.config import DataConfig
 from models.config import REMAT_POLICIES, ModelConfig
 from models.lora_config import LoraConfig, model_problems
@@ -140,6 +140,8 @@ class Config:
     distill: DistillConfig = DistillConfig()  # off unless distill.teacher or distill.logits
     sft: SftConfig = SftConfig()  # which tokens train when data.source=chat (jaxinfra/sft/)
     lora: LoraConfig = LoraConfig()  # low-rank adapters over a frozen base; off unless lora.rank > 0
+    dpo: DpoConfig = DpoConfig()  # preference tuning when data.source=preference (jaxinfra/dpo/)
+    grpo: GrpoConfig = GrpoConfig()  # rollouts and rewards when data.source=prompts (jaxinfra/grpo/)
 
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(dataclasses.asdict(self))
@@ -373,9 +375,11 @@ def validate(cfg: Config, device_count: int | None = None) -> None:
     for section, problems in (("model", cfg.model.problems()), ("data", cfg.data.problems()),
                               ("quant", cfg.quant.problems() + group_size_problem(cfg.model, cfg.quant)),
                               ("distill", cfg.distill.problems(cfg.model.vocab_size)),
-                              ("lora", cfg.lora.problems() or model_problems(cfg.model, cfg.lora))):
+                              ("lora", cfg.lora.problems() or model_problems(cfg.model, cfg.lora)),
+                              ("dpo", cfg.dpo.problems()), ("grpo", cfg.grpo.problems())):
         for key, value, allowed in problems:
             raise ConfigError(f"{section}.{key}={value!r} is invalid: must be {allowed}")
+    _validate_post_training(cfg)
     t = cfg.train
     for key in ("steps", "batch_size", "seq_len", "grad_accum_steps"):
         if getattr(t, key) < 1:
@@ -403,6 +407,25 @@ def validate(cfg: Config, device_count: int | None = None) -> None:
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the data's vocabulary "
             f"({data_vocab} ids from data.source={cfg.data.source}); set model.vocab_size>={data_vocab}")
     validate_layout(cfg, device_count)
+
+
+def _validate_post_training(cfg: Config) -> None:
+    """DPO pairs and GRPO groups against the batch (a pair or a group is never split over steps)."""
+    t = cfg.train
+    if prompt_data(cfg):
+        g = cfg.grpo
+        if not g.reward:
+            raise ConfigError("grpo.reward is empty: data.source=prompts (GRPO) needs at least one reward "
+                              "function, e.g. grpo.reward=my_rewards.py:exact_match")
+        if t.batch_size % g.group_size:
+            raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by grpo.group_size={g.group_size} "
+                              f"(a rollout's rows are prompts x group_size)")
+        if (t.batch_size // t.grad_accum_steps) % g.group_size:
+            raise ConfigError(f"train.batch_size / train.grad_accum_steps = {t.batch_size // t.grad_accum_steps} "
+                              f"rows per microbatch is not divisible by grpo.group_size={g.group_size}")
+        if g.max_new_tokens >= t.seq_len:
+            raise ConfigError(f"grpo.max_new_tokens={g.max_new_tokens} leaves no room for the prompt in "
+                              f"train.seq_len={t.seq_len}")
 
 
 def validate_layout(cfg: Config, device_count: int | None) -> None:

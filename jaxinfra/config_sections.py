@@ -20,13 +20,25 @@ def chat_data(cfg: Any) -> bool:
     return any(part.source == "chat" for part in cfg.data.parts().values())
 
 
+def preference_data(cfg: Any) -> bool:
+    """Whether the run config's data is preference pairs (DPO; never part of a mixture)."""
+    return cfg.data.source == "preference" and not cfg.data.mixture
+
+
+def prompt_data(cfg: Any) -> bool:
+    """Whether the run config's data is prompts for rollouts (GRPO; never part of a mixture)."""
+    return cfg.data.source == "prompts" and not cfg.data.mixture
+
+
 # Step extensions that another section turns on (the data, not a switch of their own), by name:
 # check_sections_claimed refuses such a config without them just the same.
-IMPLIED_EXTENSIONS: dict[str, Callable[[Any], bool]] = {"sft": chat_data}
+IMPLIED_EXTENSIONS: dict[str, Callable[[Any], bool]] = {"sft": chat_data, "dpo": preference_data,
+                                                         "grpo": prompt_data}
 
 DistillSchedule = Literal["linear", "cosine"]
 TeacherDType = Literal["float32", "bfloat16"]
 TrainOn = Literal["assistant", "all", "last_assistant"]
+DpoLoss = Literal["sigmoid", "ipo", "hinge"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,3 +108,86 @@ class SftConfig:
     # generation spans, or each assistant content plus its end-of-turn), only the last assistant
     # turn's, or every real token of the conversation (prompts and system text included).
     train_on: TrainOn = "assistant"
+
+
+@dataclasses.dataclass(frozen=True)
+class DpoConfig:
+    """Direct preference optimisation (Rafailov et al. 2023) on data.source=preference
+    (jaxinfra/dpo/; docs/post-training.md). On exactly when the data is preference pairs.
+
+    With z = (log pi(chosen) - log pi(rejected)) - (log ref(chosen) - log ref(rejected)), sums of
+    the completion tokens' log-probs: sigmoid = -(1 - ls) log sigmoid(beta z) - ls log sigmoid(-beta z),
+    ipo = (z' - 1 / (2 beta))^2 with z' from per-token mean log-probs (as TRL), hinge = relu(1 - beta z)."""
+
+    beta: float = 0.1
+    loss: DpoLoss = "sigmoid"
+    label_smoothing: float = 0.0  # sigmoid only: the assumed share of flipped labels (cDPO), in [0, 0.5)
+    # The frozen reference policy: null = the checkpoint the run starts from (--restore, or the
+    # run directory's own import; with LoRA: the base with the adapters off, no second copy); a run
+    # directory, RUN/checkpoints/N or an `hf import` output; or a directory written by
+    # `jaxinfra dpo save-reference` (its saved log-probs: no reference model in memory).
+    reference: str | None = None
+
+    def problems(self) -> list[tuple[str, object, str]]:
+        out: list[tuple[str, object, str]] = []
+        if not self.beta > 0:
+            out.append(("beta", self.beta, "> 0"))
+        if self.loss not in ("sigmoid", "ipo", "hinge"):
+            out.append(("loss", self.loss, "one of ['sigmoid', 'ipo', 'hinge']"))
+        if not 0 <= self.label_smoothing < 0.5:
+            out.append(("label_smoothing", self.label_smoothing, "in [0, 0.5)"))
+        elif self.label_smoothing and self.loss != "sigmoid":
+            out.append(("label_smoothing", self.label_smoothing, "0 unless dpo.loss=sigmoid"))
+        if self.reference is not None and (not isinstance(self.reference, str) or not self.reference.strip()):
+            out.append(("reference", self.reference, "null or a directory path"))
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class GrpoConfig:
+    """Group relative policy optimisation (Shao et al. 2024) with verifiable rewards on
+    data.source=prompts (jaxinfra/grpo/; docs/post-training.md). On exactly when the data is prompts.
+
+    Each rollout samples `group_size` completions per prompt with the current policy (the in-stack
+    KV-cache sampler, params in place), scores them with the reward functions, and normalises the
+    rewards within each group into advantages; `epochs_per_rollout` optimizer steps then train on
+    that rollout with the clipped importance ratio against the sampler's log-probs and a k3 KL
+    penalty against the frozen reference, per completion token."""
+
+    # `module:function` or `path.py:function`, or a list of them; each is
+    # fn(prompts: list[str], completions: list[str], answers: list[str | None]) -> list[float].
+    reward: tuple[str, ...] = ()
+    reward_weights: tuple[float, ...] = ()  # one per reward (empty: all 1); the reward is the weighted sum
+    group_size: int = 8  # completions per prompt; train.batch_size rows = prompts per rollout x group_size
+    max_new_tokens: int = 64
+    temperature: float = 1.0  # the sampler's; log-probs (sampler and trainer) are of logits / temperature
+    top_p: float = 1.0
+    kl_beta: float = 0.04  # weight of the k3 KL estimate to the reference (0: no reference model)
+    clip_eps: float = 0.2
+    epochs_per_rollout: int = 1  # optimizer steps per rollout (train.steps counts optimizer steps)
+    scale_rewards: bool = True  # divide the group-centred rewards by the group's std (False: Dr. GRPO)
+    reference: str | None = None  # as dpo.reference (a model or run, not saved log-probs)
+    samples_per_rollout: int = 4  # completions written to RUN/samples.jsonl per rollout
+
+    def problems(self) -> list[tuple[str, object, str]]:
+        out: list[tuple[str, object, str]] = []
+        if isinstance(self.reward, str) or not all(isinstance(r, str) and ":" in r for r in self.reward):
+            out.append(("reward", self.reward, "a list of 'module:function' or 'path.py:function'"))
+        if self.reward_weights and len(self.reward_weights) != len(self.reward):
+            out.append(("reward_weights", self.reward_weights, f"empty or {len(self.reward)} numbers (one per reward)"))
+        if self.group_size < 2:
+            out.append(("group_size", self.group_size, ">= 2 (advantages compare completions within a group)"))
+        for key, low in (("max_new_tokens", 1), ("epochs_per_rollout", 1), ("samples_per_rollout", 0)):
+            if getattr(self, key) < low:
+                out.append((key, getattr(self, key), f"an integer >= {low}"))
+        if not self.temperature >= 0:
+            out.append(("temperature", self.temperature, ">= 0 (0: greedy)"))
+        if not 0 < self.top_p <= 1:
+            out.append(("top_p", self.top_p, "in (0, 1]"))
+        if not self.kl_beta >= 0:
+            out.append(("kl_beta", self.kl_beta, ">= 0"))
+        if not 0 < self.clip_eps < 1:
+            out.append(("clip_eps", self.clip_eps, "in (0, 1)"))
+        if self.reference is not None and (not isinstance(self.reference, str) or not self.reference.strip()):
+            out.append(("reference", self.reference, "null or a directory path"))
+        return out

@@ -7,6 +7,9 @@ A `StepExtension` may add, each hook optional (the base class does nothing):
         host_batch(local, step)  extra batch fields, host rows [rows, seq, ...] (saved logits, loss
                                  masks, weights, advantages, paired sequences); `batch_specs`
                                  gives their global shapes (the plan's --compile lowers with them)
+        batches(host, first_step) with `feeds_batches = True`: the step's batches themselves, in
+                                 place of the data pipeline (GRPO: rollouts of the current policy,
+                                 `host.current_state()`); its data position goes in checkpoint_meta
         inputs() / input_shardings()
                                  frozen step inputs (a teacher's or reference policy's params, small
                                  knobs): step arguments, never differentiated, never checkpointed;
@@ -45,7 +48,7 @@ installed package can add its own extension the same way.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from importlib.metadata import entry_points
 from typing import Any, ClassVar
 
@@ -77,14 +80,24 @@ class StepContext:
     plan: ParallelPlan = SINGLE_DEVICE
 
 
+def _no_state() -> Any:
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class HostContext:
-    """What `start` sees: the runtime (jaxinfra/runtime.py), the held-out batches, this process's rows."""
+    """What the host-side hooks see: the runtime (jaxinfra/runtime.py), the held-out batches, this
+    process's rows, the run directory, where the run was restored from (None: a fresh start or a
+    resume of its own checkpoints), and `current_state()`, the TrainState the next step will update
+    (the latest one: a rollout samples from the params in place, no copy)."""
 
     rt: Any
     eval_batches: list[dict[str, np.ndarray]]
     first_row: int
     rows: int
+    run_dir: Any = None
+    restore_from: Any = None
+    current_state: Callable[[], Any] = _no_state
 
 
 class StepExtension:
@@ -103,6 +116,14 @@ class StepExtension:
 
     def host_batch(self, local: dict[str, np.ndarray], step: int) -> dict[str, np.ndarray]:
         return {}
+
+    feeds_batches: ClassVar[bool] = False  # True: `batches` replaces the data pipeline (GRPO's rollouts)
+
+    def batches(self, host: HostContext, first_step: int) -> Iterator[dict[str, np.ndarray]]:
+        """This process's rows of steps first_step, first_step + 1, ... (only when `feeds_batches`:
+        the train loop then builds no data pipeline, and the extension keeps its own data position
+        in `checkpoint_meta`, which `start` gets back on resume)."""
+        raise NotImplementedError(f"{self.name}: feeds_batches is set but batches() is not defined")
 
     def inputs(self) -> Any:
         return ()
@@ -162,6 +183,14 @@ class ModelStats(StepExtension):
         if self.cfg.moe_bias_update_rate:
             stats = apply_bias_updates(stats, sums["moe_counts"], self.cfg.moe_bias_update_rate)
         return new.replace(stats=roll_histories(stats, observed))
+
+
+def batch_feeder(extensions: Sequence[StepExtension]) -> StepExtension | None:
+    """The one extension that feeds the step's batches itself, if any (two would contradict each other)."""
+    feeders = [e for e in extensions if e.feeds_batches]
+    if len(feeders) > 1:
+        raise ValueError(f"two step extensions feed the batches: {[e.name for e in feeders]}")
+    return feeders[0] if feeders else None
 
 
 def defines_loss_mask(extension: StepExtension) -> bool:

@@ -31,6 +31,15 @@ def cross_entropy_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array,
     return {"loss_sum": jnp.sum(ce + z), "ce_sum": jnp.sum(ce), "z_sum": jnp.sum(z), "tokens": jnp.sum(mask)}
 
 
+def target_logps(logits: jax.Array, targets: jax.Array, temperature: jax.Array | float = 1.0) -> jax.Array:
+    """float32 log-prob of each target id under softmax(logits / temperature): [..., V] logits and
+    [...] targets -> [...]. The one definition the sampler records (jaxinfra/infer/generation.py)
+    and the trainers recompute (DPO's sequence log-probs, GRPO's ratios), so they compare like with like."""
+    scaled = logits.astype(jnp.float32) / temperature
+    picked = jnp.take_along_axis(scaled, targets[..., None], axis=-1)[..., 0]
+    return picked - jax.nn.logsumexp(scaled, axis=-1)
+
+
 def chunked_sums(fn: Callable[..., dict[str, jax.Array]], chunk: int, *arrays: jax.Array) -> dict[str, jax.Array]:
     """sum over sequence chunks of fn(*chunks): every array is [B, T, ...] and is cut along T.
 

@@ -61,7 +61,7 @@ from jaxinfra.exits import (
     write_errors,
     write_failure_line,
 )
-from jaxinfra.extensions import HostContext, StepExtension
+from jaxinfra.extensions import HostContext, StepExtension, batch_feeder
 from jaxinfra.metrics import (
     MetricsLogger,
     ProgressBar,
@@ -151,8 +151,9 @@ class Trainer:
         data_args = dict(seq_len=t.seq_len, global_batch_size=t.batch_size, vocab_size=cfg.model.vocab_size,
                          seed=t.seed, process_index=jax.process_index(), process_count=jax.process_count(),
                          train_on=cfg.sft.train_on)  # chat data refuses conversations with nothing to train on
-        self.train_iter = make_train_iterator(cfg.data, **data_args)
-        self.eval_sets = make_eval_sets(cfg.data, **data_args)  # per mixture source ("": the one source)
+        self.feeder = batch_feeder(self.rt.extensions)  # e.g. GRPO: rollouts replace the data pipeline
+        self.train_iter = None if self.feeder else make_train_iterator(cfg.data, **data_args)
+        self.eval_sets = {} if self.feeder else make_eval_sets(cfg.data, **data_args)  # per mixture source
         self.eval_batches = [b for batches in self.eval_sets.values() for b in batches]
         self.ckpt = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint) if cfg.checkpoint.enabled else None
         self.state: TrainState | None = None
@@ -161,14 +162,20 @@ class Trainer:
 
     # ------------------------------------------------------------ pieces
 
+    def host_context(self) -> HostContext:
+        return HostContext(self.rt, self.eval_batches, self.first_row, self.local_rows, self.run_dir,
+                           self.restore_from, lambda: self.state)
+
     def start_extensions(self, meta: dict[str, Any]) -> list[str]:
         """Each extension's `start` (e.g. a teacher's params loaded); returns notes for the log."""
-        host = HostContext(self.rt, self.eval_batches, self.first_row, self.local_rows)
+        host = self.host_context()
         return [note for e in self.rt.extensions for note in e.start(host, meta)]
 
     def batches(self, first_step: int = 1) -> Iterator[dict[str, jax.Array]]:
-        """Global batches of steps first_step, first_step + 1, ..., forever."""
-        for step, local in enumerate(self.train_iter, first_step):
+        """Global batches of steps first_step, first_step + 1, ..., forever (an extension's own, e.g.
+        GRPO's rollouts, when one feeds them)."""
+        rows = self.feeder.batches(self.host_context(), first_step) if self.feeder else self.train_iter
+        for step, local in enumerate(rows, first_step):
             for e in self.rt.extensions:  # extra batch fields (e.g. offline distillation's saved logits)
                 local = {**local, **e.host_batch(local, step)}
             yield self.rt.to_global(local)
@@ -231,7 +238,7 @@ class Trainer:
         if meta.get("global_batch") != self.cfg.train.batch_size or meta.get("seq_len") != self.cfg.train.seq_len:
             print(f"jaxinfra: warning: checkpoint step {step} was written with batch {meta.get('global_batch')} x "
                   f"seq {meta.get('seq_len')}; the data position cannot carry over, data restarts", flush=True)
-        else:
+        elif self.train_iter is not None:  # an extension that feeds the batches keeps its own position
             set_row_states(self.train_iter, data, self.first_row, self.local_rows)
         return step, state, meta
 
@@ -248,7 +255,8 @@ class Trainer:
         for e in self.rt.extensions:  # e.g. which teacher (and step), never its params
             if e_meta := e.checkpoint_meta():
                 meta[e.name] = e_meta
-        self.ckpt.save(step, state, row_states(self.train_iter, self.first_row), meta, metrics)
+        data = row_states(self.train_iter, self.first_row) if self.train_iter is not None else {}
+        self.ckpt.save(step, state, data, meta, metrics)
         return time.perf_counter() - start
 
     def _say_warning(self, text: str) -> None:
@@ -344,9 +352,11 @@ class Trainer:
 
     def _run(self) -> dict[str, Any]:
         start_step, state, meta = self.initial_state()  # before anything is written: a refusal changes nothing
+        self.state = state  # host.current_state() in `start` (e.g. a reference taken from the start)
         notes = self.start_extensions(meta)
         self._open_outputs(start_step)
         loop = _Loop(start_step=start_step, step=start_step, state=state)
+        self.state = state
         self._header(start_step)
         for note in notes:
             self._say(note)
@@ -410,6 +420,7 @@ class Trainer:
         batch = next(batches)
         watchdog.progress(step, "step")
         loop.state, metrics = self.rt.train_step(loop.state, batch)
+        self.state = loop.state  # what host.current_state() gives the next batch (the old one was donated)
         loop.pending_flags.append(metrics["nonfinite"])
         loop.window_steps += 1
         if loop.compile_s is None:  # the first step compiles; time the rest from its end

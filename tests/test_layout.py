@@ -27,7 +27,8 @@ CORE = ("jaxinfra", "jaxinfra.config", "jaxinfra.config_sections", "jaxinfra.exi
         "jaxinfra.rundir", "jaxinfra.watchdog", "jaxinfra.data", "jaxinfra.metrics", "jaxinfra.optim",
         "jaxinfra.loss", "jaxinfra.state", "jaxinfra.step", "jaxinfra.quant_checks", "jaxinfra.extensions",
         "jaxinfra.runtime", "jaxinfra.checkpoint", "jaxinfra.train")
-FEATURES = ("jaxinfra.infer", "jaxinfra.quantize", "jaxinfra.distill", "jaxinfra.sft", "jaxinfra.lora", "jaxinfra.hf",
+FEATURES = ("jaxinfra.infer", "jaxinfra.quantize", "jaxinfra.distill", "jaxinfra.sft", "jaxinfra.lora", "jaxinfra.dpo", "jaxinfra.grpo",
+            "jaxinfra.reference", "jaxinfra.hf",
             "jaxinfra.plan", "jaxinfra.scaling", "jaxinfra.info", "jaxinfra.bench", "jaxinfra.launch")
 TOP = ("jaxinfra.cli", "jaxinfra.data_cli", "jaxinfra.__main__")
 LAYERS = {"kernels": 0, "sharding": 1, "models": 2, **dict.fromkeys(CORE, 3), **dict.fromkeys(FEATURES, 4),

@@ -7,12 +7,14 @@ import itertools
 import re
 from typing import Literal, get_args
 
-Source = Literal["text", "tokens", "synthetic", "jsonl", "parquet", "chat"]
+Source = Literal["text", "tokens", "synthetic", "jsonl", "parquet", "chat", "preference", "prompts"]
 TokenDtype = Literal["uint16", "uint32"]
 SOURCES: tuple[str, ...] = get_args(Source)
 TOKEN_DTYPES: tuple[str, ...] = get_args(TokenDtype)
-_TOKENIZED_SOURCES = ("text", "tokens", "jsonl", "parquet", "chat")  # sources that take data.tokenizer
-_FILE_SOURCES = ("tokens", "jsonl", "parquet", "chat")  # sources that need data.paths
+# sources that take data.tokenizer
+_TOKENIZED_SOURCES = ("text", "tokens", "jsonl", "parquet", "chat", "preference", "prompts")
+_UNMIXED_SOURCES = ("preference", "prompts")  # read by the dpo / grpo extensions alone
+_FILE_SOURCES = ("tokens", "jsonl", "parquet", "chat", "preference", "prompts")  # sources that need data.paths
 TRAIN_ON = ("assistant", "all", "last_assistant")  # sft.train_on (the data refuses rows with nothing to train)
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")  # mixture names become metric names (eval_loss/<name>)
 
@@ -67,6 +69,8 @@ class DataConfig:
     # tokens: required (.bin raw token ids, .npy, or directories made by `jaxinfra data prepare`).
     # jsonl / parquet: .jsonl(.gz) / .parquet files, tokenized on the fly.
     # chat: .jsonl(.gz) / .parquet conversations, or directories made by `jaxinfra data prepare --chat`.
+    # preference (DPO): .jsonl(.gz) / .parquet rows `prompt`, `chosen`, `rejected` (text, or chat messages).
+    # prompts (GRPO): .jsonl(.gz) / .parquet rows `prompt` (text or chat messages), optional `answer`.
     paths: tuple[str, ...] = ()
     # Path to a HF tokenizer.json; None = byte-level (ids 0..255). For prepared directories
     # (tokens): when given, it must be the tokenizer the directory was prepared with.
@@ -131,6 +135,10 @@ class DataConfig:
         if self.source == "synthetic":
             return [("source", self.source, "a source that reads files when data.mixture is set")]
         out = [p for name, part in self.mixture.items() for p in part.problems(name)]
+        paired = sorted(n for n, part in self.mixture.items() if (part.source or self.source) in _UNMIXED_SOURCES)
+        if paired:  # DPO pairs and GRPO prompts feed their own step extensions, one source each
+            out.append((f"mixture.{paired[0]}.source", self.mixture[paired[0]].source or self.source,
+                        f"not one of {list(_UNMIXED_SOURCES)} (those sources cannot be mixed)"))
         chat = {name: (part.source or self.source) == "chat" for name, part in sorted(self.mixture.items())}
         if not out and len(set(chat.values())) > 1:
             a, b = next(n for n, c in chat.items() if c), next(n for n, c in chat.items() if not c)

@@ -23,10 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfra.config import Config
 from jaxinfra.infer.loading import InferenceError, _place_params, _sharding, inference_mesh, inference_model_config
+from jaxinfra.loss import target_logps
 from jaxinfra.state import model_graphdef
 from models import cache as kv_cache
 from sharding.plan import plan_for
@@ -75,6 +76,12 @@ def _top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.A
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
+def token_logps(logits: jax.Array, ids: jax.Array, temperature: jax.Array) -> jax.Array:
+    """[B] float32 log-prob of ids [B] under softmax(logits [B, V] / temperature) (temperature 1
+    when greedy): what the sampler records and what a trainer recomputes (jaxinfra/grpo/)."""
+    return target_logps(logits, ids, jnp.where(temperature > 0, temperature, 1.0))
+
+
 def _row_keys(seed: jax.Array, step: jax.Array, batch: int) -> jax.Array:
     base = jax.random.fold_in(jax.random.key(seed), step)
     return jax.vmap(lambda r: jax.random.fold_in(base, r))(jnp.arange(batch))
@@ -92,6 +99,9 @@ class GenerationResult:
     decode_s: float
     compile_s: float  # compile time of this call (0 when already compiled)
     batch: int
+    # per prompt, aligned with `tokens`: each generated id's float32 log-prob under the sampler,
+    # log_softmax(logits / temperature) (temperature 1 when greedy), before top-k / top-p
+    logps: list[list[float]] = dataclasses.field(default_factory=list)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -129,12 +139,19 @@ class Generator:
     """Compiled prefill and decode for one model on its training mesh; reuse it across calls."""
 
     def __init__(self, cfg: Config, params: nnx.State, *, absorb: bool = True,
-                 devices: Sequence[jax.Device] | None = None):
+                 devices: Sequence[jax.Device] | None = None, mesh: Mesh | None = None):
+        """`mesh`: a training run's own mesh (a rollout samples with the trained params in place, so
+        `generate(params=...)` takes them in the training shardings without a copy)."""
         self.cfg = cfg
         self.model_cfg = inference_model_config(cfg.model)
-        self.mesh, self.rules = inference_mesh(cfg, devices)
+        self.mesh, self.rules = inference_mesh(cfg, devices if mesh is None else list(mesh.devices.flat))
+        if mesh is not None:
+            self.mesh = mesh
         self.plan = plan_for(self.mesh, self.rules)  # passed to the model: nothing ambient decides the program
         self.params = _place_params(params, self.mesh, self.rules)
+        # What the programs are compiled for (the params a call passes may be newer: same shapes and shardings).
+        self.abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                            self.params)
         self.graphdef = model_graphdef(self.model_cfg, cfg.quant, cfg.lora)
         self.absorb = absorb
         self.kv_int8 = cfg.quant.kv_cache == "int8"  # int8 values + per-token-per-head scales (models/cache.py)
@@ -163,8 +180,10 @@ class Generator:
             temperature, top_k, top_p, seed = settings
             first = sample(last, _row_keys(seed, 0, b), temperature, top_k, top_p)
             out = jnp.full((b, max_new), -1, jnp.int32).at[:, 0].set(first)
+            logps = jnp.zeros((b, max_new), jnp.float32).at[:, 0].set(token_logps(last, first, temperature))
             done = jnp.isin(first, stop_ids)
-            return {"cache": cache, "out": out, "done": done, "pos": lengths, "t": jnp.ones((), jnp.int32)}
+            return {"cache": cache, "out": out, "logps": logps, "done": done, "pos": lengths,
+                    "t": jnp.ones((), jnp.int32)}
 
         return prefill
 
@@ -185,13 +204,16 @@ class Generator:
                 prev = jnp.maximum(jax.lax.dynamic_slice_in_dim(s["out"], s["t"] - 1, 1, axis=1), 0)  # [B, 1]
                 logits, cache = model.decode(prev, s["pos"][:, None], s["cache"], absorb, plan=self.plan)
                 tok = sample(logits[:, 0], _row_keys(seed, s["t"], b), temperature, top_k, top_p)
+                logp = token_logps(logits[:, 0], tok, temperature)
                 tok = jnp.where(s["done"], -1, tok)
                 out = jax.lax.dynamic_update_slice_in_dim(s["out"], tok[:, None], s["t"], axis=1)
+                logps = jax.lax.dynamic_update_slice_in_dim(s["logps"], logp[:, None], s["t"], axis=1)
                 cache = self._cache_constrain(cache, b, cache_len(cache))
                 done = s["done"] | jnp.isin(tok, stop_ids)
                 if stop_sequence:
                     done = done | _ends_with(out, s["t"], stop_sequence)
-                return {"cache": cache, "out": out, "done": done, "pos": s["pos"] + 1, "t": s["t"] + 1}
+                return {"cache": cache, "out": out, "logps": logps, "done": done, "pos": s["pos"] + 1,
+                        "t": s["t"] + 1}
 
             return jax.lax.while_loop(cond, body, state)
 
@@ -208,13 +230,13 @@ class Generator:
             stop = jax.ShapeDtypeStruct((n_stop,), jnp.int32, sharding=NamedSharding(m, PartitionSpec()))
             settings = self._settings(Sampling())
             with jax.set_mesh(m):
-                prefill = jax.jit(self._prefill_fn(max_new)).lower(self.params, tokens, lengths, stop,
-                                                                   settings).compile()
-                state = jax.eval_shape(self._prefill_fn(max_new), self.params, tokens, lengths, stop, settings)
+                params = self.abstract_params
+                prefill = jax.jit(self._prefill_fn(max_new)).lower(params, tokens, lengths, stop, settings).compile()
+                state = jax.eval_shape(self._prefill_fn(max_new), params, tokens, lengths, stop, settings)
                 state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
                                      prefill.output_shardings)
-                decode = jax.jit(self._decode_fn(stop_sequence), donate_argnums=1).lower(self.params, state, stop,
-                                                                            settings).compile()
+                decode = jax.jit(self._decode_fn(stop_sequence), donate_argnums=1).lower(params, state, stop,
+                                                                                          settings).compile()
             self._compiled[key] = (prefill, decode)
         return self._compiled[key]
 
@@ -227,10 +249,11 @@ class Generator:
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 32,
                  sampling: Sampling = Sampling(), stop_ids: Sequence[int] = (),
-                 stop_sequence: Sequence[int] = ()) -> GenerationResult:
+                 stop_sequence: Sequence[int] = (), params: nnx.State | None = None) -> GenerationResult:
         """Continue each prompt (a list of ids) by up to `max_new_tokens` ids; a row that draws
         one of `stop_ids` stops there (the stop id is the last one returned), as does a row whose
-        last ids are `stop_sequence` (e.g. "<|im_end|>" in bytes; returned with it)."""
+        last ids are `stop_sequence` (e.g. "<|im_end|>" in bytes; returned with it). `params`:
+        newer params of the same model in the same shardings (a training run's, used in place)."""
         sampling.check()
         vocab = self.model_cfg.vocab_size
         prompts = [list(map(int, p)) for p in prompts]
@@ -268,16 +291,18 @@ class Generator:
         settings = self._settings(sampling)
         jax.block_until_ready(args)
 
+        params = self.params if params is None else params
         t0 = time.perf_counter()
-        state = jax.block_until_ready(prefill(self.params, *args, settings))
+        state = jax.block_until_ready(prefill(params, *args, settings))
         t1 = time.perf_counter()
-        state = decode(self.params, state, args[2], settings)
-        out, steps = jax.device_get((state["out"], state["t"]))
+        state = decode(params, state, args[2], settings)
+        out, logps, steps = jax.device_get((state["out"], state["logps"], state["t"]))
         t2 = time.perf_counter()
 
         rows = [_trimmed(row, stops, sequence) for row in out]
         return GenerationResult(tokens=rows, prefill_tokens=int(lengths.sum()), prefill_s=t1 - t0,
-                                decode_steps=int(steps) - 1, decode_s=t2 - t1, compile_s=compile_s, batch=batch)
+                                decode_steps=int(steps) - 1, decode_s=t2 - t1, compile_s=compile_s, batch=batch,
+                                logps=[[float(x) for x in lp[:len(row)]] for row, lp in zip(rows, logps)])
 
 
 def _ends_with(out: jax.Array, t: jax.Array, sequence: tuple[int, ...]) -> jax.Array:

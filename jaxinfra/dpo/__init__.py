@@ -1,0 +1,1 @@
+"""DPO (issue 29): see jaxinfra/dpo/extension.py."""

@@ -1,0 +1,1 @@
+"""GRPO (issue 29): see jaxinfra/grpo/extension.py."""
