@@ -3,7 +3,8 @@
     python scripts/logprob_gap.py [--new 24] [--markdown]
 
 For each family (dense MHA, GQA, MLA, MoE as deepseek-tiny sets it: capacity dispatch, factor
-1.5) and dtype, a tiny random model draws completions with the KV-cache sampler (greedy,
+1.5; once more with a skewed router, so that
+training drops tokens) and dtype, a tiny random model draws completions with the KV-cache sampler (greedy,
 temperature 1 and temperature 0.7) and `policy_token_logps` recomputes each generated token's
 log-prob with the training forward; prints max and mean |sampler - trainer| over the completion
 tokens (docs/post-training.md "Sampler and trainer log-probs", tests/test_logprobs.py).
@@ -21,11 +22,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from logprob_models import FAMILIES, PROMPTS, SAMPLINGS, make  # noqa: E402
+from logprob_models import FAMILIES, PROMPTS, SAMPLINGS, make
 
-from jaxinfra.infer import Generator  # noqa: E402
-from jaxinfra.infer.logprobs import sampler_and_trainer_logps  # noqa: E402
-from jaxinfra.metrics.table import Column, format_table  # noqa: E402
+from jaxinfra.infer import Generator
+from jaxinfra.infer.logprobs import sampler_and_trainer_logps
+from jaxinfra.metrics.table import Column, format_table
 
 
 def main() -> None:
@@ -34,16 +35,18 @@ def main() -> None:
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
     rows = []
-    for family in FAMILIES:
+    # the last row: a random router bias, so that training's capacity dispatch drops tokens
+    cases = [(f, f, False) for f in FAMILIES] + [("MoE, skewed router (drops)", "MoE", True)]
+    for label, family, skewed in cases:
         for dtype in ("float32", "bfloat16"):
             t0 = time.perf_counter()
-            cfg, params = make(family, dtype)
+            cfg, params = make(family, dtype, skewed_router=skewed)
             gen = Generator(cfg, params)
             for name, sampling in SAMPLINGS.items():
                 a, b = sampler_and_trainer_logps(cfg, params, gen, PROMPTS, sampling, args.new)
                 d = abs(a - b)
-                rows.append((family, dtype, name, f"{d.max():.2e}", f"{d.mean():.2e}", len(d)))
-            print(f"{family} {dtype}: {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+                rows.append((label, dtype, name, f"{d.max():.2e}", f"{d.mean():.2e}", len(d)))
+            print(f"{label} {dtype}: {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     print(format_table(rows, [Column("family"), Column("dtype"), Column("sampling"), Column("max |Δ|", align=">"),
                               Column("mean |Δ|", align=">"), Column("tokens", align=">")],
                        style="markdown" if args.markdown else "plain"))

@@ -28,10 +28,14 @@ PROMPTS = [[5, 9, 1, 33, 2], [7, 3, 60, 12, 40, 41, 8, 19, 22, 50, 11], [1], [30
 SAMPLINGS = {"greedy": Sampling(), "T=1": Sampling(temperature=1.0, seed=3), "T=0.7": Sampling(temperature=0.7, seed=4)}
 
 
-def make(family: str, dtype: str = "float32", seed: int = 0):
-    """(Config, params) of a family's tiny model in `dtype` (params and compute)."""
-    cfg = load_config("tiny", [*FAMILIES[family], f"model.dtype={dtype}", f"model.param_dtype={dtype}"])
+def make(family: str, dtype: str = "float32", seed: int = 0, skewed_router: bool = False, extra: tuple = ()):
+    """(Config, params) of a family's tiny model in `dtype` (params and compute). The router bias
+    starts at zero as in training (balanced enough that capacity 1.5 drops nothing here);
+    `skewed_router` draws it at random, so that training's capacity dispatch drops tokens."""
+    cfg = load_config("tiny", [*FAMILIES[family], f"model.dtype={dtype}", f"model.param_dtype={dtype}", *extra])
     params = init_params(cfg.model, jax.random.key(seed))
+    if not skewed_router:
+        return cfg, params
 
     def fill_bias(path, x):  # a nonzero router bias, so that expert selection depends on it
         if "bias" in jax.tree_util.keystr(path):
