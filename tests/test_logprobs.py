@@ -2,7 +2,8 @@
 (jaxinfra/infer/generation.py) against `policy_token_logps`, the training forward's recomputation
 (jaxinfra/infer/logprobs.py), on every test model family in float32 and bfloat16, greedy and
 sampled. The tolerances are LOGP_TOLERANCE (measured gaps: docs/post-training.md "Sampler and
-trainer log-probs"); an off-by-one alignment and a forgotten temperature must exceed them.
+trainer log-probs"; MoE in bfloat16 lets a few tokens past the max:
+MOE_BF16_FLIP_SHARE, router near-ties); an off-by-one alignment and a forgotten temperature must exceed them.
 One Generator (prefill + decode compiled once) and one recomputation program per (family, dtype).
 """
 
@@ -18,7 +19,7 @@ from flax import nnx
 from logprob_models import FAMILIES, PROMPTS, SAMPLINGS, make
 
 from jaxinfra.infer import Generator, inference_mesh
-from jaxinfra.infer.logprobs import LOGP_TOLERANCE, policy_token_logps, sampler_and_trainer_logps
+from jaxinfra.infer.logprobs import LOGP_TOLERANCE, MOE_BF16_FLIP_SHARE, policy_token_logps, sampler_and_trainer_logps
 from jaxinfra.state import model_graphdef
 
 NEW = 16
@@ -41,9 +42,10 @@ def gap(family: str, dtype: str, sampling, **kw) -> np.ndarray:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_sampler_logps_equal_the_training_forward(family, dtype):
     worst, mean = LOGP_TOLERANCE[dtype]
-    for name in ("greedy", "T=1"):
-        d = gap(family, dtype, SAMPLINGS[name])
-        assert d.max() <= worst and d.mean() <= mean, (family, dtype, name, d.max(), d.mean())
+    flips = MOE_BF16_FLIP_SHARE if (family, dtype) == ("MoE", "bfloat16") else 0.0
+    for name, sampling in SAMPLINGS.items():  # greedy, T=1, T=0.7: one compiled program for all
+        d = gap(family, dtype, sampling)
+        assert np.mean(d > worst) <= flips and d.mean() <= mean, (family, dtype, name, d.max(), d.mean())
     if family == "MoE":  # training routes with capacity (factor 1.5), the sampler dropless: equal
         assert training_drops(*model(family, dtype)) == 0  # only while training drops nothing: checked
 

@@ -12,37 +12,17 @@ parameter per row: step = max(bytes / memory bandwidth, FLOPs / (peak x efficien
 
 from __future__ import annotations
 
-import math
-
-from jax.sharding import AbstractMesh
-
 from jaxinfra.metrics.flops import param_counts
 from jaxinfra.plan import activations as act
 from jaxinfra.plan.devices import DeviceSpec
 from jaxinfra.plan.layout import F32_BYTES, Layout
-from jaxinfra.plan.memory import Component, Fn, StateBytes, params
+from jaxinfra.plan.memory import Component, Fn, StateBytes, kv_cache_bytes, params
 from jaxinfra.plan.time import Flops, StepTime
-from jaxinfra.state import sharding_rules
-from models import cache as kv_cache
-from sharding.mesh import MESH_AXES
-from sharding.rules import logical_to_mesh
 
 
 def cache_bytes(lay: Layout) -> float:
     """Per-device bytes of the decode cache for train.batch_size rows x train.seq_len positions."""
-    t = lay.cfg.train
-    mesh = AbstractMesh(tuple(lay.sizes[a] for a in MESH_AXES), MESH_AXES)
-    table = sharding_rules(lay.cfg.parallelism).activations
-    quantized = lay.cfg.quant.kv_cache == "int8"  # int8 entries + float32 scales per token and head
-    total = 0.0
-    for arrays in kv_cache.layout(lay.model, t.batch_size, t.seq_len, quantized).values():
-        for name, (shape, names) in arrays.items():
-            spec = logical_to_mesh(names, table, mesh, shape)
-            ways = math.prod(math.prod(mesh.shape[a] for a in ((e,) if isinstance(e, str) else e)) if e else 1
-                             for e in spec)
-            item = (F32_BYTES if name.endswith("_scale") else 1) if quantized else lay.compute_bytes
-            total += math.prod(shape) / ways * item
-    return total
+    return kv_cache_bytes(lay, lay.cfg.train.batch_size, lay.cfg.train.seq_len)
 
 
 def kv_cache_component(lay: Layout, state: StateBytes) -> Component:

@@ -13,6 +13,8 @@ belongs to one phase of the step, and the peak is
     layer     one layer's backward: rebuilt activations (attention scores, MoE dispatch
               buffers), gradient buffers, the layer's all-gathered FSDP weights, pipeline buffers
     update    after the backward: new params and moments built before the NaN guard picks them
+    rollout   GRPO only, between steps: the sampler's KV cache and batch while it draws completions
+              (total = resident + max(step + max(head, layer), update, rollout))
 
 The head and layer peaks happen while the step's activations are alive (the head at the end of
 the forward, a layer in its backward); the update happens after they are freed. The rules were
@@ -25,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import pathlib
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -34,18 +37,20 @@ from flax import nnx
 from jax.sharding import AbstractMesh
 
 from jaxinfra.config import OptimizerConfig, ScheduleConfig
+from jaxinfra.config_sections import preference_data, prompt_data
 from jaxinfra.optim import make_optimizer, make_schedule
 from jaxinfra.plan import activations as act
 from jaxinfra.plan.layout import DTYPE_BYTES, F32_BYTES, Layout, split
-from jaxinfra.state import abstract_state
+from jaxinfra.state import abstract_state, sharding_rules
+from models import cache as kv_cache
 from models.config import ModelConfig
 from models.lora_config import NO_LORA, LoraConfig
 from models.quant_config import NO_QUANT, QuantConfig
 from sharding.mesh import MESH_AXES
 from sharding.rules import logical_to_mesh, rules_for
 
-Phase = Literal["resident", "step", "head", "layer", "update"]
-PHASES: tuple[Phase, ...] = ("resident", "step", "head", "layer", "update")
+Phase = Literal["resident", "step", "head", "layer", "update", "rollout"]
+PHASES: tuple[Phase, ...] = ("resident", "step", "head", "layer", "update", "rollout")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -436,11 +441,115 @@ def teacher_logits(lay: Layout, state: StateBytes) -> Component | None:
     hidden = rows * lay.seq * teacher.d_model * DTYPE_BYTES[d.teacher_dtype]
     return Component("teacher logits", logits + hidden, "head", "teacher hidden states + float32 logits per chunk")
 
+
+# ------------------------------------------------------------ DPO and GRPO (docs/post-training.md)
+SAVED_REFERENCE_META = "dpo_reference.json"  # what marks a `jaxinfra dpo save-reference` directory
+
+
+def _reference_model(lay: Layout) -> tuple[str, str | None] | None:
+    """(method, dpo/grpo.reference) when the run holds a separate frozen reference model, else None:
+    not DPO or GRPO, GRPO without its KL term (kl_beta 0), LoRA with a null reference (the base with
+    the adapters off: no second copy), or DPO's saved reference log-probs (no model in memory)."""
+    cfg = lay.cfg
+    if preference_data(cfg):
+        method, path = "dpo", cfg.dpo.reference
+        if path is not None and (pathlib.Path(path) / SAVED_REFERENCE_META).is_file():
+            return None
+    elif prompt_data(cfg) and cfg.grpo.kl_beta > 0:
+        method, path = "grpo", cfg.grpo.reference
+    else:
+        return None
+    if cfg.lora.enabled and path is None:
+        return None
+    return method, path
+
+
+def reference_params(lay: Layout, state: StateBytes) -> Component | None:
+    """DPO / GRPO: the frozen reference policy's params, resident for the whole run like the
+    distillation teacher's (a step input: no gradients, no optimizer state). It has the run's own
+    architecture (a reference of another shape is refused) and is restored in the run's param dtype
+    by the run's parameter rules, so it costs the run's params without LoRA adapters."""
+    found = _reference_model(lay)
+    if found is None:
+        return None
+    method, path = found
+    p = lay.cfg.parallelism
+    model = dataclasses.replace(lay.model, remat_policy="none")
+    ref = _state_bytes(model, lay.cfg.optimizer, lay.cfg.quant, NO_LORA, p.strategy, tuple(sorted(p.rules.items())),
+                       tuple(lay.sizes[a] for a in MESH_AXES))
+    where = f"{method}.reference={path}" if path else "the starting checkpoint"
+    return Component("reference params", ref.params, "resident", f"{where}, {lay.model.param_dtype}, frozen")
+
+
+def kv_cache_bytes(lay: Layout, rows: int, length: int) -> float:
+    """Per-device bytes of the decode cache for `rows` x `length` positions, laid out as models/cache.py
+    stores it (per layer k and v, or MLA's latent + rope key; int8 + float32 scales with
+    quant.kv_cache=int8) and sharded by the activation rules, as the Generator pins it."""
+    mesh = AbstractMesh(tuple(lay.sizes[a] for a in MESH_AXES), MESH_AXES)
+    table = sharding_rules(lay.cfg.parallelism).activations
+    quantized = lay.cfg.quant.kv_cache == "int8"
+    total = 0.0
+    for arrays in kv_cache.layout(lay.model, rows, length, quantized).values():
+        for name, (shape, names) in arrays.items():
+            spec = logical_to_mesh(names, table, mesh, shape)
+            ways = math.prod(math.prod(mesh.shape[a] for a in ((e,) if isinstance(e, str) else e)) if e else 1
+                             for e in spec)
+            item = (F32_BYTES if name.endswith("_scale") else 1) if quantized else lay.compute_bytes
+            total += math.prod(shape) / ways * item
+    return total
+
+
+def _rollout(lay: Layout) -> bool:
+    return prompt_data(lay.cfg)
+
+
+def rollout_kv_cache(lay: Layout, state: StateBytes) -> Component | None:
+    """GRPO: the sampler's KV cache during a rollout, train.batch_size rows (prompts x group_size)
+    of train.seq_len positions (prompt + grpo.max_new_tokens fit in it), on the run's mesh."""
+    if not _rollout(lay):
+        return None
+    t, q = lay.cfg.train, lay.cfg.quant
+    int8 = ", int8 + scales" if q.kv_cache == "int8" else ""
+    return Component("rollout kv cache", kv_cache_bytes(lay, t.batch_size, t.seq_len), "rollout",
+                     f"{t.batch_size} rows x {t.seq_len} positions{int8}")
+
+
+def rollout_prompt_len(lay: Layout) -> int:
+    """The longest prompt bucket a rollout prefills: seq_len - max_new_tokens, rounded up to the
+    Generator's bucket of 16 (jaxinfra/infer/generation.py PROMPT_BUCKET)."""
+    room = lay.cfg.train.seq_len - lay.cfg.grpo.max_new_tokens
+    return -(-room // 16) * 16
+
+
+def rollout_prefill(lay: Layout, state: StateBytes) -> Component | None:
+    """GRPO: the prefill's float32 logits over the whole prompt bucket ([rows, prompt, vocab]; the
+    sampler keeps each row's last), the largest transient of a rollout at a large vocabulary."""
+    if not _rollout(lay):
+        return None
+    rows, prompt = lay.cfg.train.batch_size / lay.batch_shards, rollout_prompt_len(lay)
+    return Component("rollout prefill", rows * prompt * lay.vocab * F32_BYTES, "rollout",
+                     f"[{lay.cfg.train.batch_size}, {prompt}, {lay.model.vocab_size}] float32 prompt logits")
+
+
+def sampler_batch(lay: Layout, state: StateBytes) -> Component | None:
+    """GRPO: one decode step's float32 logits [rows, vocab] and their tempered copy (what the draw
+    and the log-prob read), and the rollout's sampled ids (int32) and log-probs (float32)
+    [rows, max_new_tokens], rows split like the batch and the vocabulary over `tensor`."""
+    if not _rollout(lay):
+        return None
+    t, g = lay.cfg.train, lay.cfg.grpo
+    rows = t.batch_size / lay.batch_shards
+    logits = 2 * rows * lay.vocab * F32_BYTES
+    tokens = rows * g.max_new_tokens * (4 + F32_BYTES)
+    return Component("sampler batch", logits + tokens, "rollout", f"[{t.batch_size}, {lay.model.vocab_size}] "
+                     f"float32 logits x 2 + ids and log-probs [{t.batch_size}, {g.max_new_tokens}]")
+
+
 COMPONENTS: list[Fn] = [params, frozen_params, gradients, optimizer_state, activations, microbatch_gradients,
                         logits_and_loss, gathered_embeddings, layer_backward, gathered_layer_weights, pipeline_buffers,
                         optimizer_update, quantized_operands, dequantized_weights, saved_dequantized_weights,
-                        teacher_params,
-                        teacher_logits]
+                        teacher_params, teacher_logits, reference_params, rollout_kv_cache, rollout_prefill,
+                        sampler_batch]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -452,7 +561,7 @@ class Memory:
 
     @property
     def total(self) -> float:
-        return self.phase("resident") + max(self._step, self.phase("update"))
+        return self.phase("resident") + max(self._step, self.phase("update"), self.phase("rollout"))
 
     @property
     def _step(self) -> float:
@@ -460,6 +569,8 @@ class Memory:
 
     @property
     def peak_phase(self) -> str:
+        if self.phase("rollout") > max(self._step, self.phase("update")):
+            return "rollout"
         if self.phase("update") > self._step:
             return "update"
         return "head" if self.phase("head") >= self.phase("layer") else "layer"

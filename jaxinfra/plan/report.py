@@ -40,8 +40,9 @@ def memory_lines(plan: Plan, compiled: float | None = None) -> list[str]:
     mem, cap = plan.memory, plan.spec.memory_bytes
     order = {p: i for i, p in enumerate(PHASES)}
     rows = [(c.name, c.phase, size(c.bytes), c.note) for c in sorted(mem.components, key=lambda c: order[c.phase])]
+    rollout = ", rollout" if mem.phase("rollout") else ""  # GRPO: the sampler's phase between steps
     head = ("memory per device (analytic, decoding)" if plan.inference else
-            "memory per device (analytic; total = resident + max(step + max(head, layer), update))")
+            f"memory per device (analytic; total = resident + max(step + max(head, layer), update{rollout}))")
     table = format_table(rows, [Column("component"), Column("phase"), Column("bytes", align=">"), Column("note")])
     room = cap - mem.total
     lines = [head, table,
