@@ -14,6 +14,7 @@ the cache layout, MLA's absorbed decode and the memory / FLOP trade-offs.
 loading.py      checkpoint path -> (Config, params) on the training mesh; InferenceError
 generation.py   sampling and the Generator (jitted prefill + decode loop)
 scoring.py      score(): mean next-token cross-entropy of token rows (`jaxinfra eval`)
+logprobs.py     policy_token_logps(): per-token log-probs under the training forward (GRPO's recomputation)
 text.py         the run's text codec (byte-level UTF-8 or tokenizer.json)
 chat.py         `generate --chat`: one user turn through the run's chat template, the reply alone
 cli.py          `jaxinfra generate` and `jaxinfra eval`
@@ -29,6 +30,7 @@ _LAZY = {
     "loading": ("InferenceError", "inference_devices", "inference_mesh", "inference_model_config", "load_model",
                 "resolve_checkpoint"),
     "scoring": ("check_token_array", "score", "token_rows"),
+    "logprobs": ("LOGP_TOLERANCE", "policy_token_logps"),
     "text": ("text_codec",),
     "chat": ("chat_replies", "end_of_turn_id", "reply_text", "run_chat_template", "run_file"),
 }

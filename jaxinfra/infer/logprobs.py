@@ -96,6 +96,8 @@ def policy_token_logps(cfg: Config, params: nnx.State, tokens: np.ndarray, tempe
         mesh, rules = inference_mesh(cfg)
     else:
         rules = sharding_rules(cfg.parallelism)
+    if mesh.shape["stage"] > 1:  # the train step's pipeline runs it; this forward has no pipeline settings
+        raise InferenceError(f"policy_token_logps does not run pipeline stages: mesh.stage={mesh.shape['stage']}")
     plan = plan_for(mesh, rules)
     shards = int(np.prod([mesh.shape[a] for a in ("data", "fsdp", "expert")]))
     rows = -(-n // shards) * shards
