@@ -9,6 +9,7 @@ One Generator (prefill + decode compiled once) and one recomputation program per
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -81,6 +82,9 @@ def test_policy_token_logps_equal_numpy_log_softmax_of_the_forward():
     logsm = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
     want = np.take_along_axis(logsm, tokens[:, 1:, None], -1)[..., 0]
     np.testing.assert_allclose(got, want, atol=2e-5)
+    chunked = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, loss_chunk_size=4))  # 11 = no divisor
+    np.testing.assert_allclose(policy_token_logps(chunked, params, tokens[:, :9], temperature=0.7), want[:, :8],
+                               atol=2e-5)  # loss chunks of 4 over 8 positions, interleaved as the loss's
 
 
 def test_on_the_runs_mesh_sampler_and_trainer_agree_and_equal_one_device():
