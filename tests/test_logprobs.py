@@ -52,13 +52,15 @@ def test_sampler_logps_equal_the_training_forward(family, dtype):
 
 
 def training_drops(cfg, params, gen) -> float:
-    """Expert assignments the training forward (capacity dispatch) drops on sampled rows, each row
-    right-padded with segment id 0 as policy_token_logps pads it."""
+    """Expert assignments the training forward (capacity dispatch) drops on sampled rows, laid out
+    as policy_token_logps lays them out (inputs = row[:-1], segment id 0 past the last target)."""
     out = gen.generate(PROMPTS, max_new_tokens=NEW, sampling=SAMPLINGS["T=1"]).tokens
-    rows, segments = np.zeros((len(PROMPTS), 16 + NEW), np.int32), np.zeros((len(PROMPTS), 16 + NEW), np.int32)
+    width = 16 + NEW - 1
+    rows, segments = np.zeros((len(PROMPTS), width), np.int32), np.zeros((len(PROMPTS), width), np.int32)
     for i, (p, c) in enumerate(zip(PROMPTS, out)):
-        rows[i, :len(p) + len(c)], segments[i, :len(p) + len(c)] = [*p, *c], 1
-    positions = np.broadcast_to(np.arange(rows.shape[1], dtype=np.int32), rows.shape)
+        tokens = [*p, *c][:-1]
+        rows[i, :len(tokens)], segments[i, :len(tokens)] = tokens, 1
+    positions = np.broadcast_to(np.arange(width, dtype=np.int32), rows.shape)
     graphdef = model_graphdef(cfg.model)
     dropped = jax.jit(lambda p, *a: jnp.sum(nnx.merge(graphdef, p).forward(*a)[1]["dropped"]))
     return float(dropped(params, rows, positions, segments))

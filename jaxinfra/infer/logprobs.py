@@ -3,7 +3,7 @@
 `policy_token_logps(cfg, params, tokens)` runs the model exactly as the train step does
 (jaxinfra/step.py forward_sums): the run's model config as trained (its `moe_dispatch`, its remat
 policy; not `inference_model_config`), `model.hidden` on the rows with positions 0.. and segment
-id 1 on the real tokens, then `model.logits` per loss chunk, and `jaxinfra.loss.target_logps` of
+id 1 on the inputs whose target is real, then `model.logits` per loss chunk, and `jaxinfra.loss.target_logps` of
 each next token. The sampler records the same quantity while it decodes
 (jaxinfra/infer/generation.py `GenerationResult.logps`); the two agree to the tolerances that
 docs/post-training.md states ("Sampler and trainer log-probs") and tests/test_logprobs.py checks,
@@ -68,9 +68,10 @@ def _logps_fn(model: ModelConfig, quant: QuantConfig, lora: LoraConfig, plan: Pa
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         t = inputs.shape[1]
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), inputs.shape)
-        # segment 1 on the real tokens, 0 on the right padding: the padding routes no MoE token
-        # (as the train step's batch), and causal attention keeps it out of every real position
-        segment_ids = (positions < lengths[:, None]).astype(jnp.int32)
+        # segment 1 on the inputs whose target is real (tokens 0 .. length - 2), 0 on the rest, as
+        # GRPO packs its rows (jaxinfra/grpo/rollout.py): padding routes no MoE token, and causal
+        # attention keeps it out of every real position
+        segment_ids = (positions < lengths[:, None] - 1).astype(jnp.int32)
         m = nnx.merge(graphdef, params)
         h, _ = m.hidden(inputs, positions, segment_ids, plan=plan)  # no rng: no LoRA dropout
         return chunked_token_logps(m, h, targets, temperature, model.loss_chunk_size, plan)
@@ -85,7 +86,9 @@ def policy_token_logps(cfg: Config, params: nnx.State, tokens: np.ndarray, tempe
     (default T) marks each row's real tokens, the rest right padding (their entries are computed
     but mean nothing). `mesh`: the run's own mesh (its params in place, sharded by the run's
     rules); None: the config's mesh over this process's devices, as `jaxinfra eval`. Rows are
-    padded up to a multiple of the batch shards."""
+    padded up to a multiple of the batch shards. With `moe_dispatch=capacity` an expert's slots
+    per sequence scale with the row width: pass rows of train.seq_len + 1 tokens to reproduce the
+    train step's drops exactly."""
     tokens = check_token_array(tokens, cfg.model.vocab_size)
     n, t = tokens.shape
     lengths = np.full((n,), t, np.int32) if lengths is None else np.asarray(lengths, np.int32)
