@@ -97,7 +97,7 @@ def encode_pair(row: Mapping, where: str, template: ChatTemplate,
         halves = tuple((np.concatenate([prompt_ids, c]).astype(np.int32),
                         np.concatenate([np.zeros(len(prompt_ids), np.int32), np.ones(len(c), np.int32)]))
                        for c in encoder.encode([chosen, rejected]))
-    for (ids, flags), key in zip(halves, ("chosen", "rejected")):
+    for (_, flags), key in zip(halves, ("chosen", "rejected")):
         if not np.any(flags[1:]):
             raise DataError(f"{where}: the {key} half has no completion token after the prompt (empty {key}, or an "
                             f"empty prompt)")
