@@ -280,3 +280,51 @@ def test_bad_dpo_input_is_one_line_exit_2(case, data, start, tmp_path, tmp_path_
     import re
 
     assert re.search(want, err[0]), err
+
+
+# ---------------------------------------------------------------- preference items (no model)
+
+
+def _pair(row: dict, seq_len: int) -> dict[str, np.ndarray]:
+    from jaxinfra.data.chat import load_chat_template
+    from jaxinfra.data.encode import make_encoder
+    from jaxinfra.data.preference import encode_pair, pair_item
+
+    return pair_item(encode_pair(row, "p.jsonl:3", load_chat_template("chatml", None), make_encoder(None)),
+                     "p.jsonl:3", seq_len)
+
+
+def _completion_text(item: dict, half: int) -> bytes:
+    keep = (item["completion"] > 0) & (item["half"] == half)
+    return bytes(int(t) for t in item["targets"][keep] if t < 256)
+
+
+def test_a_plain_pair_is_one_item_with_an_end_of_document_completion(batches):
+    item = _pair({"prompt": "Up: abcd\n", "chosen": "ABCD", "rejected": "abcd"}, T)
+    assert _completion_text(item, 1) == b"ABCD" and _completion_text(item, 2) == b"abcd"
+    assert item["targets"][(item["half"] == 1) & (item["completion"] > 0)][-1] == 256  # end of document
+    assert list(item["position_in_half"][:3]) == [0, 1, 2] and item["position_in_half"][item["half"] == 2][0] == 0
+    assert item["truncated"].sum() == 0
+    b = batches[0]  # packed: pair k's halves are segments 2k - 1, 2k; positions restart at each half
+    for r in range(B):
+        seg, pos = b["segment_ids"][r], b["positions"][r]
+        starts = np.flatnonzero(np.diff(np.concatenate([[0], seg])) != 0)
+        assert all(pos[s] == 0 for s in starts if seg[s] > 0) and seg.max() % 2 == 0 and seg.max() >= 4
+
+
+def test_a_chat_pair_trains_the_assistant_reply_with_its_end_of_turn():
+    item = _pair({"prompt": [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi"}],
+                  "chosen": "Hello!", "rejected": [{"role": "assistant", "content": "No."}]}, 256)
+    assert _completion_text(item, 1) == b"Hello!<|im_end|>" and _completion_text(item, 2) == b"No.<|im_end|>"
+
+
+def test_long_pairs_cut_completions_and_keep_the_prompt_or_are_refused():
+    from jaxinfra.data import DataError
+
+    row = {"prompt": "Up: abcd\n", "chosen": "ABCDEFGHIJ", "rejected": "abcdefghij"}
+    item = _pair(row, 24)  # 2 x 20 ids -> 2 x 13: 24 targets, 4 completion targets per half
+    assert len(item["targets"]) == 24 and item["truncated"][0] == 1 and item["completion"].sum() == 8
+    with pytest.raises(DataError, match=r"p\.jsonl:3: the prompt \(9 tokens\) leaves no room .*seq_len=16"):
+        _pair(row, 16)
+    with pytest.raises(DataError, match=r"p\.jsonl:3: no 'chosen'"):
+        _pair({"prompt": "x", "rejected": "y"}, 24)
