@@ -328,3 +328,54 @@ def test_long_pairs_cut_completions_and_keep_the_prompt_or_are_refused():
         _pair(row, 16)
     with pytest.raises(DataError, match=r"p\.jsonl:3: no 'chosen'"):
         _pair({"prompt": "x", "rejected": "y"}, 24)
+
+
+# ---------------------------------------------------------------- acceptance 2 (slow): the synthetic preference task
+
+TASK = ["model.vocab_size=258", "model.d_model=64", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
+        "model.mlp_dim=128", "train.seq_len=64", "train.batch_size=16", "mesh.data=1", "log.progress=false",
+        "log.tensorboard=false", "log.every=10", "data.eval_fraction=0.1", "data.eval_batches=4",
+        "schedule.warmup_steps=10"]
+
+
+def _eval_lines(run_dir: pathlib.Path) -> list[dict]:
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r]
+
+
+@pytest.mark.slow
+def test_dpo_teaches_the_rule_after_sft_on_both_styles(tmp_path):
+    """SFT on both styles equally ("Up: abcd" -> "ABCD" and -> "abcd"), so the SFT'd model prefers
+    either about half the time; DPO from it (reference: the SFT checkpoint) on pairs that prefer the
+    upper-case one: held-out preference accuracy >= 0.9 and greedy replies follow the rule on >= 80%.
+    A small learning rate and few steps: the pairs separate within ~20 steps, and Adam's steps on the
+    vanishing gradients after that drift the model (150 steps at 1e-3 broke the copying itself)."""
+    import time
+
+    from jaxinfra.infer.generation import Generator, Sampling
+    from jaxinfra.infer.loading import load_model
+
+    rows = preference_rows(2000, seed=1)
+    docs = [{"text": r["prompt"] + c} for r in rows for c in (r["chosen"], r["rejected"])]
+    sft, dpo = tmp_path / "sft", tmp_path / "dpo"
+    t0 = time.perf_counter()
+    Trainer(load_config("tiny", [*TASK, "data.source=jsonl", f"data.paths=[{_write(tmp_path / 'sft.jsonl', docs)}]",
+                                 "train.steps=400", "optimizer.lr=3e-3", "train.eval_every=400"]),
+            sft, jax.devices()[:1]).run()
+    t1 = time.perf_counter()
+    Trainer(load_config("tiny", [*TASK, "data.source=preference", f"data.paths=[{_write(tmp_path / 'p.jsonl', rows)}]",
+                                 "train.steps=60", "optimizer.lr=5e-5", "train.eval_every=30", "dpo.beta=0.1",
+                                 "checkpoint.restore=params"]),
+            dpo, jax.devices()[:1], restore_from=str(sft)).run()
+    t2 = time.perf_counter()
+    evals = _eval_lines(dpo)
+    before, after = evals[0]["eval_logps/accuracy"], evals[-1]["eval_rewards/accuracy"]
+    cfg, params = load_model(dpo, devices=jax.devices()[:1])
+    held = preference_rows(100, seed=99)
+    out = Generator(cfg, params, devices=jax.devices()[:1]).generate(
+        [list(r["prompt"].encode()) for r in held], max_new_tokens=5, sampling=Sampling(temperature=0.0))
+    follows = np.mean([bytes(t for t in ids if t < 256).startswith(r["chosen"].encode())
+                       for ids, r in zip(out.tokens, held)])
+    print(f"\nacceptance 2: SFT {t1 - t0:.0f}s, DPO {t2 - t1:.0f}s; held-out policy preference accuracy before DPO "
+          f"{before:.3f}, implicit-reward accuracy after {after:.3f} (policy's own {evals[-1]['eval_logps/accuracy']:.3f}), "
+          f"greedy follows the rule {follows:.2f}; evals {[(e['step'], round(e['eval_rewards/accuracy'], 3)) for e in evals]}")
+    assert 0.3 <= before <= 0.7 and after >= 0.9 and follows >= 0.8
