@@ -379,3 +379,23 @@ def test_dpo_teaches_the_rule_after_sft_on_both_styles(tmp_path):
           f"{before:.3f}, implicit-reward accuracy after {after:.3f} (policy's own {evals[-1]['eval_logps/accuracy']:.3f}), "
           f"greedy follows the rule {follows:.2f}; evals {[(e['step'], round(e['eval_rewards/accuracy'], 3)) for e in evals]}")
     assert 0.3 <= before <= 0.7 and after >= 0.9 and follows >= 0.8
+
+
+def test_parquet_pairs_are_read_like_jsonl(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from jaxinfra.data import DataError
+
+    rows = preference_rows(40)
+    pq.write_table(pa.table({k: [r[k] for r in rows] for k in ("prompt", "chosen", "rejected")}), tmp_path / "p.parquet")
+    from jaxinfra.data.preference import PreferenceRecords
+
+    records = PreferenceRecords([str(tmp_path / "p.parquet")], None)
+    assert [records.row(i)[0] for i in (0, 17, 39)] == [rows[i] for i in (0, 17, 39)]
+    args = dict(seq_len=T, global_batch_size=2, vocab_size=V, seed=0)
+    batch = next(make_train_iterator(DataConfig(source="preference", paths=(str(tmp_path / "p.parquet"),)), **args))
+    assert batch["segment_ids"].max() >= 4 and batch["completion"].sum() > 0
+    pq.write_table(pa.table({"prompt": ["a"] * 4, "chosen": ["b"] * 4}), tmp_path / "bad.parquet")
+    with pytest.raises(DataError, match=r"bad\.parquet has no 'rejected' column"):
+        make_train_iterator(DataConfig(source="preference", paths=(str(tmp_path / "bad.parquet"),)), **args)
