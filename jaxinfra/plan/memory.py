@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import pathlib
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -38,6 +37,7 @@ from jax.sharding import AbstractMesh
 
 from jaxinfra.config import OptimizerConfig, ScheduleConfig
 from jaxinfra.config_sections import preference_data, prompt_data
+from jaxinfra.dpo.saved import is_saved_reference
 from jaxinfra.optim import make_optimizer, make_schedule
 from jaxinfra.plan import activations as act
 from jaxinfra.plan.layout import DTYPE_BYTES, F32_BYTES, Layout, split
@@ -443,9 +443,6 @@ def teacher_logits(lay: Layout, state: StateBytes) -> Component | None:
 
 
 # ------------------------------------------------------------ DPO and GRPO (docs/post-training.md)
-SAVED_REFERENCE_META = "dpo_reference.json"  # what marks a `jaxinfra dpo save-reference` directory
-
-
 def _reference_model(lay: Layout) -> tuple[str, str | None] | None:
     """(method, dpo/grpo.reference) when the run holds a separate frozen reference model, else None:
     not DPO or GRPO, GRPO without its KL term (kl_beta 0), LoRA with a null reference (the base with
@@ -453,7 +450,7 @@ def _reference_model(lay: Layout) -> tuple[str, str | None] | None:
     cfg = lay.cfg
     if preference_data(cfg):
         method, path = "dpo", cfg.dpo.reference
-        if path is not None and (pathlib.Path(path) / SAVED_REFERENCE_META).is_file():
+        if path is not None and is_saved_reference(path):
             return None
     elif prompt_data(cfg) and cfg.grpo.kl_beta > 0:
         method, path = "grpo", cfg.grpo.reference
