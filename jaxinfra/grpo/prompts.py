@@ -49,7 +49,8 @@ class PromptSet:
 
     def completion_text(self, ids: Sequence[int]) -> str:
         """A completion's text, cut before the end-of-turn (byte-level: invalid UTF-8 shows as U+FFFD)."""
-        text = self.encoder.decode(list(ids))
+        # ids past the data's vocabulary (a model vocabulary padded beyond it) have no text
+        text = self.encoder.decode([int(i) for i in ids if 0 <= int(i) < self.encoder.vocab_size])
         eot = self.template.end_of_turn if self.template is not None else ""
         return text.split(eot, 1)[0] if eot else text
 
