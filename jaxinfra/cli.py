@@ -25,6 +25,8 @@ train, info and bench also take --coordinator HOST:PORT --num-processes N --proc
     jaxinfra quantize RUN_OR_CKPT OUT --weights int8 [--group-size N]   weight-only int8 checkpoint for inference
     jaxinfra distill save-logits TEACHER --out DIR --top-k K --steps N [--data KEY=VALUE ...]
                                                     a teacher's top-k logits for offline distillation
+    jaxinfra dpo save-reference CONFIG [KEY=VALUE ...] --out DIR [--restore PATH]
+                                                    a DPO run's reference log-probs (no reference model in memory)
     jaxinfra lora merge RUN OUT                     LoRA adapters folded into the base: a plain params-only run
 
 Bad input (config, mesh, data, checkpoint) exits with status 2 and one line on stderr, no
@@ -157,6 +159,7 @@ def _add_package_commands(sub: argparse._SubParsersAction) -> None:
     """The subcommands each feature package registers itself (their modules load no jax at import)."""
     from jaxinfra.data_cli import add_subcommands as add_data  # data {prepare,inspect}
     from jaxinfra.distill.cli import add_subcommands as add_distill  # distill save-logits
+    from jaxinfra.dpo.cli import add_subcommands as add_dpo  # dpo save-reference
     from jaxinfra.hf.cli import add_subcommands as add_hf  # hf {import,export}
     from jaxinfra.infer.cli import add_subcommands as add_inference  # generate, eval
     from jaxinfra.lora.cli import add_subcommands as add_lora  # lora merge
@@ -164,7 +167,7 @@ def _add_package_commands(sub: argparse._SubParsersAction) -> None:
     from jaxinfra.scaling.cli import add_subcommands as add_scaling  # sweep, scaling {collect,fit,predict}
 
     # In this order: `jaxinfra --help` lists the subcommands as they are added.
-    for add in (add_scaling, add_hf, add_inference, add_plan, add_data, add_distill, add_lora):
+    for add in (add_scaling, add_hf, add_inference, add_plan, add_data, add_distill, add_dpo, add_lora):
         add(sub)
 
 

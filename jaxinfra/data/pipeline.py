@@ -15,6 +15,7 @@ from jaxinfra.data.config import TRAIN_ON, DataConfig, DataError
 from jaxinfra.data.encode import make_encoder
 from jaxinfra.data.formats import input_kind, relative_names
 from jaxinfra.data.mixture import MixedRows, WeightSchedule, slot_phase
+from jaxinfra.data.preference import PreferenceRecords, PreferenceSource, pair_layout
 from jaxinfra.data.prepared import is_chat, is_prepared, load_meta, open_prepared
 from jaxinfra.data.records import DocumentWindows, RecordFiles, RecordSource
 from jaxinfra.data.sources import (
@@ -118,6 +119,8 @@ def _split_sources(cfg: DataConfig, seq_len: int, vocab_size: int, seed: int,
         return _token_sources(cfg, seq_len, vocab_size)
     if cfg.source == "chat":
         return _chat_sources(cfg, seq_len, vocab_size, train_on)
+    if cfg.source == "preference":
+        return _preference_sources(cfg, seq_len)
     for path in cfg.paths:
         if is_prepared(os.path.expanduser(path)):
             chat = os.path.exists(os.path.join(os.path.expanduser(path), "meta.json")) and \
@@ -228,6 +231,21 @@ def _rendered_chats(cfg: DataConfig) -> tuple[Any, np.ndarray, np.ndarray]:
     return conversations, *split_records(relative_names(files), records.counts, cfg.eval_fraction)
 
 
+def _preference_sources(cfg: DataConfig, seq_len: int) -> tuple[PreferenceSource, PreferenceSource]:
+    """Preference pairs (jaxinfra/data/preference.py) split by record, rendered when read."""
+    from jaxinfra.data.chat import load_chat_template
+
+    files = expand_paths(cfg.paths)
+    for f in files:
+        if input_kind(f) not in ("jsonl", "parquet"):
+            raise DataError(f"data.paths: {f!r} is not a .jsonl, .jsonl.gz or .parquet file (data.source=preference)")
+    records = PreferenceRecords(files, None)
+    template, encoder = load_chat_template(cfg.chat_template, cfg.tokenizer), make_encoder(cfg.tokenizer)
+    train_ids, held_ids = split_records(relative_names(files), records.counts, cfg.eval_fraction)
+    return (PreferenceSource(records, template, encoder, train_ids, seq_len),
+            PreferenceSource(records, template, encoder, held_ids, seq_len))
+
+
 def _window_pair(reader: Any, train: np.ndarray, held: np.ndarray, seq_len: int,
                  cfg: DataConfig) -> tuple[WindowSource, WindowSource]:
     train_src, held_src = WindowSource(reader, train, seq_len), WindowSource(reader, held, seq_len)
@@ -258,7 +276,7 @@ def _pipeline(sources: dict[str, Any], *, seq_len: int, global_batch: int, local
     for slot in range(first, first + local_batch):
         parts = [_packed_rows(ds[slot::global_batch].repeat(None), seq_len, _seed32(seed + slot),
                               documents=isinstance(sources[name], RecordSource),
-                              chat=isinstance(sources[name], ChatSource)) for name, ds in streams.items()]
+                              fields=_item_fields(sources[name])) for name, ds in streams.items()]
         rows.append(parts[0] if schedule is None else MixedRows(parts, list(streams), schedule,
                                                                   slot_phase(seed, slot)))
     return grain.experimental.ZipIterDataset(rows).map(_stack_rows)
@@ -274,15 +292,21 @@ def _shuffled(source: Any, name: str, global_batch: int, seed: int, shuffle: boo
     return ds.shuffle(seed=_seed32(seed)) if shuffle else ds  # reshuffled every epoch by repeat()
 
 
+def _item_fields(source: Any) -> tuple[str, ...]:
+    """The fields of a source's items that the packer carries (chat and preference items have more)."""
+    if isinstance(source, ChatSource):
+        return CHAT_FIELDS
+    return getattr(source, "fields", ("inputs", "targets"))
+
+
 def _packed_rows(ds: grain.MapDataset, seq_len: int, seed: int, documents: bool = False,
-                 chat: bool = False) -> grain.IterDataset:
+                 fields: tuple[str, ...] = ("inputs", "targets")) -> grain.IterDataset:
     # Reading a window is one small pread; threads would only fight over the GIL.
     it = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
     if documents:  # whole tokenized documents (jsonl / parquet): cut into windows here
         it = grain.experimental.FlatMapIterDataset(it, DocumentWindows(seq_len))
     # Every field in length_struct is packed alongside (zero on padding). Items never exceed a row:
     # windows are seq_len long and chat items are cut to it (grain refuses longer ones).
-    fields = CHAT_FIELDS if chat else ("inputs", "targets")
     return grain.experimental.FirstFitPackIterDataset(
         it, length_struct=dict.fromkeys(fields, seq_len), num_packing_bins=_PACKING_BINS_PER_ROW,
         seed=seed, shuffle_bins=False)
@@ -294,6 +318,8 @@ def _stack_rows(rows: tuple[dict[str, np.ndarray], ...]) -> dict[str, np.ndarray
 
 
 def _model_layout(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    if "half" in packed:  # preference pairs: two segments per pair
+        return pair_layout(packed)
     layout = {
         "inputs": packed["inputs"],
         "targets": packed["targets"],

@@ -85,6 +85,10 @@ class RecordFiles:
         path = self.files[f]
         return parquet_file(path, path, self.text_key) if self.text_key else parquet_chat_file(path, path)
 
+    def _row_columns(self, pf) -> list[str]:
+        """The Parquet columns a row holds (chat's; data/preference.py reads its own)."""
+        return chat_columns(pf)
+
     def _locate(self, index: int) -> tuple[int, int]:
         """(file, record within it) of global record `index` (files in order)."""
         f = int(np.searchsorted(self.ends, index, side="right"))
@@ -99,7 +103,7 @@ class RecordFiles:
             table = self._cache.get(f)
             if table is None:
                 pf = self._parquet(f)
-                table = self._cache[f] = pf.read(columns=chat_columns(pf))  # loaded once, like a text column
+                table = self._cache[f] = pf.read(columns=self._row_columns(pf))  # loaded once, like a text column
             return {name: table.column(name)[i].as_py() for name in table.column_names}, f"{path} row {i}"
         starts, ends, numbers = self._lines[f]
         line = int(numbers[i])
