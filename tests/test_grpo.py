@@ -132,10 +132,22 @@ def test_prompt_order_is_a_seeded_permutation_per_epoch():
 # ---------------------------------------------------------------- the train step vs a numpy GRPO
 
 
+def _numpy_logps(graphdef, variables, rows: dict, temperature: float) -> np.ndarray:
+    """float64 [rows, seq] log-probs of the targets: a plain forward, then log-softmax in numpy."""
+    model = nnx.merge(graphdef, variables)
+    h, _ = model.hidden(rows["inputs"], rows["positions"], rows["segment_ids"])
+    logits = np.asarray(model.logits(h), np.float64) / temperature
+    top = logits.max(-1, keepdims=True)
+    logz = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
+    return np.take_along_axis(logits, rows["targets"][..., None], -1)[..., 0] - logz
+
+
 def test_step_matches_numpy_grpo_over_the_models_logits(files):
-    """Rows packed by the rollout code; the policy's log-probs from a plain forward (temperature 0.7);
-    with old_logps equal to them the ratio is 1 (the step-1 case), perturbed ones exercise the clip."""
-    cfg = load_config("tiny", overrides(files, **{"grpo.temperature": 0.7}))
+    """Rows packed by the rollout code; policy and reference log-probs from a plain forward
+    (temperature 0.7; the reference: the policy's params x 1.05); with old_logps equal to the policy's
+    the ratio is 1 (the step-1 case), perturbed ones exercise the clip. Loss = (pg + kl_beta k3) per
+    completion token."""
+    cfg = load_config("tiny", overrides(files, **{"grpo.temperature": 0.7, "grpo.kl_beta": 0.1}))
     ext = Grpo(cfg)
     rt = build_runtime(cfg, jax.devices()[:1], extensions=[ext])
     rng = np.random.default_rng(1)
@@ -143,27 +155,27 @@ def test_step_matches_numpy_grpo_over_the_models_logits(files):
     completions = [list(rng.integers(0, 256, 1 + (3 * r) % NEW)) for r in range(BATCH)]
     rewards = rng.random(BATCH)
     adv = group_advantages(rewards, GROUP)
-    zeros = [[0.0] * len(c) for c in completions]
-    rows = pack_rows(prompts, completions, zeros, adv, rewards, SEQ)
+    rows = pack_rows(prompts, completions, [[0.0] * len(c) for c in completions], adv, rewards, SEQ)
     state = rt.init_state()
-    model = nnx.merge(rt.graphdef, model_state(state))
-    h, _ = model.hidden(rows["inputs"], rows["positions"], rows["segment_ids"])
-    logits = np.asarray(model.logits(h), np.float64) / 0.7
-    logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
-    logp = np.take_along_axis(logits, rows["targets"][..., None], -1)[..., 0] - logz
+    variables = jax.device_get(model_state(state))
+    ext.ref.params = jax.tree.map(lambda x: x * 1.05, variables)  # a frozen reference near the policy
+    logp = _numpy_logps(rt.graphdef, variables, rows, 0.7)
+    ref = _numpy_logps(rt.graphdef, ext.ref.params, rows, 0.7)
     mask = rows["completion"] > 0
     for shift in (0.0, 0.4):
         old = np.where(mask, logp + shift * rng.normal(size=logp.shape), 0).astype(np.float32)
-        _, m = rt.train_step(state if shift == 0 else rt.init_state(), rt.to_global({**rows, "old_logps": old}))
+        _, m = rt.train_step(rt.init_state(), rt.to_global({**rows, "old_logps": old}))
         m = jax.device_get(m)
-        want = numpy_grpo(logp, old, rows["advantages"], mask, cfg.grpo.clip_eps)
-        np.testing.assert_allclose(m["loss"], want[PG_SUM] / mask.sum(), rtol=1e-4, atol=2e-6)
-        np.testing.assert_allclose(m["clip_frac"], want[CLIP_SUM] / mask.sum(), atol=1e-7)
-        assert (m["clip_frac"] == 0) == (shift == 0)
+        want = numpy_grpo(logp, old, rows["advantages"], mask, cfg.grpo.clip_eps, ref)
+        n = mask.sum()
+        np.testing.assert_allclose(m["loss"], (want[PG_SUM] + 0.1 * want[KL_SUM]) / n, rtol=1e-4, atol=2e-6)
+        np.testing.assert_allclose(m["kl"], want[KL_SUM] / n, rtol=1e-4, atol=1e-7)
+        np.testing.assert_allclose(m["clip_frac"], want[CLIP_SUM] / n, atol=1e-7)
+        assert (m["clip_frac"] == 0) == (shift == 0) and m["kl"] > 0
     np.testing.assert_allclose(m["reward/mean"], rewards.mean(), rtol=1e-6)
     np.testing.assert_allclose(m["reward/std"], rewards.std(), rtol=1e-4)
     np.testing.assert_allclose(m["completion_len"], np.mean([len(c) for c in completions]), rtol=1e-6)
-    assert m["tokens"] == mask.sum() and m["kl"] == 0
+    assert m["tokens"] == mask.sum()
 
 
 # ---------------------------------------------------------------- bad input: one line, exit 2
@@ -180,17 +192,18 @@ def test_reward_errors_name_the_function_and_the_row(files):
     np.testing.assert_array_equal(Rewards([f"{path}:digits", f"{path}:exact"], (2.0, 1.0))(["x"], ["12"], ["12"]), [1.5])
 
 
-@pytest.mark.parametrize("case", ["import", "file", "group", "row", "raises"])
+@pytest.mark.parametrize("case", ["import", "file", "group", "row", "raises", "reference"])
 def test_bad_grpo_input_is_one_line_exit_2(files, tmp_path, capsys, case):
     extra = {"import": {"grpo.reward": "no_such_module_xyz:fn"}, "file": {"grpo.reward": "missing.py:fn"},
              "group": {"grpo.group_size": 1}, "raises": {"grpo.reward": f"{files / 'rewards.py'}:raises"},
-             "row": {"data.paths": tmp_path / "bad.jsonl"}}[case]
+             "row": {"data.paths": tmp_path / "bad.jsonl"}, "reference": {"grpo.kl_beta": 0.04}}[case]
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"answer": "b"}\n')
     argv = ["train", "tiny", "--run-dir", str(tmp_path / "run"), *overrides(files, **extra)]
     assert cli.main(argv) == cli.EXIT_BAD_INPUT
     err = capsys.readouterr().err.strip().splitlines()
     want = {"import": "no_such_module_xyz", "file": "'missing.py' not found", "group": "group_size",
-            "raises": "rewards.py:raises' raised RuntimeError: boom", "row": "bad.jsonl:2: no 'prompt'"}[case]
+            "raises": "rewards.py:raises' raised RuntimeError: boom", "row": "bad.jsonl:2: no 'prompt'",
+            "reference": "grpo.reference is null and the run starts from random weights"}[case]
     assert len(err) == 1 and want in err[0], err
 
 
