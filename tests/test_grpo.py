@@ -228,6 +228,7 @@ def test_sharded_rollouts_and_losses_equal_one_device(files, tmp_path):
     train(load_config("tiny", [*common, "mesh.fsdp=4", "mesh.tensor=2"]), tmp_path / "eight", devices=jax.devices())
     one, eight = _metrics(tmp_path / "one"), _metrics(tmp_path / "eight")
     assert _samples(tmp_path / "one") == _samples(tmp_path / "eight") and len(_samples(tmp_path / "one")) == 3 * BATCH
+    assert one[0]["clip_frac"] == 0  # step 1: the sampler's log-probs are the trainer's (ratio 1 up to their gap)
     for key in ("loss", "reward/mean", "reward/std", "completion_len", "clip_frac", "grad_norm"):
         np.testing.assert_allclose([m[key] for m in eight], [m[key] for m in one], rtol=1e-5, atol=1e-6, err_msg=key)
 
@@ -235,27 +236,38 @@ def test_sharded_rollouts_and_losses_equal_one_device(files, tmp_path):
 # ---------------------------------------------------------------- resume after SIGTERM mid-rollout
 
 
-@pytest.mark.parametrize("epochs", [1, 2])
-def test_resume_after_sigterm_mid_rollout_is_bit_identical(files, tmp_path, epochs):
+@pytest.fixture(scope="module")
+def start_run(files, tmp_path_factory) -> pathlib.Path:
+    """A 1-step GRPO run: the checkpoint a KL run starts from (its null reference)."""
+    run = tmp_path_factory.mktemp("grpo_start") / "run"
+    train(load_config("tiny", overrides(files, **{"train.steps": 1})), run, devices=jax.devices()[:1])
+    return run
+
+
+@pytest.mark.parametrize("epochs,kl_beta", [(1, 0.0), (2, 0.04)])
+def test_resume_after_sigterm_mid_rollout_is_bit_identical(files, start_run, tmp_path, epochs, kl_beta):
     """SIGTERM from inside the reward function of rollout 1: the loop stops at the step boundary and
     checkpoints; the rerun ends with the metrics and params of an uninterrupted run, bit for bit
-    (epochs_per_rollout=2: the resume falls inside rollout 1, reloaded from RUN/grpo/)."""
+    (epochs_per_rollout=2: the resume falls inside rollout 1, reloaded from RUN/grpo/; with the KL
+    to a null reference, the restored start, reloaded on resume from the checkpoint meta)."""
     steps = 2 + 2 * epochs
-    argv = overrides(files, "kill_at", **{"train.steps": steps, "grpo.epochs_per_rollout": epochs,
-                                          "grpo.temperature": 1.0})
-    cfg = load_config("tiny", argv)
-    one = jax.devices()[:1]
-    full = train(cfg, tmp_path / "full", devices=one)
+    extra = {"train.steps": steps, "grpo.epochs_per_rollout": epochs, "grpo.temperature": 1.0,
+             "grpo.kl_beta": kl_beta, "checkpoint.restore": "params"}
+    cfg = load_config("tiny", overrides(files, "kill_at", **extra))
+    one, start = jax.devices()[:1], start_run if kl_beta else None
+    full = train(cfg, tmp_path / "full", devices=one, restore_from=start)
     (files / "CALLS").unlink(missing_ok=True)
     (files / "KILL").write_text("1")
-    stopped = train(cfg, tmp_path / "cut", devices=one)
+    stopped = train(cfg, tmp_path / "cut", devices=one, restore_from=start)
     assert stopped["exit_code"] == EXIT_PREEMPTED and stopped["steps"] == epochs + 1
     if epochs > 1:
         assert sorted(p.name for p in (tmp_path / "cut" / "grpo").iterdir()) == ["rollout-1.npz"]
-    resumed = train(cfg, tmp_path / "cut", devices=one)
+    resumed = train(cfg, tmp_path / "cut", devices=one, restore_from=start)
     assert resumed["exit_code"] == full["exit_code"] == 0
     assert _metrics(tmp_path / "cut") == _metrics(tmp_path / "full")
     assert _samples(tmp_path / "cut") == _samples(tmp_path / "full")
+    kl = [m["kl"] for m in _metrics(tmp_path / "full")]
+    assert (kl[0] == 0 and max(kl) > 0) if kl_beta else max(kl) == 0
     from jaxinfra.infer import load_model
 
     for a, b in zip(jax.tree.leaves(load_model(tmp_path / "cut")[1]), jax.tree.leaves(load_model(tmp_path / "full")[1]),
