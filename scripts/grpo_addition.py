@@ -105,7 +105,7 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--kl-beta", type=float, default=0.04)
     ap.add_argument("--sft-step", type=int, default=0, help="use this SFT checkpoint (skip the SFT and the pick)")
     ap.add_argument("overrides", nargs="*", help="extra GRPO config overrides")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
