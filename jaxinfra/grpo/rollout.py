@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 
 from jaxinfra.config import Config
-from jaxinfra.data.config import DataConfig
 from jaxinfra.grpo.prompts import PromptSet, rollout_indices
 from jaxinfra.grpo.rewards import Rewards
 from jaxinfra.infer.generation import Generator, Sampling
@@ -85,10 +84,7 @@ class Roller:
     def sampler(self, params: Any, mesh: Any) -> Generator:
         """The one Generator, built on the first rollout against these params' shapes and shardings."""
         if self.generator is None:
-            # The sampler checks the config against a batch of one row per data shard, which the prompts
-            # data's group_size rule would refuse: it needs only the model, mesh and layout sections.
-            plain = dataclasses.replace(self.cfg, data=DataConfig())
-            self.generator = Generator(plain, params, mesh=mesh)
+            self.generator = Generator(self.cfg, params, mesh=mesh)
             self.generator.params = None  # never used (every call passes the policy's params): hold no reference
         return self.generator
 
