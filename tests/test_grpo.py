@@ -220,9 +220,9 @@ def _samples(run: pathlib.Path) -> list[dict]:
     return [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
 
 
-def test_sharded_rollouts_and_losses_equal_one_device(files, tmp_path):
+def test_sharded_rollouts_and_losses_equal_one_device(files, tmp_path, capsys):
     """Greedy rollouts (every row written to samples.jsonl) identical and losses to 1e-5 under
-    fsdp=4 x tensor=2 on 8 devices and on one."""
+    fsdp=4 x tensor=2 on 8 devices and on one; `generate --chat` runs on the GRPO run."""
     common = overrides(files, **{"grpo.temperature": 0, "grpo.samples_per_rollout": BATCH})
     train(load_config("tiny", common), tmp_path / "one", devices=jax.devices()[:1])
     train(load_config("tiny", [*common, "mesh.fsdp=4", "mesh.tensor=2"]), tmp_path / "eight", devices=jax.devices())
@@ -231,6 +231,8 @@ def test_sharded_rollouts_and_losses_equal_one_device(files, tmp_path):
     assert one[0]["clip_frac"] == 0  # step 1: the sampler's log-probs are the trainer's (ratio 1 up to their gap)
     for key in ("loss", "reward/mean", "reward/std", "completion_len", "clip_frac", "grad_norm"):
         np.testing.assert_allclose([m[key] for m in eight], [m[key] for m in one], rtol=1e-5, atol=1e-6, err_msg=key)
+    argv = ["generate", str(tmp_path / "one"), "--chat", "--prompt", "What is 1 plus 2?", "--max-new-tokens", "4"]
+    assert cli.main(argv) == 0, capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- resume after SIGTERM mid-rollout

@@ -94,13 +94,10 @@ class Roller:
         chosen = [self.prompts.prompts[i] for i in rollout_indices(len(self.prompts), t.seed, index,
                                                                      self.per_rollout)]
         repeated = [p for p in chosen for _ in range(self.group)]
-        stop_sequence = self.prompts.stop_sequence
-        if len(stop_sequence) > g.max_new_tokens:  # could never be drawn whole (and the sampler's window needs it)
-            stop_sequence = ()
         result = self.sampler(params, mesh).generate(
             [p.ids for p in repeated], max_new_tokens=g.max_new_tokens, params=params,
             sampling=Sampling(temperature=g.temperature, top_p=g.top_p, seed=rollout_seed(t.seed, index)),
-            stop_ids=self.prompts.stop_ids, stop_sequence=stop_sequence)
+            stop_ids=self.prompts.stop_ids, stop_sequence=self.prompts.stop_sequence)
         texts = [self.prompts.completion_text(ids) for ids in result.tokens]
         rewards = self.rewards([p.text for p in repeated], texts, [p.answer for p in repeated])
         adv = group_advantages(rewards, self.group, g.scale_rewards)
