@@ -1,9 +1,9 @@
 """GRPO's measured recipe (docs/post-training.md, issue 29 acceptance 3): two-digit addition.
 
-    python scripts/grpo_addition.py OUT [--sft-steps 150] [--grpo-steps 120] [--kl-beta 0.04]
+    python scripts/grpo_addition.py OUT [--sft-steps 900] [--grpo-steps 500] [--kl-beta 0.04] [KEY=VALUE ...]
 
-1. SFT `tiny-chat` from random weights on a few addition conversations (jaxinfra/sft/tasks.py),
-   a checkpoint every 25 steps;
+1. SFT `tiny-chat` from random weights on 3000 addition conversations (jaxinfra/sft/tasks.py),
+   a checkpoint every 50 steps;
 2. pick the first checkpoint whose sampled reward (temperature 1, as the rollouts) on 64 prompts
    is in [0.2, 0.5] (a model that sometimes adds right: GRPO has something to reinforce);
 3. GRPO from it (`--restore SFT/checkpoints/N checkpoint.restore=params`) on addition prompts with
@@ -83,7 +83,7 @@ def grpo(out: pathlib.Path, start: pathlib.Path, steps: int, kl_beta: float, ext
     cfg = load_config("tiny-chat", [
         "data.source=prompts", f"data.paths={out / 'prompts.jsonl'}", f"grpo.reward={out / 'rewards.py'}:exact_sum",
         "grpo.group_size=8", "grpo.max_new_tokens=16", "grpo.temperature=1.0", f"grpo.kl_beta={kl_beta}",
-        "train.batch_size=64", "train.seq_len=96", f"train.steps={steps}", "optimizer.lr=3e-4",
+        "train.batch_size=64", "train.seq_len=96", f"train.steps={steps}", "optimizer.lr=1.5e-4",
         "schedule.warmup_steps=5", "checkpoint.restore=params", "log.every=1", "train.eval_every=0", *QUIET, *extra])
     t0 = time.perf_counter()
     train(cfg, out / "grpo", devices=jax.devices()[:1], restore_from=start)
@@ -100,8 +100,8 @@ def grpo(out: pathlib.Path, start: pathlib.Path, steps: int, kl_beta: float, ext
 def main(argv: list[str]) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
-    ap.add_argument("--sft-steps", type=int, default=150)
-    ap.add_argument("--grpo-steps", type=int, default=120)
+    ap.add_argument("--sft-steps", type=int, default=900)
+    ap.add_argument("--grpo-steps", type=int, default=500)
     ap.add_argument("--kl-beta", type=float, default=0.04)
     ap.add_argument("--sft-step", type=int, default=0, help="use this SFT checkpoint (skip the SFT and the pick)")
     ap.add_argument("overrides", nargs="*", help="extra GRPO config overrides")

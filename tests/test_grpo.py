@@ -280,7 +280,7 @@ def test_resume_after_sigterm_mid_rollout_is_bit_identical(files, start_run, tmp
 # ---------------------------------------------------------------- acceptance 3: two-digit addition
 
 
-@pytest.mark.slow  # SFT + GRPO, tens of minutes on 2 shared CPU cores; the tests above cover the mechanics
+@pytest.mark.slow  # SFT + GRPO, ~20 min on 2 shared CPU cores; the tests above cover the mechanics
 def test_grpo_raises_the_exact_sum_reward_after_sft(tmp_path):
     """scripts/grpo_addition.py: SFT tiny-chat to a sampled reward in [0.2, 0.5], then GRPO with the
     exact-sum reward and the KL to the SFT'd start: last-10% mean reward >= 1.5x the first 10% and
@@ -291,7 +291,7 @@ def test_grpo_raises_the_exact_sum_reward_after_sft(tmp_path):
     spec = importlib.util.spec_from_file_location("grpo_addition", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    figures = script.main([str(tmp_path), "--sft-steps", "900", "--grpo-steps", "100"])
+    figures = script.main([str(tmp_path)])  # the measured recipe (docs/post-training.md): not yet >= 0.8 on CPU
     print(figures)
     assert figures["last_10pct_reward"] >= max(0.8, 1.5 * figures["first_10pct_reward"])
     assert figures["kl_finite"] and figures["kl_max"] > 0
