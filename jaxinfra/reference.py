@@ -112,7 +112,9 @@ class ReferencePolicy:
                           f"(--restore RUN) or set {self.what}")
 
     def start(self, host: HostContext, meta: dict[str, Any]) -> list[str]:
-        """Load the params onto the run's mesh (on resume the checkpoint's reference step); notes."""
+        """Load the params onto the run's mesh; notes. `meta` is the owning extension's own part of the
+        resumed checkpoint's meta (e.g. meta["dpo"]), which holds this one's checkpoint_meta() under
+        "reference": the owner saves {"reference": ref.checkpoint_meta()}, so a resume pins that step."""
         if self.lora:
             return [f"jaxinfra: {self.what}: the base model with the LoRA adapters off (no second copy)"]
         from jaxinfra.distill.teacher import load_teacher_params

@@ -13,7 +13,8 @@ Rows of .jsonl(.gz) / .parquet files hold `prompt`, `chosen` and `rejected`:
 An item is both halves back to back, so a pair never splits over rows, shards or microbatches.
 Fields: inputs, targets, completion (1 where the TARGET is a completion token), truncated (1 at the
 first position when a completion was cut), and two the packer carries for the layout: `half` (1
-chosen, 2 rejected) and `half_positions` (positions restarting at each half). In the packed row
+chosen, 2 rejected) and `position_in_half` (positions restarting at each half; no field may end in
+`_positions` or `_segment_ids`: the packer writes those names for every field). In the packed row
 (jaxinfra/data/pipeline.py) pair k's chosen half gets segment id 2k - 1 and its rejected half 2k.
 
 A pair longer than seq_len + 2 ids (seq_len targets over both halves) keeps both prompts and cuts
@@ -34,7 +35,7 @@ from jaxinfra.data.encode import Encoder
 from jaxinfra.data.records import RecordFiles
 
 PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected")
-PREFERENCE_FIELDS = ("inputs", "targets", "completion", "truncated", "half", "half_positions")
+PREFERENCE_FIELDS = ("inputs", "targets", "completion", "truncated", "half", "position_in_half")
 
 
 class PreferenceRecords(RecordFiles):
@@ -129,7 +130,7 @@ def pair_item(halves: tuple[tuple[np.ndarray, np.ndarray], ...], where: str, seq
     return {"inputs": np.concatenate([c[:-1], r[:-1]]), "targets": np.concatenate([c[1:], r[1:]]),
             "completion": np.concatenate([cf[1:], rf[1:]]), "truncated": truncated,
             "half": np.concatenate([np.ones(len(c) - 1, np.int32), np.full(len(r) - 1, 2, np.int32)]),
-            "half_positions": np.concatenate([np.arange(len(c) - 1), np.arange(len(r) - 1)]).astype(np.int32)}
+            "position_in_half": np.concatenate([np.arange(len(c) - 1), np.arange(len(r) - 1)]).astype(np.int32)}
 
 
 class PreferenceSource:
@@ -161,5 +162,5 @@ def pair_layout(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     seg = packed["inputs_segment_ids"]
     return {"inputs": packed["inputs"], "targets": packed["targets"],
             "segment_ids": np.where(seg > 0, 2 * seg - 2 + packed["half"], 0).astype(np.int32),
-            "positions": packed["half_positions"], "completion": packed["completion"],
+            "positions": packed["position_in_half"], "completion": packed["completion"],
             "truncated": packed["truncated"]}

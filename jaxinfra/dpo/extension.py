@@ -13,7 +13,9 @@
   over the global batch's pairs, exact under gradient accumulation (sums, divided once);
 - metrics `loss` (= `dpo/loss`), `rewards/chosen`, `rewards/rejected`, `rewards/margin`,
   `rewards/accuracy` (means over the step's pairs); eval lines add the same over the held-out pairs
-  as `eval_dpo/loss`, `eval_rewards/...` (with a reference model; not from saved log-probs);
+  as `eval_dpo/loss`, `eval_rewards/...`, and `eval_logps/accuracy`, the share of held-out pairs
+  whose chosen completion the policy itself finds more likely (with a reference model; not from
+  saved log-probs);
 - checkpoint meta: which reference (path and step, so a resume reloads it) or saved directory.
 Pipeline stages (mesh.stage > 1) are refused.
 """
@@ -27,7 +29,7 @@ import numpy as np
 
 from jaxinfra.config import Config
 from jaxinfra.config_sections import preference_data
-from jaxinfra.dpo.loss import SEGMENT_KEYS, pair_metrics, pair_sums, segment_sums
+from jaxinfra.dpo.loss import PAIR_SUMS, SEGMENT_KEYS, pair_metrics, pair_sums, segment_sums
 from jaxinfra.extensions import HostContext, StepContext, StepExtension
 from jaxinfra.loss import target_logps
 from jaxinfra.reference import ReferencePolicy, check_no_stages
@@ -148,8 +150,7 @@ def preference_eval(rt: Any, variables: Any, batches: list[dict[str, np.ndarray]
         from jaxinfra.step import forward_sums
 
         sums_fn = forward_sums(rt.graphdef, rt.cfg.model, [ext], rt.plan)
-        keep = lambda s: {k: s[k] for k in ("dpo_loss_sum", "dpo_chosen_sum", "dpo_rejected_sum",  # noqa: E731
-                                            "dpo_correct_sum", "dpo_pairs")}
+        keep = lambda s: {k: s[k] for k in PAIR_SUMS}  # noqa: E731
         ext._eval_fn = jax.jit(lambda v, b, x: keep(sums_fn((v,), b, None, (x,))),
                                in_shardings=(model_state(rt.state_shardings), rt.batch_sharding, ext.input_shardings()),
                                out_shardings=NamedSharding(rt.mesh, PartitionSpec()))

@@ -24,7 +24,8 @@ from jaxinfra.loss import target_logps
 
 # The [rows * S] per-segment sums a chunk adds (dropped from the step's sums once paired).
 SEGMENT_KEYS = ("dpo_policy", "dpo_ref", "dpo_count")
-PAIR_SUMS = ("dpo_loss_sum", "dpo_chosen_sum", "dpo_rejected_sum", "dpo_correct_sum", "dpo_pairs")
+PAIR_SUMS = ("dpo_loss_sum", "dpo_chosen_sum", "dpo_rejected_sum", "dpo_correct_sum", "dpo_pairs",
+             "dpo_policy_correct_sum")
 
 
 def segment_sums(policy_logits: jax.Array, ref_logps: jax.Array, targets: jax.Array, segment_ids: jax.Array,
@@ -82,7 +83,9 @@ def pair_sums(sums: dict[str, jax.Array], rows: int, segments: int, beta: float,
                                  (chosen["dpo_count"], rejected["dpo_count"]), beta, loss, label_smoothing)
     total = lambda x: jnp.sum(jnp.where(valid, x, 0.0))  # noqa: E731
     return {"dpo_loss_sum": total(losses), "dpo_chosen_sum": total(cr), "dpo_rejected_sum": total(rr),
-            "dpo_correct_sum": total((cr > rr).astype(jnp.float32)), "dpo_pairs": jnp.sum(valid).astype(jnp.float32)}
+            "dpo_correct_sum": total((cr > rr).astype(jnp.float32)), "dpo_pairs": jnp.sum(valid).astype(jnp.float32),
+            # the policy's own preference (chosen more likely than rejected), without the reference
+            "dpo_policy_correct_sum": total((chosen["dpo_policy"] > rejected["dpo_policy"]).astype(jnp.float32))}
 
 
 def pair_metrics(sums: dict[str, jax.Array], prefix: str = "") -> dict[str, jax.Array]:
@@ -91,4 +94,6 @@ def pair_metrics(sums: dict[str, jax.Array], prefix: str = "") -> dict[str, jax.
     chosen, rejected = sums["dpo_chosen_sum"] / pairs, sums["dpo_rejected_sum"] / pairs
     out = {"dpo/loss": sums["dpo_loss_sum"] / pairs, "rewards/chosen": chosen, "rewards/rejected": rejected,
            "rewards/margin": chosen - rejected, "rewards/accuracy": sums["dpo_correct_sum"] / pairs}
+    if "dpo_policy_correct_sum" in sums and prefix:  # evaluation only: the policy's own preference
+        out["logps/accuracy"] = sums["dpo_policy_correct_sum"] / pairs
     return {f"{prefix}{k}": v for k, v in out.items()}
