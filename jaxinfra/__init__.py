@@ -39,6 +39,7 @@ Modules of `jaxinfra/` (see docs/architecture.md for how one run goes through th
     lora/          LoRA / QLoRA: the adapters as the trained subset over a frozen base, `lora merge`
     reference.py   the frozen reference policy of DPO / GRPO (a run, the run's start, LoRA's base)
     dpo/           DPO on preference pairs: loss, the `dpo` extension, `dpo save-reference`
+    grpo/          GRPO with verifiable rewards: prompts, rewards, rollouts with the params in place, `grpo`
     hf/            Hugging Face interop: import safetensors checkpoints as runs, export runs back
     plan/          `jaxinfra plan`: analytic memory per device, step time, bottleneck, layout search
     scaling/       scaling-law sweeps: spec -> runs -> results table -> Chinchilla fits -> plots

@@ -32,9 +32,9 @@ def run_file(path: str, run_dir: str | pathlib.Path | None) -> str:
 def run_chat_template(cfg: Config, run_dir: str | pathlib.Path | None = None) -> tuple[ChatTemplate, Encoder]:
     """The chat template and encoder of the run (its data.chat_template and data.tokenizer)."""
     data = cfg.data
-    if data.source != "chat":
-        raise InferenceError(f"--chat needs a run trained on chat data (data.source=chat); this run's "
-                             f"data.source is {data.source!r}")
+    if data.source not in ("chat", "prompts"):  # prompts: a GRPO run, its chat prompts rendered the same way
+        raise InferenceError(f"--chat needs a run trained on chat data (data.source=chat, or prompts for GRPO); "
+                             f"this run's data.source is {data.source!r}")
     tokenizer = run_file(data.tokenizer, run_dir) if data.tokenizer is not None else None
     spec = data.chat_template
     if spec not in ("chatml", "tokenizer"):

@@ -280,7 +280,9 @@ class Generator:
         stop_arr[:len(stops)] = stops
 
         t0 = time.perf_counter()
-        sequence = tuple(int(i) for i in stop_sequence)
+        # A stop sequence longer than the completion can never be drawn whole (and the decode loop's
+        # window over the output could not hold it): none then.
+        sequence = tuple(int(i) for i in stop_sequence) if len(stop_sequence) <= max_new_tokens else ()
         fresh = (batch, prompt_len, max_new_tokens, n_stop, sequence) not in self._compiled
         prefill, decode = self._compile(batch, prompt_len, max_new_tokens, n_stop, sequence)
         compile_s = time.perf_counter() - t0 if fresh else 0.0

@@ -64,9 +64,10 @@ def inference_mesh(cfg: Config, devices: Sequence[jax.Device] | None = None) -> 
     sizes = resolve_mesh_sizes(cfg.mesh, len(devices))
     if sizes["stage"] != 1:
         raise ConfigError(f"inference does not run pipeline stages: set mesh.stage=1 (got {sizes['stage']})")
-    # The training batch does not matter here: check the rest against a batch the mesh divides.
-    shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
-    validate(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=shards, grad_accum_steps=1)),
+    # The training batch does not matter here: check the rest against a batch the mesh divides (and
+    # that holds whole GRPO groups, so a GRPO run's config passes too).
+    batch = sizes["data"] * sizes["fsdp"] * sizes["expert"] * cfg.grpo.group_size
+    validate(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=batch, grad_accum_steps=1)),
              len(devices))
     return make_mesh(cfg.mesh, devices), sharding_rules(cfg.parallelism)
 
