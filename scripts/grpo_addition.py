@@ -1,6 +1,6 @@
 """GRPO's measured recipe (docs/post-training.md, issue 29 acceptance 3): two-digit addition.
 
-    python scripts/grpo_addition.py OUT [--sft-steps 900] [--grpo-steps 800] [--kl-beta 0.04] [KEY=VALUE ...]
+    python scripts/grpo_addition.py OUT [--sft-steps 900] [--grpo-steps 1000] [--kl-beta 0.04] [KEY=VALUE ...]
 
 1. SFT `tiny-chat` from random weights on 3000 addition conversations (jaxinfra/sft/tasks.py),
    a checkpoint every 50 steps;
@@ -83,7 +83,7 @@ def grpo(out: pathlib.Path, start: pathlib.Path, steps: int, kl_beta: float, ext
     cfg = load_config("tiny-chat", [
         "data.source=prompts", f"data.paths={out / 'prompts.jsonl'}", f"grpo.reward={out / 'rewards.py'}:exact_sum",
         "grpo.group_size=8", "grpo.max_new_tokens=16", "grpo.temperature=1.0", f"grpo.kl_beta={kl_beta}",
-        "train.batch_size=64", "train.seq_len=96", f"train.steps={steps}", "optimizer.lr=1.5e-4",
+        "train.batch_size=64", "train.seq_len=96", f"train.steps={steps}", "optimizer.lr=2e-4",
         "schedule.warmup_steps=5", "checkpoint.restore=params", "log.every=1", "train.eval_every=0", *QUIET, *extra])
     t0 = time.perf_counter()
     train(cfg, out / "grpo", devices=jax.devices()[:1], restore_from=start)
@@ -101,7 +101,7 @@ def main(argv: list[str]) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
     ap.add_argument("--sft-steps", type=int, default=900)
-    ap.add_argument("--grpo-steps", type=int, default=800)
+    ap.add_argument("--grpo-steps", type=int, default=1000)
     ap.add_argument("--kl-beta", type=float, default=0.04)
     ap.add_argument("--sft-step", type=int, default=0, help="use this SFT checkpoint (skip the SFT and the pick)")
     ap.add_argument("overrides", nargs="*", help="extra GRPO config overrides")

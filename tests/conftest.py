@@ -24,5 +24,11 @@ if os.environ["JAX_COMPILATION_CACHE_DIR"]:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject.toml): one worker per core, at most 4 (each holds 8 fake devices and its
+    own compiled programs; compilation, which dominates, is single-threaded per program)."""
+    return max(1, min(os.cpu_count() or 1, 4))
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long checks, covered in the default run by a faster test")
