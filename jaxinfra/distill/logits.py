@@ -22,6 +22,7 @@ import json
 import os
 import pathlib
 import zlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ import numpy as np
 from jaxinfra.checkpoint import CheckpointError, config_changes
 from jaxinfra.config import Config, ConfigError
 from jaxinfra.data import DataError
+from jaxinfra.metrics import ProgressBar
 
 FORMAT = 1
 # Keys of the data section that do not change the training batches.
@@ -59,69 +61,110 @@ def _write_json(path: pathlib.Path, value: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _arrays(root: pathlib.Path, meta: dict[str, Any], mode: str) -> dict[str, np.ndarray]:
-    n, b, t, k = meta["steps"], meta["train"]["batch_size"], meta["train"]["seq_len"], meta["top_k"]
-    shapes = {"ids": ((n, b, t, k), meta["ids_dtype"]), "values": ((n, b, t, k), "float32"),
-              "teacher_ce": ((n, b, t), "float32"), "rows": ((n, b), "uint32")}
+ArrayShapes = dict[str, tuple[tuple[int, ...], str]]  # name -> (shape, dtype) of each DIR/<name>.npy
+
+
+def step_arrays(root: pathlib.Path, shapes: ArrayShapes, mode: str) -> dict[str, np.ndarray]:
+    """The memory-mapped DIR/<name>.npy arrays: read-only ("r"), created ("w+") or continued ("r+")."""
     if mode == "r":
         return {name: np.load(root / f"{name}.npy", mmap_mode="r") for name in shapes}
     return {name: np.lib.format.open_memmap(root / f"{name}.npy", mode=mode, dtype=dtype, shape=shape)
             for name, (shape, dtype) in shapes.items()}
 
 
-class LogitsWriter:
-    """Writes steps 1..meta['steps'] in order; continues an unfinished directory of the same meta."""
+class StepArraysWriter:
+    """Per-step arrays of a run's training batches (entry s - 1: step s), written in step order into
+    memory-mapped .npy files with a JSON meta that says what they were made from and how far the
+    writer got; an interrupted writer continues an unfinished directory of the same meta, and the
+    meta is replaced last, so a reader never sees half a directory. Subclasses name the meta file,
+    their arrays' shapes and the nouns of their errors (saved distillation logits, DPO reference
+    log-probs)."""
+
+    meta_name = "meta.json"
+    kind, contents, unfinished = "logits", "logits", "logits of another teacher, data or size"
+    error: type[Exception] = DataError
+    format_version = FORMAT
 
     def __init__(self, root: str | os.PathLike, meta: dict[str, Any], flush_every: int = 50):
         self.root = pathlib.Path(root)
-        self.meta = {**meta, "format": FORMAT, "steps_written": 0, "complete": False}
+        self.meta = {**meta, "format": self.format_version, "steps_written": 0, "complete": False}
         self.flush_every = flush_every
         old = self._existing()
         if old is not None:
             self.meta["steps_written"] = old["steps_written"]
         self.root.mkdir(parents=True, exist_ok=True)
-        self.arrays = _arrays(self.root, self.meta, "r+" if old is not None else "w+")
-        _write_json(self.root / "meta.json", self.meta)
+        self.arrays = step_arrays(self.root, self.shapes_of(self.meta), "r+" if old is not None else "w+")
+        _write_json(self.root / self.meta_name, self.meta)
+
+    @staticmethod
+    def shapes_of(meta: dict[str, Any]) -> ArrayShapes:
+        raise NotImplementedError
 
     def _existing(self) -> dict[str, Any] | None:
-        path = self.root / "meta.json"
+        path = self.root / self.meta_name
         if not path.is_file():
             if self.root.exists() and any(self.root.iterdir()):
-                raise LogitsError(f"--out {self.root} exists and is not a logits directory; choose a new one")
+                raise self.error(f"--out {self.root} exists and is not a {self.kind} directory; choose a new one")
             return None
         old = json.loads(path.read_text())
         if old.get("complete"):
-            raise LogitsError(f"--out {self.root} already holds complete logits; choose a new directory")
+            raise self.error(f"--out {self.root} already holds complete {self.contents}; choose a new directory")
         same = {k: v for k, v in old.items() if k not in ("steps_written", "complete")}
         if same != {k: v for k, v in self.meta.items() if k not in ("steps_written", "complete")}:
-            raise LogitsError(f"--out {self.root} holds unfinished logits of another teacher, data or size; "
-                              f"choose a new directory")
+            raise self.error(f"--out {self.root} holds unfinished {self.unfinished}; choose a new directory")
         return old
 
     @property
     def next_step(self) -> int:
         return self.meta["steps_written"] + 1
 
-    def write(self, step: int, ids: np.ndarray, values: np.ndarray, teacher_ce: np.ndarray,
-              rows: np.ndarray) -> None:
+    def write_arrays(self, step: int, **arrays: np.ndarray) -> None:
         if step != self.next_step:
-            raise ValueError(f"logits of step {step} written after step {self.meta['steps_written']}")
-        i = step - 1
-        for name, value in (("ids", ids), ("values", values), ("teacher_ce", teacher_ce), ("rows", rows)):
-            self.arrays[name][i] = value
+            raise ValueError(f"{self.contents} of step {step} written after step {self.meta['steps_written']}")
+        for name, value in arrays.items():
+            self.arrays[name][step - 1] = value
         self.meta["steps_written"] = step
         if step % self.flush_every == 0:
             self._flush()
 
+    def write_batches(self, batches: Iterator[dict[str, np.ndarray]], steps: int,
+                      compute: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]], progress: bool = True) -> None:
+        """Steps 1..steps of the run's batches: `compute(batch)` gives a step's arrays (all but `rows`,
+        each row's CRC, added here); steps an interrupted run wrote are read (the data order) but skipped."""
+        bar = ProgressBar(steps, initial=self.next_step - 1, enabled=progress)
+        for step in range(1, steps + 1):
+            local = next(batches)
+            if step < self.next_step:  # written by an earlier, interrupted run of the command
+                continue
+            self.write_arrays(step, **compute(local), rows=row_crcs(local))
+            bar.update(step, {})
+        bar.close()
+
     def _flush(self) -> None:
         for a in self.arrays.values():
             a.flush()
-        _write_json(self.root / "meta.json", self.meta)
+        _write_json(self.root / self.meta_name, self.meta)
 
     def finish(self, **extra: Any) -> None:
         """Flush, then mark complete (the meta is replaced last: a reader never sees half a directory)."""
         self.meta.update(extra, complete=self.meta["steps_written"] == self.meta["steps"])
         self._flush()
+
+
+class LogitsWriter(StepArraysWriter):
+    """Writes steps 1..meta['steps'] in order; continues an unfinished directory of the same meta."""
+
+    error = LogitsError
+
+    @staticmethod
+    def shapes_of(meta: dict[str, Any]) -> ArrayShapes:
+        n, b, t, k = meta["steps"], meta["train"]["batch_size"], meta["train"]["seq_len"], meta["top_k"]
+        return {"ids": ((n, b, t, k), meta["ids_dtype"]), "values": ((n, b, t, k), "float32"),
+                "teacher_ce": ((n, b, t), "float32"), "rows": ((n, b), "uint32")}
+
+    def write(self, step: int, ids: np.ndarray, values: np.ndarray, teacher_ce: np.ndarray,
+              rows: np.ndarray) -> None:
+        self.write_arrays(step, ids=ids, values=values, teacher_ce=teacher_ce, rows=rows)
 
 
 @dataclasses.dataclass
@@ -148,7 +191,7 @@ class LogitsDir:
             raise LogitsError(f"distill.logits={path} is unfinished ({meta.get('steps_written')} of "
                               f"{meta.get('steps')} steps): rerun the same save-logits command to complete it")
         try:
-            arrays = _arrays(root, meta, "r")
+            arrays = step_arrays(root, LogitsWriter.shapes_of(meta), "r")
         except (OSError, ValueError) as e:
             raise LogitsError(f"distill.logits={path}: unreadable arrays ({e})") from None
         return cls(root, meta, arrays)

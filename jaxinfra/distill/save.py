@@ -25,9 +25,8 @@ from flax import nnx
 from jaxinfra.config import ConfigError, load_config
 from jaxinfra.data import make_eval_batches, make_train_iterator
 from jaxinfra.distill.config import DistillConfig
-from jaxinfra.distill.logits import LogitsWriter, batch_identity, row_crcs
+from jaxinfra.distill.logits import LogitsWriter, batch_identity
 from jaxinfra.distill.teacher import load_teacher_params, resolve_teacher
-from jaxinfra.metrics import ProgressBar
 from jaxinfra.runtime import Runtime, build_runtime
 from jaxinfra.state import model_state
 
@@ -102,19 +101,16 @@ def save_logits(teacher: str, overrides: Sequence[str], out: str | os.PathLike, 
     data_args = dict(seq_len=t.seq_len, global_batch_size=t.batch_size, vocab_size=cfg.model.vocab_size, seed=t.seed)
     batches = make_train_iterator(cfg.data, **data_args)
     fn = top_k_fn(rt, top_k)
-    bar = ProgressBar(steps, initial=writer.next_step - 1, enabled=progress)
-    for step in range(1, steps + 1):
-        local = next(batches)
-        if step < writer.next_step:  # written by an earlier, interrupted run of this command
-            continue
+
+    def compute(local: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         with jax.set_mesh(rt.mesh):
             values, ids, ce = jax.device_get(fn(params, rt.to_global(local)))
         if rt.sequence_order is not None:  # ring attention's balanced order -> the data's order
             back = np.argsort(rt.sequence_order)
             values, ids, ce = values[:, back], ids[:, back], ce[:, back]
-        writer.write(step, ids.astype(meta["ids_dtype"]), values, ce, row_crcs(local))
-        bar.update(step, {})
-    bar.close()
+        return {"ids": ids.astype(meta["ids_dtype"]), "values": values, "teacher_ce": ce}
+
+    writer.write_batches(batches, steps, compute, progress)
     eval_batches = make_eval_batches(cfg.data, **data_args)
     ce_sum, tokens = rt.eval_sums(params, eval_batches)
     teacher_eval = ce_sum / tokens if eval_batches else None

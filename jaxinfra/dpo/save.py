@@ -19,16 +19,16 @@ from types import SimpleNamespace
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 from jaxinfra.config import Config, ConfigError, load_config, validate
 from jaxinfra.data import make_train_iterator
-from jaxinfra.distill.logits import batch_identity, row_crcs
+from jaxinfra.distill.logits import batch_identity
 from jaxinfra.distill.save import _per_chunk
 from jaxinfra.dpo.saved import ReferenceWriter, is_saved_reference
 from jaxinfra.extensions import HostContext
 from jaxinfra.loss import target_logps
-from jaxinfra.metrics import ProgressBar
 from jaxinfra.reference import ReferencePolicy, check_no_stages
 from models.lora_config import LoraConfig
 
@@ -100,17 +100,13 @@ def save_reference(config: str | None, overrides: Sequence[str], out: str, resto
     batches = make_train_iterator(cfg.data, seq_len=t.seq_len, global_batch_size=t.batch_size,
                                   vocab_size=cfg.model.vocab_size, seed=t.seed)
     fn = reference_logps_fn(ref, rt)
-    bar = ProgressBar(steps, initial=writer.next_step - 1, enabled=progress)
-    for step in range(1, steps + 1):
-        local = next(batches)
-        if step < writer.next_step:  # written by an earlier, interrupted run of this command
-            continue
+
+    def compute(local: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         glob = {k: jax.make_array_from_process_local_data(rt.batch_sharding, v) for k, v in local.items()}
         with jax.set_mesh(rt.mesh):
-            logps = jax.device_get(fn(ref.params, glob))
-        writer.write(step, logps, row_crcs(local))
-        bar.update(step, {})
-    bar.close()
+            return {"ref_logps": jax.device_get(fn(ref.params, glob))}
+
+    writer.write_batches(batches, steps, compute, progress)
     writer.finish()
     size = sum(f.stat().st_size for f in pathlib.Path(out).iterdir())
     return {"out": str(out), "steps": steps, "reference": meta["reference"], "bytes": size,

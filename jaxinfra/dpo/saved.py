@@ -25,7 +25,7 @@ import numpy as np
 from jaxinfra.checkpoint import CheckpointError, config_changes
 from jaxinfra.config import Config, ConfigError
 from jaxinfra.data import DataError
-from jaxinfra.distill.logits import _write_json, batch_identity, row_crcs
+from jaxinfra.distill.logits import ArrayShapes, StepArraysWriter, batch_identity, row_crcs, step_arrays
 
 META = "dpo_reference.json"
 FORMAT = 1
@@ -36,57 +36,19 @@ def is_saved_reference(path: str | os.PathLike) -> bool:
     return (pathlib.Path(path) / META).is_file()
 
 
-def _arrays(root: pathlib.Path, meta: dict[str, Any], mode: str) -> dict[str, np.ndarray]:
-    n, b, t = meta["steps"], meta["train"]["batch_size"], meta["train"]["seq_len"]
-    shapes = {"ref_logps": ((n, b, t), "float32"), "rows": ((n, b), "uint32")}
-    if mode == "r":
-        return {k: np.load(root / f"{k}.npy", mmap_mode="r") for k in shapes}
-    return {k: np.lib.format.open_memmap(root / f"{k}.npy", mode=mode, dtype=dt, shape=s)
-            for k, (s, dt) in shapes.items()}
-
-
-class ReferenceWriter:
+class ReferenceWriter(StepArraysWriter):
     """Writes steps 1..meta['steps'] in order; continues an unfinished directory of the same meta."""
 
-    def __init__(self, root: str | os.PathLike, meta: dict[str, Any]):
-        self.root = pathlib.Path(root)
-        self.meta = {**meta, "format": FORMAT, "steps_written": 0, "complete": False}
-        old = self._existing()
-        self.root.mkdir(parents=True, exist_ok=True)
-        if old is not None:
-            self.meta["steps_written"] = old["steps_written"]
-        self.arrays = _arrays(self.root, self.meta, "r+" if old is not None else "w+")
-        _write_json(self.root / META, self.meta)
+    meta_name, format_version = META, FORMAT
+    kind, contents, unfinished = "save-reference", "reference log-probs", "log-probs of another reference or data"
 
-    def _existing(self) -> dict[str, Any] | None:
-        path = self.root / META
-        if not path.is_file():
-            if self.root.exists() and any(self.root.iterdir()):
-                raise DataError(f"--out {self.root} exists and is not a save-reference directory; choose a new one")
-            return None
-        old = json.loads(path.read_text())
-        if old.get("complete"):
-            raise DataError(f"--out {self.root} already holds complete reference log-probs; choose a new directory")
-        drop = ("steps_written", "complete")
-        if {k: v for k, v in old.items() if k not in drop} != {k: v for k, v in self.meta.items() if k not in drop}:
-            raise DataError(f"--out {self.root} holds unfinished log-probs of another reference or data; choose a "
-                            f"new directory")
-        return old
-
-    @property
-    def next_step(self) -> int:
-        return self.meta["steps_written"] + 1
+    @staticmethod
+    def shapes_of(meta: dict[str, Any]) -> ArrayShapes:
+        n, b, t = meta["steps"], meta["train"]["batch_size"], meta["train"]["seq_len"]
+        return {"ref_logps": ((n, b, t), "float32"), "rows": ((n, b), "uint32")}
 
     def write(self, step: int, ref_logps: np.ndarray, rows: np.ndarray) -> None:
-        self.arrays["ref_logps"][step - 1] = ref_logps
-        self.arrays["rows"][step - 1] = rows
-        self.meta["steps_written"] = step
-
-    def finish(self) -> None:
-        for a in self.arrays.values():
-            a.flush()
-        self.meta["complete"] = self.meta["steps_written"] == self.meta["steps"]
-        _write_json(self.root / META, self.meta)
+        self.write_arrays(step, ref_logps=ref_logps, rows=rows)
 
 
 class SavedReference:
@@ -103,7 +65,7 @@ class SavedReference:
                             f"{self.meta.get('steps')} steps) or of another format: rerun the same save-reference "
                             f"command to complete it")
         try:
-            self.arrays = _arrays(self.root, self.meta, "r")
+            self.arrays = step_arrays(self.root, ReferenceWriter.shapes_of(self.meta), "r")
         except (OSError, ValueError) as e:
             raise DataError(f"dpo.reference={path}: unreadable arrays ({e})") from None
 
