@@ -507,8 +507,10 @@ class Trainer:
             self.logger.close()
         first, final = summary["first_eval_loss"], summary["final_eval_loss"]
         if loop.exit_code == EXIT_OK and first is not None and final is not None:
+            drop = summary["eval_loss_drop"]  # negative when it rose (DPO pushes the rejected replies' loss up)
+            change = f"{drop:.0%} lower" if drop >= 0 else f"{-drop:.0%} higher"
             self._say(f"done: {loop.step} steps in {summary['wall_s']:.1f}s, eval_loss {first:.4f} -> {final:.4f} "
-                      f"({summary['eval_loss_drop']:.0%} lower), {summary['tokens_per_s'] or 0:.0f} tokens/s")
+                      f"({change}), {summary['tokens_per_s'] or 0:.0f} tokens/s")
         return summary
 
     def _summary(self, loop: _Loop, wall: float) -> dict[str, Any]:
