@@ -41,7 +41,7 @@ def sft(out: pathlib.Path, steps: int) -> pathlib.Path:
     rows, _ = addition_chat(3000, seed=0, held_out=100)
     path = write_jsonl(rows, out / "sft.jsonl")
     cfg = load_config("tiny-chat", [f"data.paths={path}", f"train.steps={steps}", "checkpoint.every=50",
-                                    "model.vocab_size=257",  # the prompts data (GRPO) counts the end-of-document id
+                                    "model.vocab_size=257",  # as measured (byte-level prompts need only 256 ids)
                                     "checkpoint.keep=100", "train.eval_every=0", "data.eval_batches=1", *QUIET])
     train(cfg, out / "sft", devices=jax.devices()[:1])
     return out / "sft"

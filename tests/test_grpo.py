@@ -122,6 +122,18 @@ def test_group_advantages_match_numpy():
     assert np.all(group_advantages(rewards, 4)[4:8] == 0)  # equal rewards: no signal, not 0 / 0
 
 
+def test_byte_level_prompts_need_only_the_256_byte_ids(tmp_path):
+    """A prompt is encoded as is (no end-of-document id), so a byte-level SFT'd chat model (256 ids)
+    runs GRPO on its own params; preference pairs end plain completions with id 256 and need 257."""
+    from jaxinfra.data import vocab_size_of
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    for source, vocab in (("prompts", 256), ("preference", 257)):
+        cfg = load_config("tiny", [f"data.source={source}", f"data.paths=[{path}]", "grpo.reward=r.py:f"])
+        assert vocab_size_of(cfg.data) == vocab, source
+
+
 def test_prompt_order_is_a_seeded_permutation_per_epoch():
     seen = [i for k in range(3) for i in rollout_indices(6, 5, k, 2)]  # 3 rollouts of 2 = one epoch
     assert sorted(seen) == list(range(6)) and seen == [i for k in range(3) for i in rollout_indices(6, 5, k, 2)]

@@ -44,10 +44,11 @@ def _vocab_and_identity(cfg: DataConfig) -> tuple[int, tuple[str, str] | None]:
         return _chat_vocab_and_identity(cfg)
     if cfg.tokenizer is None:
         ident = (_BYTES, "byte-level ids")
-        return (256 if cfg.source == "text" else BYTE_EOD + 1), ident
+        # text and GRPO prompts append no end-of-document id (a prompt is encoded as is)
+        return (256 if cfg.source in ("text", "prompts") else BYTE_EOD + 1), ident
     sha = file_sha256(cfg.tokenizer, "data.tokenizer")
     ident = (sha, f"tokenizer {os.path.basename(cfg.tokenizer)} (sha256 {sha[:12]})")
-    if cfg.source == "text":  # the text source appends no end-of-document id
+    if cfg.source in ("text", "prompts"):  # no end-of-document id appended
         return tokenizer_vocab_size(cfg.tokenizer), ident
     return make_encoder(cfg.tokenizer).vocab_size, ident
 
