@@ -29,7 +29,7 @@ CORE = ("jaxinfra", "jaxinfra.config", "jaxinfra.config_sections", "jaxinfra.exi
         "jaxinfra.runtime", "jaxinfra.checkpoint", "jaxinfra.train")
 FEATURES = ("jaxinfra.infer", "jaxinfra.quantize", "jaxinfra.distill", "jaxinfra.sft", "jaxinfra.lora", "jaxinfra.dpo", "jaxinfra.grpo",
             "jaxinfra.reference", "jaxinfra.hf",
-            "jaxinfra.plan", "jaxinfra.scaling", "jaxinfra.info", "jaxinfra.bench", "jaxinfra.launch")
+            "jaxinfra.plan", "jaxinfra.scaling", "jaxinfra.cluster", "jaxinfra.info", "jaxinfra.bench", "jaxinfra.launch")
 TOP = ("jaxinfra.cli", "jaxinfra.data_cli", "jaxinfra.__main__")
 LAYERS = {"kernels": 0, "sharding": 1, "models": 2, **dict.fromkeys(CORE, 3), **dict.fromkeys(FEATURES, 4),
           **dict.fromkeys(TOP, 5)}
