@@ -47,6 +47,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.experimental import multihost_utils
 
+from jaxinfra import storage
 from jaxinfra.config import CheckpointConfig
 from jaxinfra.distributed import exchange_json  # multi-host utility; re-exported for callers
 from jaxinfra.state import TrainState, split_model_state
@@ -267,14 +268,15 @@ class Checkpointer:
     Orbax reports it (`save` of that step or of the next one, `wait`, `close`)."""
 
     def __init__(self, directory: str | pathlib.Path, cfg: CheckpointConfig):
-        self.directory = pathlib.Path(directory).absolute()
+        self.directory = _absolute(directory)
         policies: list[Any] = [ocp.checkpoint_managers.LatestN(n=cfg.keep)]
         if cfg.keep_best:
             policies.append(ocp.checkpoint_managers.BestN(
                 get_metric_fn=lambda m: m["eval_loss"], reverse=False, n=1, keep_checkpoints_without_metrics=False))
         options = ocp.CheckpointManagerOptions(
             preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
-            enable_async_checkpointing=cfg.async_save, cleanup_tmp_directories=True, create=True)
+            enable_async_checkpointing=cfg.async_save, cleanup_tmp_directories=True, create=True,
+            **storage.orbax_options(self.directory))
         _DropLateWriteCallbacks.install()
         _DropOrphanWriteTasks.install()
         self._quiet = _DropOrbaxErrors()
@@ -436,11 +438,20 @@ class Checkpointer:
                     logging.getLogger("absl").removeFilter(self._quiet)
 
 
+def _absolute(directory: str | os.PathLike) -> Any:
+    """An absolute local path (Orbax refuses relative ones), or an epath.Path for a gs:// / s3:// URL
+    (absolute() would make it a local path under the working directory)."""
+    if storage.is_url(directory):
+        storage.install_orbax_s3()  # before any manager is made on it
+        return storage.as_path(directory)
+    return pathlib.Path(directory).absolute()
+
+
 def _checkpoints_dir(directory: str | pathlib.Path) -> tuple[pathlib.Path, int | None]:
     """(checkpoints directory, one step or None) for a run dir, its checkpoints/, or one step dir.
 
     Absolute: Orbax refuses relative paths (`jaxinfra generate runs/x` read none and called them unreadable)."""
-    directory = pathlib.Path(directory).absolute()
+    directory = _absolute(directory)
     if (directory / "checkpoints").is_dir():
         return directory / "checkpoints", None
     if directory.name.isdigit() and (directory / "state").is_dir():  # RUN/checkpoints/N
@@ -453,7 +464,8 @@ def is_params_only(directory: str | pathlib.Path) -> bool:
     meta says params_only), so a full restore cannot work and a params restore is what is meant."""
     root, step = _checkpoints_dir(directory)
     steps = [step] if step is not None else sorted(
-        (int(p.name) for p in root.glob("*") if p.name.isdigit() and p.is_dir()), reverse=True)
+        (int(p.name) for p in (root.iterdir() if root.is_dir() else ()) if p.name.isdigit() and p.is_dir()),
+        reverse=True)
     for s in steps:
         meta = root / str(s) / "meta" / "metadata"
         if meta.is_file():
@@ -477,13 +489,12 @@ def restore_params(directory: str | pathlib.Path, target_params: Any, step: int 
     `optional`: an nnx filter of variables the checkpoint may lack altogether (LoRA adapters over a base
     saved without them): when none of them is saved they are left out of the result, for the caller to
     initialise; when some are, every one must fit like the rest."""
-    directory, only_step = _checkpoints_dir(directory)
-    directory = directory.absolute()  # Orbax refuses relative paths (`jaxinfra generate runs/x` gives one)
+    directory, only_step = _checkpoints_dir(directory)  # absolute: Orbax refuses relative paths
     step = only_step if step is None else step
     if not directory.is_dir():
         raise CheckpointError(f"no checkpoint directory at {directory}")
     with _quiet_orbax():  # read_only=True makes Orbax log "Given directory is read only" even when it is not
-        manager = ocp.CheckpointManager(directory.absolute(), item_names=("state", "data", "meta"),
+        manager = ocp.CheckpointManager(directory, item_names=("state", "data", "meta"),
                                         options=ocp.CheckpointManagerOptions(read_only=True, create=False))
     steps = sorted(manager.all_steps(), reverse=True)
     if step is not None:
@@ -587,9 +598,9 @@ def save_params_only(out: str | pathlib.Path, cfg: Any, params: Any, meta: dict[
                      ) -> pathlib.Path:
     """OUT/config.yaml and OUT/checkpoints/<step>: a params-only run directory (an HF import, a
     `jaxinfra quantize` output) in this module's item layout; `meta` should say params_only."""
-    out = pathlib.Path(out)
+    out = storage.as_path(out)
     out.mkdir(parents=True, exist_ok=True)
-    ckpt_dir = (out / "checkpoints").absolute()
+    ckpt_dir = _absolute(out / "checkpoints")
     if ckpt_dir.exists() and any(ckpt_dir.iterdir()):
         raise CheckpointError(f"{ckpt_dir} already holds checkpoints; write into a new directory")
     (out / "config.yaml").write_text(cfg.to_yaml())
@@ -601,7 +612,8 @@ def save_params_only(out: str | pathlib.Path, cfg: Any, params: Any, meta: dict[
     largest = max(x.nbytes for x in jax.tree.leaves(params))
     budget = (max(largest, 2**28) + 2**20) / 10**9  # the limiter refuses a single array above its budget
     handler = ocp.PyTreeCheckpointHandler(save_device_host_concurrent_gb=budget, save_concurrent_gb=budget)
-    manager = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(create=True),
+    manager = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(create=True,
+                                                                               **storage.orbax_options(ckpt_dir)),
                                     item_names=("state", "data", "meta"), item_handlers={"state": handler})
     manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(items),
                                                meta=ocp.args.JsonSave({**meta, "config": cfg.to_yaml()})))

@@ -20,6 +20,7 @@ from typing import Any, Literal
 import yaml
 
 # Only jax-free modules (tests/test_layout.py): a bad config fails before jax loads.
+from jaxinfra import storage
 from jaxinfra.config_sections import DistillConfig, DpoConfig, GrpoConfig, SftConfig, prompt_data
 from jaxinfra.data.config import DataConfig
 from models.config import REMAT_POLICIES, ModelConfig
@@ -159,7 +160,14 @@ def preset_names() -> list[str]:
 
 
 def load_yaml(source: str) -> dict[str, Any]:
-    """A preset name (`tiny`) or a path to a YAML file -> nested dict."""
+    """A preset name (`tiny`) or a path to a YAML file (or a gs:// / s3:// URL of one) -> nested dict."""
+    if storage.is_url(source):  # a sweep on a bucket trains OUT/RUN/config.yaml from there
+        try:
+            text = storage.read_text(source)
+        except FileNotFoundError:
+            storage.check_bucket(source, "config")  # names a missing bucket before a missing file
+            raise ConfigError(f"config file not found: {source}") from None
+        return _parse_yaml(text, source)
     path = pathlib.Path(source)
     if source.endswith((".yaml", ".yml")) or path.exists():
         if not path.is_file():
@@ -170,6 +178,10 @@ def load_yaml(source: str) -> dict[str, Any]:
         if not resource.is_file():
             raise ConfigError(f"unknown preset '{source}': choose one of {preset_names()} or give a YAML path")
         text = resource.read_text()
+    return _parse_yaml(text, source)
+
+
+def _parse_yaml(text: str, source: str) -> dict[str, Any]:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:

@@ -41,9 +41,10 @@ def bad_input_errors() -> tuple[type[Exception], ...]:
     from jaxinfra.config import ConfigError
     from jaxinfra.data import DataError
     from jaxinfra.distributed import DistributedError
+    from jaxinfra.storage import StorageError
     from sharding.mesh import MeshError
 
-    return (ConfigError, DataError, MeshError, DistributedError, CheckpointError)
+    return (ConfigError, DataError, MeshError, DistributedError, CheckpointError, StorageError)
 
 
 def write_errors() -> tuple[type[Exception], ...]:

@@ -5,7 +5,8 @@ existing as a file) into one-line errors. `RunDirLock` is a lock file naming the
 pid of the run that uses the directory: a second `jaxinfra train` on it is refused while
 that process lives, and a lock left by a process that died (SIGKILL, OOM, a node loss on
 this host) is taken over with a one-line note. Only process 0 of a multi-process run
-takes it; the others trust process 0.
+takes it; the others trust process 0. A run dir on a bucket gets `ObjectLock` instead (an object
+refreshed while the run lives, taken over once stale).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import os
 import pathlib
 import socket
+import threading
 import time
 from typing import Any
 
@@ -113,3 +115,82 @@ class RunDirLock:
             if owner.get("pid") == os.getpid():
                 self.path.unlink(missing_ok=True)
             self.held = False
+
+
+class ObjectLock:
+    """The run-dir lock of a run dir on a bucket (gs://, s3://): an object `RUN/jaxinfra.lock` naming the
+    host, pid and start of the run, its `refreshed` time rewritten every `REFRESH_S` by a thread.
+
+    An object store has no create-if-absent that every backend offers, so this is read-then-write: a
+    second run is refused while the lock is fresh (refreshed within `STALE_S`), or while its process
+    lives on this host; a stale lock (its run killed, its node lost) is taken over with a one-line note.
+    Two runs started within the same second on different hosts can both pass; the refreshes then
+    overwrite each other, and the one that reads another owner at its next refresh stops with an error
+    (as a run dir shared by mistake would on local disk)."""
+
+    REFRESH_S = 30.0
+    STALE_S = 300.0
+
+    def __init__(self, url: str):
+        from jaxinfra import storage
+
+        self.path = storage.as_path(url) / LOCK_NAME
+        self.held = False
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "start_ticks": _start_ticks(os.getpid()),
+                   "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.lost: str | None = None  # set by the refresher when another run took the lock
+
+    def acquire(self) -> None:
+        owner = self._read()
+        if owner and not self._mine(owner):
+            age = time.time() - float(owner.get("refreshed", 0))
+            here = owner.get("host") == self.me["host"]
+            if (here and _alive(owner)) or (not here and age < self.STALE_S):
+                raise RunDirError(f"{self.path.parent} is in use by pid {owner.get('pid')} on host {owner.get('host')} "
+                                  f"since {owner.get('since')} (lock refreshed {age:.0f}s ago); wait for it, choose "
+                                  f"another --run-dir, or delete {self.path} if that run is gone")
+            print(f"jaxinfra: note: {self.path} was left by pid {owner.get('pid')} on host {owner.get('host')}, "
+                  f"which is gone (lock not refreshed for {age:.0f}s); taking it over", flush=True)
+        self._write()
+        self.held = True
+        self._thread = threading.Thread(target=self._refresh, name="jaxinfra-lock-refresh", daemon=True)
+        self._thread.start()
+
+    def _mine(self, owner: dict[str, Any]) -> bool:
+        return owner.get("host") == self.me["host"] and owner.get("pid") == self.me["pid"]
+
+    def _write(self) -> None:
+        self.path.write_text(json.dumps({**self.me, "refreshed": time.time()}))
+
+    def _read(self) -> dict[str, Any] | None:
+        try:
+            owner = json.loads(self.path.read_text() or "{}")
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            owner = {}
+        return owner if isinstance(owner, dict) else {}
+
+    def _refresh(self) -> None:
+        while not self._stop.wait(self.REFRESH_S):
+            try:
+                owner = self._read()
+                if owner and not self._mine(owner):
+                    self.lost = f"another run (pid {owner.get('pid')} on host {owner.get('host')}) took {self.path}"
+                    return
+                self._write()
+            except Exception:  # noqa: BLE001 - a failed refresh is retried; the run itself reports storage errors
+                continue
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        owner = self._read() or {}
+        if self._mine(owner):
+            self.path.unlink(missing_ok=True)
+        self.held = False

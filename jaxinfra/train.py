@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
+from jaxinfra import storage
 from jaxinfra.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -72,7 +73,7 @@ from jaxinfra.metrics import (
     write_summary,
 )
 from jaxinfra.optim import all_finite
-from jaxinfra.rundir import RunDirError, RunDirLock, check_run_dir
+from jaxinfra.rundir import LOCK_NAME, ObjectLock, RunDirError, RunDirLock, check_run_dir
 from jaxinfra.runtime import build_runtime
 from jaxinfra.state import TrainState, bytes_per_device, model_state, split_model_state
 from jaxinfra.watchdog import Watchdog
@@ -109,9 +110,8 @@ class Trainer:
         """`extensions` join the train step (jaxinfra/extensions.py); None: those the config asks for."""
         self.cfg = cfg
         self.requested_extensions = extensions
-        self.run_dir = check_run_dir(run_dir)  # ordinary path mistakes fail here, before anything compiles
+        self._open_store(run_dir, restore_from)  # a bucket that is missing or refuses us: one line, nothing written
         self.is_main = jax.process_index() == 0
-        self.lock = RunDirLock(self.run_dir)
         # What _close() releases, present from the start so that any exit path closes what exists.
         self.ckpt: Checkpointer | None = None
         self.train_iter: Any = None
@@ -126,6 +126,30 @@ class Trainer:
             self._close(error)
             raise
 
+    def _open_store(self, run_dir: str | os.PathLike, restore_from: str | os.PathLike | None) -> None:
+        """`run_dir` holds the run's files, `run_root` its checkpoints: the same local directory, or for a
+        run dir on a bucket a local staging directory (mirrored by `store`) and the bucket URL."""
+        if restore_from is not None and storage.is_url(restore_from):
+            storage.check_bucket(str(restore_from), "--restore")
+        self.store = storage.RunStaging(str(run_dir)) if storage.is_url(run_dir) else None
+        if self.store is None:
+            self.run_dir = check_run_dir(run_dir)  # ordinary path mistakes fail here, before anything compiles
+            self.run_root, self.lock = self.run_dir, RunDirLock(self.run_dir)
+            return
+        storage.check_bucket(self.store.url, "--run-dir")
+        self.run_dir, self.run_root = self.store.local, storage.as_path(self.store.url)
+        self.lock = ObjectLock(self.store.url)
+
+    def _push(self, force: bool = False) -> None:
+        """Process 0 of a run dir on a bucket: upload the staged files (at checkpoints, at the end, and at
+        log points every storage.PUSH_EVERY_S); a lock another run took over stops this one."""
+        if self.store is None or not self.is_main:
+            return
+        if force or time.monotonic() - self.store.last_push >= storage.PUSH_EVERY_S:
+            self.store.push()
+        if self.lock.lost:
+            raise RunDirError(f"{self.lock.lost}; stopping (the last committed checkpoint is kept)")
+
     def _take_lock(self) -> None:
         """Process 0 takes the run dir's lock; in a multi-process run every process learns the outcome,
         so a refusal is the same one-line error (exit 2) everywhere instead of a peer left waiting."""
@@ -133,6 +157,8 @@ class Trainer:
         if self.is_main:
             try:
                 self.lock.acquire()
+                if self.store is not None:  # the bucket's files are the truth: metrics.jsonl continues from them
+                    self.store.pull(skip=(LOCK_NAME,))
             except RunDirError as e:
                 refusal = str(e)
         if jax.process_count() > 1:
@@ -155,7 +181,7 @@ class Trainer:
         self.train_iter = None if self.feeder else make_train_iterator(cfg.data, **data_args)
         self.eval_sets = {} if self.feeder else make_eval_sets(cfg.data, **data_args)  # per mixture source
         self.eval_batches = [b for batches in self.eval_sets.values() for b in batches]
-        self.ckpt = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint) if cfg.checkpoint.enabled else None
+        self.ckpt = Checkpointer(self.run_root / "checkpoints", cfg.checkpoint) if cfg.checkpoint.enabled else None
         self.state: TrainState | None = None
         self._signal: int | None = None
         self.watchdog = Watchdog(0)
@@ -195,8 +221,8 @@ class Trainer:
     def initial_state(self) -> tuple[int, TrainState, dict[str, Any]]:
         """(completed steps, state, saved meta): resume this run, restore from elsewhere, or start fresh."""
         if self.ckpt is not None and self.ckpt.steps():
-            if is_params_only(self.run_dir):  # the run dir is an import itself (hf import OUT; train --run-dir OUT)
-                return self._from_params(self.run_dir, "the run directory")
+            if is_params_only(self.run_root):  # the run dir is an import itself (hf import OUT; train --run-dir OUT)
+                return self._from_params(self.run_root, "the run directory")
             found = self.ckpt.restore_latest(self._target(), self.cfg.to_dict())
             if found is None:
                 raise CheckpointError(f"every checkpoint under {self.ckpt.directory} is unreadable; move them "
@@ -207,7 +233,7 @@ class Trainer:
                 return self._from_params(self.restore_from)
             if is_params_only(self.restore_from):
                 return self._from_params(self.restore_from, f"--restore {self.restore_from}")
-            source = pathlib.Path(self.restore_from)
+            source = storage.as_path(self.restore_from)
             other = Checkpointer(source / "checkpoints" if (source / "checkpoints").is_dir() else source,
                                  self.cfg.checkpoint)
             try:
@@ -324,7 +350,9 @@ class Trainer:
                    ("checkpoints", self._checkpoint_closer(error)),
                    ("data workers", getattr(self.train_iter, "close", None)),
                    ("progress bar", self.bar.close if self.bar else None),
-                   ("metrics", self.logger.close if self.logger else None), ("run-dir lock", self.lock.release)]
+                   ("metrics", self.logger.close if self.logger else None),
+                   ("run-dir upload", functools.partial(self._push, True) if self.store else None),
+                   ("run-dir lock", self.lock.release)]
         first: BaseException | None = None
         for name, close in closers:
             if close is None:
@@ -396,7 +424,7 @@ class Trainer:
         self.counts = param_counts(cfg.model)
         self._say(f"jaxinfra: {self.counts['total'] / 1e6:.2f}M params, mesh {dict(self.mesh.shape)}, "
                   f"{len(self.devices)} x {self.devices[0].device_kind}, peak {self.peak / 1e12:.3g} TFLOP/s/device "
-                  f"({self.peak_source}), run dir {self.run_dir}"
+                  f"({self.peak_source}), run dir {self.run_root}"
                   + (f", resumed at step {start_step}" if start_step else ""))
 
     def _first_eval(self, loop: _Loop, meta: dict[str, Any]) -> None:
@@ -459,6 +487,7 @@ class Trainer:
         self._log(step, line)
         self.bar.update(step, line)
         loop.last = line
+        self._push()
 
     def _metrics_line(self, host: dict[str, Any], step_time: float, skipped: int) -> dict[str, float]:
         n_dev = len(self.devices)
@@ -486,6 +515,7 @@ class Trainer:
             if blocked is not None:
                 loop.saved_at = step
                 self._log(step, {"checkpoint_block_s": blocked})
+            self._push(force=True)
         if stop:
             loop.exit_code = EXIT_PREEMPTED
             self._say(f"jaxinfra: stopping at step {step} on signal {self._signal}; checkpoint "
@@ -561,7 +591,12 @@ def train(cfg: Config, run_dir: str | os.PathLike, devices: Sequence[jax.Device]
         step, phase = (trainer.watchdog_step, trainer.watchdog_phase) if trainer else (0, "start")
         _leave(EXIT_HUNG, f"jaxinfra: error: process {jax.process_index()} failed at step {step}, phase '{phase}': "
                           f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]} (a peer process may have "
-                          f"died); the last committed checkpoint is in {pathlib.Path(run_dir)}/checkpoints")
+                          f"died); the last committed checkpoint is in {_shown(run_dir)}/checkpoints")
+
+
+def _shown(run_dir: str | os.PathLike) -> str:
+    """The run dir as the user gave it (a URL stays a URL; pathlib would make s3://b/x into s3:/b/x)."""
+    return str(run_dir) if storage.is_url(run_dir) else str(pathlib.Path(run_dir))
 
 
 def _leave(status: int, line: str, peers_alive: bool = False) -> NoReturn:

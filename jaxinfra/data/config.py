@@ -7,6 +7,8 @@ import itertools
 import re
 from typing import Literal, get_args
 
+from jaxinfra import storage
+
 Source = Literal["text", "tokens", "synthetic", "jsonl", "parquet", "chat", "preference", "prompts"]
 TokenDtype = Literal["uint16", "uint32"]
 SOURCES: tuple[str, ...] = get_args(Source)
@@ -164,6 +166,16 @@ class DataConfig:
         return {name: dataclasses.replace(self, source=part.source or self.source, paths=tuple(part.paths),
                                           mixture={})
                 for name, part in sorted(self.mixture.items())}
+
+
+def local_paths(cfg: DataConfig) -> DataConfig:
+    """`cfg` with each gs:// / s3:// entry of data.paths (an object, or a prefix such as a prepared
+    directory) replaced by a local copy (jaxinfra/storage.py local_copy: cached, downloaded whole or not
+    at all), since token files are memory-mapped; `cfg` itself when no path is a URL. One source: call it
+    on `cfg.parts()`'s values."""
+    if not any(storage.is_url(p) for p in cfg.paths):
+        return cfg
+    return dataclasses.replace(cfg, paths=tuple(storage.local_copy(p, "data.paths") for p in cfg.paths))
 
 
 def weight_at(stages: list[tuple[int, float]], step: int) -> float:

@@ -11,7 +11,7 @@ import numpy as np
 
 from jaxinfra.data import synthetic
 from jaxinfra.data.chat_source import CHAT_FIELDS, ChatSource, PreparedChats, RenderedChats
-from jaxinfra.data.config import TRAIN_ON, DataConfig, DataError
+from jaxinfra.data.config import TRAIN_ON, DataConfig, DataError, local_paths
 from jaxinfra.data.encode import make_encoder
 from jaxinfra.data.formats import input_kind, relative_names
 from jaxinfra.data.mixture import MixedRows, WeightSchedule, slot_phase
@@ -113,6 +113,7 @@ def _check_args(cfg: DataConfig, seq_len: int, global_batch_size: int, vocab_siz
 def _split_sources(cfg: DataConfig, seq_len: int, vocab_size: int, seed: int,
                    train_on: str = "assistant") -> tuple[Any, Any]:
     """(train, eval) random-access sources for cfg.source."""
+    cfg = local_paths(cfg)  # gs:// / s3:// data: read from a local copy
     if cfg.source == "synthetic":
         return synthetic.split(cfg.synthetic_vocab, seq_len, _seed32(seed), cfg.eval_fraction)
     if cfg.source == "tokens":

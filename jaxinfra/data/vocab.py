@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from jaxinfra.data.config import DataConfig, DataError
+from jaxinfra.data.config import DataConfig, DataError, local_paths
 from jaxinfra.data.encode import BYTE_EOD, file_sha256, make_encoder
 from jaxinfra.data.prepared import TOKENIZER, describe_tokenizer, is_chat, is_prepared, load_meta, tokenizer_of
 from jaxinfra.data.tokenizer import tokenizer_vocab_size
@@ -32,6 +32,7 @@ def vocab_size_of(cfg: DataConfig) -> int:
 
 def _vocab_and_identity(cfg: DataConfig) -> tuple[int, tuple[str, str] | None]:
     """(vocabulary, (key, description) of the ids the source holds, None when unknown)."""
+    cfg = local_paths(cfg)  # prepared directories on a bucket: their meta.json, from the local copy
     if cfg.source == "synthetic":
         return cfg.synthetic_vocab, None
     if cfg.source == "tokens":

@@ -115,8 +115,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise InferenceError(f"--batch-size={args.batch_size} is invalid: must be >= 1")
     if args.seq_len is not None and args.seq_len < 1:
         raise InferenceError(f"--seq-len={args.seq_len} is invalid: must be >= 1")
+    from jaxinfra.storage import local_copy
+
     try:
-        tokens = np.load(args.tokens, allow_pickle=False)
+        tokens = np.load(local_copy(args.tokens, "--tokens"), allow_pickle=False)
     except (OSError, ValueError) as e:
         raise InferenceError(f"--tokens: cannot read {args.tokens!r} as a .npy array "
                              f"({str(e).splitlines()[0]})") from None

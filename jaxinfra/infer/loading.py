@@ -11,6 +11,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from jaxinfra import storage
 from jaxinfra.checkpoint import CheckpointError, restore_params
 from jaxinfra.config import Config, ConfigError, load_config, validate
 from jaxinfra.quant_checks import check_backend
@@ -25,8 +26,11 @@ class InferenceError(ConfigError):
 
 
 def resolve_checkpoint(path: str | pathlib.Path) -> tuple[pathlib.Path, pathlib.Path, int | None]:
-    """(run dir, checkpoints dir, step or None for the newest) for a run dir or RUN/checkpoints/<step>."""
-    path = pathlib.Path(path)
+    """(run dir, checkpoints dir, step or None for the newest) for a run dir or RUN/checkpoints/<step>
+    (local, or a gs:// / s3:// URL: then epath.Paths)."""
+    if storage.is_url(path):
+        storage.check_bucket(str(path), "checkpoint")
+    path = storage.as_path(path)
     if (path / "config.yaml").is_file():
         return path, path / "checkpoints", None
     if path.parent.name == "checkpoints" and (path.parent.parent / "config.yaml").is_file():
