@@ -65,6 +65,7 @@ def _join_process_group(args: argparse.Namespace) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # bad input fails here: before any device, process group or compile
+    _check_urls(run_dir=args.run_dir, restore=args.restore)
     _join_process_group(args)
     from jaxinfra.plan.cli import preflight
     from jaxinfra.train import train
@@ -73,6 +74,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or f"runs/{_config_stem(args.config)}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     summary = train(cfg, run_dir, restore_from=args.restore)
     return int(summary.get("exit_code", 0))
+
+
+def _check_urls(**flags: str | None) -> None:
+    """A gs:// / s3:// flag whose bucket is missing, unreachable or refuses us (or an unsupported URL
+    scheme): one line naming it, before anything is written or compiled."""
+    from jaxinfra.storage import check_bucket, is_url
+
+    for name, value in flags.items():
+        if value is not None and is_url(value):
+            check_bucket(value, f"--{name.replace('_', '-')}")
 
 
 def cmd_info(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxinfra.config import ConfigError, load_config
 from jaxinfra.metrics.flops import flops_per_token, param_counts
+from jaxinfra.storage import as_path, check_bucket, is_url
 
 COLUMNS = ("run", "N", "N_nonemb", "D", "C", "eval_loss", "tokens_per_s", "wall_s", "steps", "batch_size",
            "seq_len", "flops_per_token", "lr", "num_layers", "d_model", "C_budget")
@@ -31,7 +32,7 @@ def run_row(run_dir: str | pathlib.Path, c_budget: float | None = None) -> dict[
     c_budget: the IsoFLOP compute budget the run belongs to (the profile label approach 2
     groups by); None for grid runs.
     """
-    run_dir = pathlib.Path(run_dir)
+    run_dir = as_path(run_dir)
     summary_path = run_dir / "summary.json"
     if not summary_path.is_file():
         return None
@@ -57,11 +58,13 @@ def collect(out_dir: str | pathlib.Path) -> tuple[list[dict[str, Any]], list[str
     The runs are those listed in out_dir/plan.jsonl (written by `jaxinfra sweep`), or
     failing that every subdirectory holding a config.yaml.
     """
-    out_dir = pathlib.Path(out_dir)
+    if is_url(out_dir):
+        check_bucket(str(out_dir), "sweep directory")
+    out_dir = as_path(out_dir)
     plan = out_dir / PLAN_FILE
     if plan.is_file():
         entries = [json.loads(line) for line in plan.read_text().splitlines() if line.strip()]
-        runs = [(pathlib.Path(e["run_dir"]), e.get("C_budget")) for e in entries]
+        runs = [(as_path(e["run_dir"]), e.get("C_budget")) for e in entries]
     elif out_dir.is_dir():
         runs = [(p.parent, None) for p in sorted(out_dir.glob("*/config.yaml"))]
     else:
@@ -79,7 +82,7 @@ def collect(out_dir: str | pathlib.Path) -> tuple[list[dict[str, Any]], list[str
 def write_results(rows: list[dict[str, Any]], out_dir: str | pathlib.Path,
                   stem: str = "results") -> tuple[pathlib.Path, pathlib.Path]:
     """out_dir/results.csv and out_dir/results.jsonl (the same rows, COLUMNS first)."""
-    out_dir = pathlib.Path(out_dir)
+    out_dir = as_path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     columns = list(COLUMNS) + sorted({k for r in rows for k in r} - set(COLUMNS))
     csv_path, jsonl_path = out_dir / f"{stem}.csv", out_dir / f"{stem}.jsonl"
@@ -105,7 +108,7 @@ def read_table(path: str | pathlib.Path) -> tuple[dict[str, np.ndarray], list[st
     object arrays. Rows whose N, D or eval_loss is missing, non-finite or not positive
     are dropped (a note says how many).
     """
-    path = pathlib.Path(path)
+    path = as_path(path)
     if not path.is_file():
         raise ConfigError(f"results file not found: {path}")
     text = path.read_text()

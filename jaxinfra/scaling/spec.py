@@ -43,6 +43,7 @@ from typing import Any
 import yaml
 
 from jaxinfra.config import Config, ConfigError, apply_overrides, config_from_tree, from_dict, load_yaml, validate
+from jaxinfra.storage import as_path, check_bucket, is_url
 from jaxinfra.metrics.flops import flops_per_token, param_counts
 from jaxinfra.metrics.table import Column, format_table
 from jaxinfra.scaling.sizes import (
@@ -348,7 +349,9 @@ def budget_label(x: float) -> str:
 
 def expand(spec: SweepSpec, out: str | pathlib.Path | None = None) -> Plan:
     """Every run of the sweep with its resolved, validated Config (nothing is written)."""
-    out_dir = pathlib.Path(out or spec.out or f"sweeps/{spec.name}")
+    out_dir = as_path(out or spec.out or f"sweeps/{spec.name}")  # an epath.Path for gs:// / s3://
+    if is_url(out_dir):
+        check_bucket(str(out_dir), "--out")
     base = spec.base_config
     t = base.train
     tokens_per_step = t.batch_size * t.seq_len

@@ -18,6 +18,7 @@ from jaxinfra.scaling import fit as fitting
 from jaxinfra.scaling.results import collect, read_table, write_results
 from jaxinfra.scaling.runner import LAUNCHERS, prepare, run_local, write_k8s, write_slurm
 from jaxinfra.scaling.spec import expand, format_plan, load_spec
+from jaxinfra.storage import as_path, is_url
 
 Echo = Callable[[str], None]
 
@@ -80,17 +81,32 @@ def fit_results(results: str | pathlib.Path, *, plot_dir: str | pathlib.Path | N
     fit = fitting.fit_all(table, bootstrap=bootstrap, seed=seed, n_column=n_column)
     fit["notes"] = notes + fit["notes"]
     fit["source"] = str(results)
-    out = pathlib.Path(out) if out else pathlib.Path(results).with_name("fit.json")
+    out = as_path(out) if out else as_path(results).with_name("fit.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(fit, indent=2) + "\n")
     echo(format_fit(fit))
     echo(f"fit: saved {out}")
     if plot_dir is not None:
-        from jaxinfra.scaling.plots import plot_all
-
-        for path in plot_all(table, fit, plot_dir):
+        for path in _plot_all(table, fit, plot_dir):
             echo(f"fit: plot {path}")
     return fit
+
+
+def _plot_all(table: dict[str, Any], fit: dict[str, Any], plot_dir: str | pathlib.Path) -> list[Any]:
+    """plots.plot_all; for a gs:// / s3:// plot_dir drawn in a local temporary directory, then uploaded."""
+    from jaxinfra.scaling.plots import plot_all
+
+    if not is_url(plot_dir):
+        return plot_all(table, fit, plot_dir)
+    import tempfile
+
+    remote = as_path(plot_dir)
+    remote.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        drawn = plot_all(table, fit, tmp)
+        for path in drawn:
+            (remote / path.name).write_bytes(path.read_bytes())
+    return [remote / path.name for path in drawn]
 
 
 def format_fit(fit: dict[str, Any]) -> str:
@@ -127,7 +143,7 @@ def format_fit(fit: dict[str, Any]) -> str:
 
 def predict_from_file(fit_path: str | pathlib.Path, compute: float, echo: Echo = print) -> dict[str, Any]:
     """N_opt, D_opt and the predicted loss at compute C from a saved fit.json."""
-    path = pathlib.Path(fit_path)
+    path = as_path(fit_path)
     if not path.is_file():
         raise ConfigError(f"fit file not found: {fit_path}")
     try:
