@@ -223,10 +223,14 @@ _ORBAX_PATCHED = False
 
 
 def s3_kvstore(url: str) -> dict[str, Any]:
-    """TensorStore's s3 kvstore spec for an s3:// URL. TensorStore reads the credentials from
-    AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY itself, but not AWS_ENDPOINT_URL: it is passed here."""
+    """TensorStore's s3 kvstore spec for an s3:// URL. TensorStore does not read AWS_ENDPOINT_URL: it is
+    passed here. With AWS_ACCESS_KEY_ID set, the credentials come from the environment alone (its default
+    chain also works, but first logs a page about a missing ~/.aws/config); else its default chain
+    (~/.aws profiles, the instance's metadata service)."""
     _, bucket, key = split_url(url)
     spec: dict[str, Any] = {"driver": "s3", "bucket": bucket, "path": key}
+    if os.environ.get("AWS_ACCESS_KEY_ID"):
+        spec["aws_credentials"] = {"type": "environment"}
     if os.environ.get("AWS_ENDPOINT_URL"):
         spec["endpoint"] = os.environ["AWS_ENDPOINT_URL"]
     if os.environ.get("AWS_REGION"):

@@ -246,9 +246,12 @@ def test_urls_parse_and_dispatch_for_gs_and_s3(monkeypatch):
         storage.as_path("az://c/x")
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
     monkeypatch.setenv("AWS_REGION", "eu-west-3")
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID", raising=False)
     assert storage.s3_kvstore("s3://b/run/checkpoints/10") == {
         "driver": "s3", "bucket": "b", "path": "run/checkpoints/10", "endpoint": "http://127.0.0.1:9",
         "aws_region": "eu-west-3"}
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    assert storage.s3_kvstore("s3://b/x")["aws_credentials"] == {"type": "environment"}
 
 
 def test_the_orbax_functions_the_s3_adapter_replaces_still_exist():

@@ -9,6 +9,7 @@ after runs finish anywhere (local, SLURM, Kubernetes) with `jaxinfra scaling col
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import pathlib
@@ -86,11 +87,12 @@ def write_results(rows: list[dict[str, Any]], out_dir: str | pathlib.Path,
     out_dir.mkdir(parents=True, exist_ok=True)
     columns = list(COLUMNS) + sorted({k for r in rows for k in r} - set(COLUMNS))
     csv_path, jsonl_path = out_dir / f"{stem}.csv", out_dir / f"{stem}.jsonl"
-    with csv_path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: "" if row.get(k) is None else row.get(k) for k in columns})
+    text = io.StringIO()  # then written whole: an object store's files take no newline= option
+    writer = csv.DictWriter(text, fieldnames=columns)
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: "" if row.get(k) is None else row.get(k) for k in columns})
+    csv_path.write_bytes(text.getvalue().encode())
     with jsonl_path.open("w") as f:
         for row in rows:
             f.write(json.dumps({k: _json(row.get(k)) for k in columns}) + "\n")
