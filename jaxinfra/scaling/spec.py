@@ -43,7 +43,6 @@ from typing import Any
 import yaml
 
 from jaxinfra.config import Config, ConfigError, apply_overrides, config_from_tree, from_dict, load_yaml, validate
-from jaxinfra.storage import as_path, check_bucket, is_url
 from jaxinfra.metrics.flops import flops_per_token, param_counts
 from jaxinfra.metrics.table import Column, format_table
 from jaxinfra.scaling.sizes import (
@@ -53,6 +52,7 @@ from jaxinfra.scaling.sizes import (
     sizes_from_list,
     sizes_from_targets,
 )
+from jaxinfra.storage import as_path, check_bucket, is_url
 from models.config import ModelConfig
 
 # ---------------------------------------------------------------- the spec's sections
