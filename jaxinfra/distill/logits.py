@@ -31,6 +31,7 @@ from jaxinfra.checkpoint import CheckpointError, config_changes
 from jaxinfra.config import Config, ConfigError
 from jaxinfra.data import DataError
 from jaxinfra.metrics import ProgressBar
+from jaxinfra.storage import local_copy
 
 FORMAT = 1
 # Keys of the data section that do not change the training batches.
@@ -177,7 +178,7 @@ class LogitsDir:
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> LogitsDir:
-        root = pathlib.Path(path)
+        root = pathlib.Path(local_copy(str(path), "distill.logits"))  # a bucket's: memory-mapped from a local copy
         try:
             meta = json.loads((root / "meta.json").read_text())
         except FileNotFoundError:
