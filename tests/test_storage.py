@@ -148,6 +148,12 @@ def test_eval_and_generate_read_a_run_dir_on_the_bucket(bucket_run, tmp_path, ca
     assert len(json.loads(capsys.readouterr().out)) == 4
 
 
+def test_restore_from_a_run_dir_on_the_bucket(bucket_run, tmp_path):
+    cfg = load_config("tiny", [*BASE, f"train.steps={STEPS + 2}"])
+    summary = train(cfg, tmp_path / "restored", jax.devices()[:1], restore_from=bucket_run["url"])
+    assert summary["resumed_from_step"] == STEPS and summary["steps"] == STEPS + 2
+
+
 # ---------------------------------------------------------------- data and sweeps on the bucket
 
 
