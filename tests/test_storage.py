@@ -105,9 +105,10 @@ def _finish(proc: subprocess.Popen, status: int = 0) -> str:
 @pytest.fixture(scope="module")
 def bucket_run(s3, tmp_path_factory):
     """A 30-step run on the bucket, SIGTERMed once it logged 3 steps and resumed with the same command,
-    and the same run uninterrupted on local disk (both 1-device children, started together)."""
+    and the same run uninterrupted on local disk (1-device children; the last two run together, on the
+    programs the first one compiled)."""
     url, local = f"{s3}/runs/a", tmp_path_factory.mktemp("local-run")
-    reference, first = _spawn(str(local)), _spawn(url)
+    first = _spawn(url)
     staged = storage.RunStaging(url).local / "metrics.jsonl"
     deadline = time.monotonic() + 180
     while not (staged.is_file() and len(_losses(staged.read_text())) >= 3):
@@ -116,7 +117,8 @@ def bucket_run(s3, tmp_path_factory):
     first.send_signal(signal.SIGTERM)
     out = _finish(first, EXIT_PREEMPTED)
     stopped = json.loads(storage.read_text(f"{url}/summary.json"))["steps"]
-    resumed = _finish(_spawn(url))
+    reference, resume = _spawn(str(local)), _spawn(url)
+    resumed = _finish(resume)
     _finish(reference)
     return {"url": url, "local": local, "stopped": stopped, "first": out, "resumed": resumed}
 
