@@ -121,15 +121,17 @@ class ObjectLock:
     """The run-dir lock of a run dir on a bucket (gs://, s3://): an object `RUN/jaxinfra.lock` naming the
     host, pid and start of the run, its `refreshed` time rewritten every `REFRESH_S` by a thread.
 
-    An object store has no create-if-absent that every backend offers, so this is read-then-write: a
-    second run is refused while the lock is fresh (refreshed within `STALE_S`), or while its process
-    lives on this host; a stale lock (its run killed, its node lost) is taken over with a one-line note.
-    Two runs started within the same second on different hosts can both pass; the refreshes then
-    overwrite each other, and the one that reads another owner at its next refresh stops with an error
-    (as a run dir shared by mistake would on local disk)."""
+    A lock of this host's live process is refused at once. Another host's lock is watched: refreshed
+    while we watch, its run is alive and we are refused (one line); not refreshed for `STALE_S` (its run
+    was killed or its node lost; by its own clock, or failing that over our own watch, so clock skew
+    between hosts cannot take a live lock) it is taken over with a one-line note. So a run requeued on
+    another node after a node loss waits at most `STALE_S` and starts. An object store has no
+    create-if-absent that every backend offers: this is read-then-write, and two runs started at the
+    same moment on two hosts can both start; the one that then reads the other's lock at its next
+    refresh stops with an error."""
 
     REFRESH_S = 30.0
-    STALE_S = 300.0
+    STALE_S = 90.0  # three missed refreshes
 
     def __init__(self, url: str):
         from jaxinfra import storage
@@ -145,18 +147,37 @@ class ObjectLock:
     def acquire(self) -> None:
         owner = self._read()
         if owner and not self._mine(owner):
-            age = time.time() - float(owner.get("refreshed", 0))
-            here = owner.get("host") == self.me["host"]
-            if (here and _alive(owner)) or (not here and age < self.STALE_S):
-                raise RunDirError(f"{self.path.parent} is in use by pid {owner.get('pid')} on host {owner.get('host')} "
-                                  f"since {owner.get('since')} (lock refreshed {age:.0f}s ago); wait for it, choose "
-                                  f"another --run-dir, or delete {self.path} if that run is gone")
-            print(f"jaxinfra: note: {self.path} was left by pid {owner.get('pid')} on host {owner.get('host')}, "
-                  f"which is gone (lock not refreshed for {age:.0f}s); taking it over", flush=True)
+            self._wait_until_stale(owner)
         self._write()
         self.held = True
         self._thread = threading.Thread(target=self._refresh, name="jaxinfra-lock-refresh", daemon=True)
         self._thread.start()
+
+    def _wait_until_stale(self, owner: dict[str, Any]) -> None:
+        """Return once `owner`'s lock is stale (noted in one line); RunDirError while its run lives."""
+        here = owner.get("host") == self.me["host"]
+        alive = here and _alive(owner)  # this host's process table answers at once
+        age = time.time() - float(owner.get("refreshed", 0))
+        watched = 0.0
+        while not here and not alive and age < self.STALE_S and watched < self.STALE_S:
+            if not watched:
+                print(f"jaxinfra: note: {self.path} is held by pid {owner.get('pid')} on host {owner.get('host')} "
+                      f"(refreshed {age:.0f}s ago); waiting up to {self.STALE_S - age:.0f}s to see whether that run "
+                      f"is alive", flush=True)
+            step = min(self.REFRESH_S / 3, self.STALE_S - watched)
+            time.sleep(step)
+            watched += step
+            now = self._read()
+            if not now:
+                return  # released meanwhile
+            alive = now.get("refreshed") != owner.get("refreshed") or now.get("pid") != owner.get("pid")
+            age += step
+        if alive:
+            raise RunDirError(f"{self.path.parent} is in use by pid {owner.get('pid')} on host {owner.get('host')} "
+                              f"since {owner.get('since')}; wait for it, choose another --run-dir, or delete "
+                              f"{self.path} if that run is gone")
+        print(f"jaxinfra: note: {self.path} was left by pid {owner.get('pid')} on host {owner.get('host')}, which "
+              f"is gone (its lock was not refreshed for {self.STALE_S:.0f}s); taking it over", flush=True)
 
     def _mine(self, owner: dict[str, Any]) -> bool:
         return owner.get("host") == self.me["host"] and owner.get("pid") == self.me["pid"]

@@ -226,17 +226,35 @@ def test_an_unsupported_scheme_is_one_line(s3, capsys):
     assert "the URL scheme 'az://' is not supported; use gs://, s3:// or a local path" in _one_line(capsys)
 
 
-def test_a_live_run_holds_the_bucket_lock_and_a_stale_lock_is_taken_over(s3, capsys):
+def test_a_live_run_holds_the_bucket_lock_and_a_stale_lock_is_taken_over(s3, capsys, monkeypatch):
+    """Another host's lock: refreshed while we watch, refused; not refreshed for STALE_S, taken over."""
+    import threading
+
+    monkeypatch.setattr(ObjectLock, "REFRESH_S", 0.3)
+    monkeypatch.setattr(ObjectLock, "STALE_S", 1.0)
     url = f"{s3}/runs/locked"
     lock = storage.as_path(url) / LOCK_NAME
     other = {"host": "node-7", "pid": 4242, "since": "2026-01-01 00:00:00"}
     lock.write_text(json.dumps({**other, "refreshed": time.time()}))
-    with pytest.raises(RunDirError, match="in use by pid 4242 on host node-7"):
-        ObjectLock(url).acquire()
-    lock.write_text(json.dumps({**other, "refreshed": time.time() - ObjectLock.STALE_S - 1}))
+    stop = threading.Event()
+
+    def live_owner():  # the other run's refresher
+        while not stop.wait(0.05):
+            lock.write_text(json.dumps({**other, "refreshed": time.time()}))
+
+    owner = threading.Thread(target=live_owner)
+    owner.start()
+    try:
+        with pytest.raises(RunDirError, match="in use by pid 4242 on host node-7"):
+            ObjectLock(url).acquire()
+    finally:
+        stop.set()
+        owner.join()
+    lock.write_text(json.dumps({**other, "refreshed": time.time()}))  # fresh, but nobody refreshes it
     mine = ObjectLock(url)
+    start = time.monotonic()
     mine.acquire()
-    assert "taking it over" in capsys.readouterr().out
+    assert 0.9 < time.monotonic() - start < 5 and "taking it over" in capsys.readouterr().out
     assert json.loads(lock.read_text())["pid"] == os.getpid()
     mine.release()
     assert not lock.exists()
