@@ -1,6 +1,7 @@
 """`jaxinfra` command line: thin wrappers over Python functions that tests call directly.
 
 CONFIG is a preset name (jaxinfra/presets/) or a YAML path; KEY=VALUE overrides it (model.num_layers=8).
+Run dirs, --restore, data.paths, sweep --out and CONFIG may be gs:// or s3:// URLs (docs/clusters.md).
 train, info and bench also take --coordinator HOST:PORT --num-processes N --process-id I (multi-host).
 
     jaxinfra train [CONFIG] [KEY=VALUE ...] [--run-dir DIR] [--restore PATH]   train; a run dir resumes
@@ -112,8 +113,8 @@ def _add_train(sub: argparse._SubParsersAction, presets: str) -> None:
     p = sub.add_parser("train", help="train a model from a preset or YAML config")
     p.add_argument("config", nargs="?", default="tiny", help=f"preset name ({presets}) or YAML path; default tiny")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. model.num_layers=8 train.steps=100")
-    p.add_argument("--run-dir", help="output directory (default runs/<config>-<time>); a run dir that holds "
-                   "checkpoints is resumed from its latest complete one")
+    p.add_argument("--run-dir", help="output directory (default runs/<config>-<time>), or a gs:// / s3:// URL; a "
+                   "run dir that holds checkpoints is resumed from its latest complete one")
     p.add_argument("--restore", metavar="PATH", help="start from another run's checkpoint (checkpoint.restore="
                    "full|params)")
     p.add_argument("--force", action="store_true", help="train even when the plan's analytic memory exceeds the "
