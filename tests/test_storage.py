@@ -270,6 +270,11 @@ def test_urls_parse_and_dispatch_for_gs_and_s3(monkeypatch):
     assert str(storage.as_path("gs://b/run") / "checkpoints") == "gs://b/run/checkpoints"
     with pytest.raises(storage.StorageError, match="'az://' is not supported"):
         storage.as_path("az://c/x")
+    import importlib.util
+
+    if importlib.util.find_spec("gcsfs") is None:  # gs:// without its driver: one line naming the extra
+        with pytest.raises(storage.StorageError, match=r"pip install 'jaxinfra\[gcs\]'"):
+            storage.check_bucket("gs://b/run", "--run-dir")
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
     monkeypatch.setenv("AWS_REGION", "eu-west-3")
     monkeypatch.delenv("AWS_ACCESS_KEY_ID", raising=False)
