@@ -21,6 +21,7 @@ URL is actually used.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -200,7 +201,11 @@ class RunStaging:
         fs, path = filesystem(self.url)
         for rel, stamp in self._stamps().items():
             if self._pushed.get(rel) != stamp:
-                fs.put_file(str(self.local / rel), f"{path}/{rel}")
+                try:
+                    fs.put_file(str(self.local / rel), f"{path}/{rel}")
+                except Exception as e:  # the store's (or the network's) refusal: a failed write, exit 74
+                    reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+                    raise OSError(errno.EIO, f"uploading to the bucket failed: {reason}", f"{self.url}/{rel}") from e
                 self._pushed[rel] = stamp
         self.last_push = time.monotonic()
 

@@ -221,6 +221,18 @@ def test_a_misspelled_bucket_is_one_line_and_nothing_is_written_locally(s3, tmp_
     assert os.listdir(tmp_path) == []  # no staging dir, no cache, no runs/: nothing at all
 
 
+def test_an_unreachable_endpoint_is_one_line_naming_the_bucket(s3, capsys, monkeypatch):
+    import s3fs
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_free_port()}")  # nothing listens there
+    s3fs.S3FileSystem.clear_instance_cache()  # fsspec reuses clients made with the old endpoint
+    try:
+        assert cli.main(["train", "tiny", *BASE, "--run-dir", f"{s3}/run"]) == EXIT_BAD_INPUT
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+    assert f"--run-dir {s3}/run: bucket {s3} cannot be reached (Could not connect" in _one_line(capsys)
+
+
 def test_an_unsupported_scheme_is_one_line(s3, capsys):
     assert cli.main(["train", "tiny", *BASE, "--run-dir", "az://container/run"]) == EXIT_BAD_INPUT
     assert "the URL scheme 'az://' is not supported; use gs://, s3:// or a local path" in _one_line(capsys)
