@@ -204,9 +204,10 @@ def pod_failure_policy() -> dict[str, Any]:
 
 def failure_policy(max_restarts: int) -> dict[str, Any]:
     """The JobSet's rules by the failed Job's reason: a no-retry status fails the set, anything else restarts it."""
+    # Rule names: the JobSet webhook wants ^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$ (no '-').
     return {"maxRestarts": max_restarts, "rules": [
-        {"name": "no-retry-exit-status", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]},
-        {"name": "restart-and-resume", "action": "RestartJobSet", "onJobFailureReasons": ["BackoffLimitExceeded"]},
+        {"name": "no_retry_exit_status", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]},
+        {"name": "restart_and_resume", "action": "RestartJobSet", "onJobFailureReasons": ["BackoffLimitExceeded"]},
     ]}
 
 
