@@ -20,6 +20,7 @@ import copy
 import json
 import pathlib
 import re
+import shlex
 
 import pytest
 import yaml
@@ -32,7 +33,8 @@ from jaxinfra.scaling.spec import expand, load_spec
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is in the test extra: pip install -e '.[test]'")
 k8s = pytest.importorskip("kubernetes.client", reason="the kubernetes client is in the test extra")
 
-FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "k8s" / "jobset-v0.9.1-crd-schema.json"
+REPO = pathlib.Path(__file__).resolve().parents[1]
+FIXTURE = REPO / "tests" / "fixtures" / "k8s" / "jobset-v0.9.1-crd-schema.json"
 API = k8s.ApiClient()
 
 
@@ -54,7 +56,19 @@ _FIXTURE = json.loads(FIXTURE.read_text())
 CRD = jsonschema.Draft7Validator(_closed(_FIXTURE["openAPIV3Schema"]))
 
 
+def _quantities_as_strings(node):
+    """The API's quantities are int-or-string; the client's models type them str (and refuse an int)."""
+    if isinstance(node, list):
+        return [_quantities_as_strings(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    return {k: ({q: str(v) if isinstance(v, int) else v for q, v in val.items()}
+                if k in ("limits", "requests") and isinstance(val, dict) else _quantities_as_strings(val))
+            for k, val in node.items()}
+
+
 def _roundtrip_errors(obj, model: str) -> list[str]:
+    obj = _quantities_as_strings(obj)
     try:
         parsed = API._ApiClient__deserialize(copy.deepcopy(obj), model)
     except Exception as e:  # noqa: BLE001 - the client raises ValueError or pydantic's ValidationError
@@ -127,8 +141,8 @@ def _webhook_errors(obj: dict) -> list[str]:
 def validation_errors(obj: dict) -> list[str]:
     """Every problem Kubernetes (and the JobSet CRD + webhook) would find in one manifest; empty when valid."""
     kind = obj.get("kind")
-    if kind in ("ConfigMap", "Service"):
-        return _roundtrip_errors(obj, f"V1{kind}")
+    if kind in ("ConfigMap", "Service", "Job"):
+        return _roundtrip_errors(obj, f"V1{kind}") + (_policy_errors(obj["spec"]) if kind == "Job" else [])
     assert kind == "JobSet" and obj["apiVersion"] == js.API_VERSION, obj.get("kind")
     errors = [f"JobSet CRD: {'.'.join(map(str, e.absolute_path))}: {e.message}" for e in CRD.iter_errors(obj)]
     errors += _roundtrip_errors(obj["metadata"], "V1ObjectMeta")
@@ -200,7 +214,8 @@ def test_tpu_jobset_4_hosts():
 def test_gpu_jobset_2_hosts_with_a_shipped_config(tmp_path):
     config = tmp_path / "my model.yaml"
     config.write_text("model:\n  num_layers: 2\n")
-    spec = js.JobSetSpec(hosts=2, gpus_per_host=8, pvc="runs", cpu="16", memory="64Gi", env={"NCCL_DEBUG": "WARN"})
+    spec = js.JobSetSpec(hosts=2, gpus_per_host=8, pvc="runs", cpu="16", memory="64Gi", env={"NCCL_DEBUG": "WARN"},
+                         env_secret="s3-creds", service_account="trainer")
     cm, obj = js.single_run(str(config), [], spec, "gpt", "runs/gpt", config.read_text())
     assert validation_errors(cm) == [] and validation_errors(obj) == []
     assert cm["data"] == {"my_model.yaml": "model:\n  num_layers: 2\n"}
@@ -212,6 +227,7 @@ def test_gpu_jobset_2_hosts_with_a_shipped_config(tmp_path):
     assert container["resources"] == {"requests": {"nvidia.com/gpu": "8", "cpu": "16", "memory": "64Gi"},
                                       "limits": {"nvidia.com/gpu": "8"}}
     assert "nodeSelector" not in pod and container["image"] == "jaxinfra:cuda"
+    assert container["envFrom"] == [{"secretRef": {"name": "s3-creds"}}] and pod["serviceAccountName"] == "trainer"
     assert container["command"][:3] == ["jaxinfra", "train", f"{js.CONFIG_MOUNT}/my_model.yaml"]
     assert {v["name"]: v for v in pod["volumes"]}["config"]["configMap"]["name"] == cm["metadata"]["name"]
     assert js.single_run("tiny", [], js.JobSetSpec(), "cpu", "s3://b/r")[0]["metadata"]["name"] == "cpu"
@@ -310,6 +326,7 @@ def test_settings_are_checked():
     assert [p[0] for p in js.JobSetSpec(tpu_type="t", tpu_topology="4x4", gpus_per_host=1).problems()] == [
         "gpus_per_host"]
     assert js.JobSetSpec(hosts=1, tpu_type="tpu-v5-lite-podslice", tpu_topology="2x4").problems() == []
+    assert [p[0] for p in js.JobSetSpec(queue="Team A", env_secret="a_b").problems()] == ["queue", "env_secret"]
     with pytest.raises(ConfigError, match="pod names fit in 63"):
         js.check_name("a" * 48, 4)
     for text in ("C2.5e5-L1-d16", "9lives", "a" * 80):
@@ -408,3 +425,25 @@ def test_sweep_spec_jobset_section_is_typed(tmp_path):
     spec.write_text(yaml.safe_dump({**base, "launcher": {"jobset": {"hosts": 2}}}))
     assert cli.main(["sweep", str(spec), "--launcher", "jobset", "--out", str(out)]) == 2
     assert not out.exists()
+
+
+def test_the_example_in_scripts_is_valid_and_current(tmp_path, capsys):
+    """scripts/k8s/train-jobset.yaml is what its `made by:` command prints today."""
+    text = (REPO / "scripts" / "k8s" / "train-jobset.yaml").read_text()
+    argv = shlex.split(re.search(r"^# made by: jaxinfra (.*)$", text, re.M).group(1))
+    argv[argv.index("--out") + 1] = str(tmp_path / "now.yaml")
+    assert cli.main(argv) == 0
+    assert _docs((tmp_path / "now.yaml").read_text()) == _docs(text)
+    assert [validation_errors(o) for o in _docs(text)] == [[]]
+
+
+def test_indexed_job_files_validate(tmp_path, capsys):
+    """The other Kubernetes files: the Indexed Job example and `sweep --launcher k8s`'s Job."""
+    for obj in _docs((REPO / "scripts" / "k8s" / "train-indexed-job.yaml").read_text()):
+        assert validation_errors(obj) == [], obj["kind"]
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump({"name": "s", "base": "tiny", "sizes": {"depths": [1]}, "grid": {"tokens": [1e4]},
+                                    "launcher": {"k8s": {"gpus": 1, "cpu": "2", "pvc": "runs"}}}))
+    assert cli.main(["sweep", str(spec), "--launcher", "k8s", "--out", str(tmp_path / "out")]) == 0
+    (job,) = _docs((tmp_path / "out" / "sweep-job.yaml").read_text())
+    assert validation_errors(job) == []

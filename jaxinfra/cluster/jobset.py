@@ -73,6 +73,8 @@ class JobSetSpec:
     port: int = 1234  # the jax coordinator's port on pod 0
     grace_seconds: int = 120  # terminationGracePeriodSeconds: time to commit a checkpoint after SIGTERM
     env: dict[str, str] = dataclasses.field(default_factory=dict)  # extra variables, e.g. AWS_ENDPOINT_URL
+    env_secret: str | None = None  # a Secret whose keys become variables (e.g. AWS_ACCESS_KEY_ID for s3://)
+    service_account: str | None = None  # e.g. one bound to a GCP service account (Workload Identity, for gs://)
 
     @property
     def variant(self) -> str:
@@ -95,8 +97,12 @@ class JobSetSpec:
             out.append(("namespace", self.namespace, "a DNS label (lower-case letters, digits, '-')"))
         if self.image is not None and not self.image.strip():
             out.append(("image", self.image, "a container image reference"))
-        if self.queue is not None and not self.queue.strip():
-            out.append(("queue", self.queue, "a Kueue LocalQueue name"))
+        for key, longest in (("queue", 63), ("env_secret", 253), ("service_account", 253)):  # 63: a label value
+            value = getattr(self, key)
+            if value is not None and (len(value) > longest or not re.fullmatch(r"[a-z0-9]([-.a-z0-9]*[a-z0-9])?",
+                                                                                value)):
+                out.append((key, value, f"a Kubernetes object name of at most {longest} characters "
+                                        "(lower-case letters, digits, '-', '.')"))
         if bool(self.tpu_type) != bool(self.tpu_topology):
             out.append(("tpu_topology" if self.tpu_type else "tpu_type", None,
                         "given together with " + ("tpu_type" if self.tpu_type else "tpu_topology")))
@@ -241,6 +247,8 @@ def _pod_spec(name: str, spec: JobSetSpec, command: list[str], config_map: str |
     container: dict[str, Any] = {"name": REPLICATED_JOB, "image": spec.image_name, "command": list(command),
                                  "workingDir": spec.workdir, "env": pod_env(name, spec),
                                  "ports": [{"name": "coordinator", "containerPort": spec.port}]}
+    if spec.env_secret:
+        container["envFrom"] = [{"secretRef": {"name": spec.env_secret}}]
     res = resources(spec)
     if res:
         container["resources"] = res
@@ -258,6 +266,8 @@ def _pod_spec(name: str, spec: JobSetSpec, command: list[str], config_map: str |
                            "containers": [container]}
     if volumes:
         pod["volumes"] = volumes
+    if spec.service_account:
+        pod["serviceAccountName"] = spec.service_account
     if spec.tpu_type and spec.tpu_topology:
         pod["nodeSelector"] = {TPU_ACCELERATOR_LABEL: spec.tpu_type, TPU_TOPOLOGY_LABEL: spec.tpu_topology}
     return pod

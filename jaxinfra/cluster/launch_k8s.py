@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import shlex
 import sys
 from typing import NoReturn
 
@@ -63,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace-seconds", type=_count, default=120, metavar="S",
                    help="time after SIGTERM to commit a checkpoint (default %(default)s)")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="extra pod variable (repeat)")
+    p.add_argument("--env-secret", metavar="SECRET", help="a Secret whose keys become variables (bucket credentials)")
+    p.add_argument("--service-account", metavar="NAME", help="the pods' service account (e.g. Workload Identity)")
     p.add_argument("--out", metavar="FILE", help="write the manifests here instead of printing them")
     return p
 
@@ -90,7 +93,8 @@ def spec_from_args(args: argparse.Namespace) -> JobSetSpec:
     spec = JobSetSpec(image=args.image, hosts=args.hosts, namespace=args.namespace, tpu_type=args.tpu_type,
                       tpu_topology=args.tpu_topology, gpus_per_host=args.gpus_per_host, cpu=args.cpu,
                       memory=args.memory, max_restarts=args.max_restarts, pvc=args.pvc, workdir=args.workdir,
-                      queue=args.queue, port=args.port, grace_seconds=args.grace_seconds, env=env)
+                      queue=args.queue, port=args.port, grace_seconds=args.grace_seconds, env=env,
+                      env_secret=args.env_secret, service_account=args.service_account)
     for key, value, allowed in spec.problems():
         flag = "--" + key.replace("_", "-")
         said = f"{flag} is missing" if value is None else f"{flag} {value} is invalid"
@@ -117,8 +121,10 @@ def cmd_launch_k8s(argv: list[str]) -> int:
         raise ConfigError("launch k8s: give --run-dir gs://BUCKET/DIR (or s3://), or --pvc CLAIM to keep the "
                           "run dir on a mounted volume (the pods' own disks do not outlive them)")
     objects = single_run(args.config, args.overrides, spec, name, run_dir, _config_text(args.config, args.overrides))
+    apply = f"kubectl apply -f {args.out}" if args.out else "jaxinfra launch k8s ... | kubectl apply -f -"
     header = (f"jaxinfra launch k8s: JobSet {name}, {spec.hosts} pod(s) x {_devices(spec)}, image "
-              f"{spec.image_name}, run dir {run_dir}\napply: kubectl apply -f FILE; follow: kubectl get jobset {name}")
+              f"{spec.image_name}, run dir {run_dir}\nmade by: jaxinfra launch k8s {shlex.join(argv)}\n"
+              f"apply: {apply}; follow: kubectl get jobset {name}; kubectl logs job/{name}-train-0")
     text = to_yaml(objects, header)
     if args.out:
         pathlib.Path(args.out).write_text(text)
