@@ -230,7 +230,10 @@ def test_gpu_jobset_2_hosts_with_a_shipped_config(tmp_path):
     assert container["envFrom"] == [{"secretRef": {"name": "s3-creds"}}] and pod["serviceAccountName"] == "trainer"
     assert container["command"][:3] == ["jaxinfra", "train", f"{js.CONFIG_MOUNT}/my_model.yaml"]
     assert {v["name"]: v for v in pod["volumes"]}["config"]["configMap"]["name"] == cm["metadata"]["name"]
-    assert js.single_run("tiny", [], js.JobSetSpec(), "cpu", "s3://b/r")[0]["metadata"]["name"] == "cpu"
+    (cpu,) = js.single_run("tiny", [], js.JobSetSpec(hosts=2), "cpu", "s3://b/r")
+    assert validation_errors(cpu) == [] and _env(cpu)["JAX_CPU_COLLECTIVES_IMPLEMENTATION"] == "gloo"
+    assert "resources" not in _pod(cpu)["containers"][0] and _pod(cpu)["containers"][0]["image"] == "jaxinfra:cpu"
+    assert "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in env
 
 
 def test_failure_policy_by_exit_status():

@@ -240,6 +240,8 @@ def pod_env(name: str, spec: JobSetSpec) -> list[dict[str, Any]]:
         {"name": "JAX_NUM_PROCESSES", "value": str(spec.hosts)},
         {"name": "JAX_PROCESS_ID", "valueFrom": {"fieldRef": {"fieldPath": COMPLETION_INDEX_FIELD}}},
     ]
+    if spec.variant == "cpu" and spec.hosts > 1:  # CPU collectives across processes need gloo (as `jaxinfra launch`)
+        env.append({"name": "JAX_CPU_COLLECTIVES_IMPLEMENTATION", "value": "gloo"})
     return env + [{"name": k, "value": str(v)} for k, v in sorted(spec.env.items())]
 
 
