@@ -58,7 +58,7 @@ _MAX_NAME = 63
 class JobSetSpec:
     """One run's JobSet settings: `launcher.jobset` of a sweep spec and the flags of `jaxinfra launch k8s`."""
 
-    image: str | None = None  # None: jaxinfra:<cpu|cuda|tpu>, the tags docker/Dockerfile's README builds
+    image: str | None = None  # None: jaxinfra:<cpu|cuda|tpu>, the tags docker/Dockerfile's header builds
     hosts: int = 1  # pods = jax processes per run
     namespace: str | None = None
     tpu_type: str | None = None  # the GKE accelerator label, e.g. tpu-v5p-slice, tpu-v5-lite-podslice, tpu-v6e-slice
