@@ -2,9 +2,11 @@
 
     python docker/requirements.py cpu|cuda|tpu [--extras tokenizers,parquet] [--pyproject PATH]
 
-The pinned `jax==X` of [project].dependencies becomes `jax[cuda12]==X` (CUDA 12 wheels from PyPI, no
-local CUDA needed) or `jax[tpu]==X` with libtpu's find-links page; every other pin is kept as written,
-and the optional-dependency groups named by --extras are added. The Dockerfile installs this list in
+The pinned `jax==X` of [project].dependencies becomes `jax[cuda12]==X` (the CUDA 12 wheels, no local
+CUDA needed) or `jax[tpu]==X` (libtpu); all from PyPI, no other index: jax 0.10.2's `tpu` extra pins
+`libtpu==0.0.42.*`, which PyPI serves (the old find-links page on storage.googleapis.com is not needed,
+and a build that cannot reach it stalls). Every other pin is kept as written, and the
+optional-dependency groups named by --extras are added. The Dockerfile installs this list in
 a layer of its own, before the source is copied, so editing the code does not reinstall jax.
 """
 
@@ -16,7 +18,6 @@ import sys
 import tomllib
 
 VARIANTS = {"cpu": "", "cuda": "[cuda12]", "tpu": "[tpu]"}
-LIBTPU_FIND_LINKS = "https://storage.googleapis.com/jax-releases/libtpu_releases.html"
 
 
 def requirements(project: dict, variant: str, extras: list[str]) -> list[str]:
@@ -33,7 +34,7 @@ def requirements(project: dict, variant: str, extras: list[str]) -> list[str]:
     if len(jax) != 1:
         raise ValueError("pyproject.toml must pin jax exactly once (jax==X.Y.Z)")
     deps[jax[0]] = re.sub(r"^jax", f"jax{VARIANTS[variant]}", deps[jax[0]])
-    return ([f"--find-links {LIBTPU_FIND_LINKS}"] if variant == "tpu" else []) + deps
+    return deps
 
 
 def main(argv: list[str] | None = None) -> int:
