@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "KEY=VALUE ...`. Apply with kubectl apply -f.")
     p.add_argument("config", help="preset name (in the image), a local YAML file (shipped in a ConfigMap) "
                    "or a gs:// / s3:// URL")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, as on jaxinfra train")
+    p.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help="overrides, as on jaxinfra train")
     p.add_argument("--hosts", type=_count, required=True, metavar="N", help="pods (jax processes)")
     p.add_argument("--image", help="container image (default jaxinfra:cpu|cuda|tpu, see docker/Dockerfile)")
     p.add_argument("--name", help="JobSet name (default jaxinfra-<config>)")
