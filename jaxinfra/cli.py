@@ -11,7 +11,10 @@ train, info and bench also take --coordinator HOST:PORT --num-processes N --proc
     jaxinfra export-params RUN OUT [--dtype D]      a run's newest params alone (optionally cast)
     jaxinfra bench collectives [KEY=VALUE ...] [--min-bytes N] [--max-bytes N] [--ops a,b]   collective timings
     jaxinfra launch --local-processes N [--devices-per-process M] -- COMMAND ...   N local processes
-    jaxinfra sweep SPEC [KEY=VALUE ...] [--dry-run] [--launcher local|slurm|k8s] [--out DIR] [--no-fit]
+    jaxinfra launch k8s CONFIG --hosts N [--image IMAGE] [--run-dir DIR | --pvc CLAIM] [--tpu-type T --tpu-topology AxB
+                    | --gpus-per-host G] [--max-restarts R] [--queue Q] [--out FILE] [KEY=VALUE ...]
+                                                    a multi-host run as a Kubernetes JobSet (manifests printed)
+    jaxinfra sweep SPEC [KEY=VALUE ...] [--dry-run] [--launcher local|slurm|k8s|jobset] [--out DIR] [--no-fit]
                                                     scaling-law sweep: plan, run or write job files
     jaxinfra scaling collect OUT_DIR                results.csv/.jsonl from a sweep's run directories
     jaxinfra scaling fit RESULTS [--plot DIR] [--out FIT.json] [--bootstrap N] [--n-column COL]   fits
@@ -160,7 +163,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_launch(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("launch", help="start N local processes of a jaxinfra command (multi-host testing)")
+    p = sub.add_parser("launch", help="start N local processes of a jaxinfra command (multi-host testing); "
+                       "`jaxinfra launch k8s CONFIG --hosts N ...` prints a Kubernetes JobSet instead",
+                       description="jaxinfra launch k8s CONFIG --hosts N ...: see jaxinfra launch k8s --help")
     p.add_argument("--local-processes", type=int, required=True, metavar="N")
     p.add_argument("--devices-per-process", type=int, default=1, metavar="M", help="fake CPU devices each")
     p.add_argument("command", nargs=argparse.REMAINDER, help="e.g. -- train tiny mesh.data=-1")
@@ -234,6 +239,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return launch_local(command, args.local_processes, args.devices_per_process)
 
 
+def cmd_launch_k8s(argv: list[str]) -> int:
+    from jaxinfra.cluster.launch_k8s import cmd_launch_k8s as launch_k8s
+
+    return launch_k8s(argv)
+
+
 def _parse_with_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     args, extra = parser.parse_known_args(argv)
     unknown = [x for x in extra if "=" not in x or x.startswith("-")]
@@ -251,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # Overrides may come after options (`train tiny --run-dir X a.b=1`): argparse leaves those as extras.
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["launch"]:  # everything after the launcher's own flags belongs to the child
+    if argv[:2] == ["launch", "k8s"]:  # its own parser, run inside the error handling below (one line, exit 2)
+        args = argparse.Namespace(func=lambda _: cmd_launch_k8s(argv[2:]))
+    elif argv[:1] == ["launch"]:  # everything after the launcher's own flags belongs to the child
         args = parser.parse_args(argv)
     else:
         args = _parse_with_overrides(parser, argv)

@@ -1,6 +1,6 @@
 """The `sweep` and `scaling` subcommands (registered by jaxinfra/cli.py's build_parser).
 
-    jaxinfra sweep SPEC [--dry-run] [--launcher local|slurm|k8s] [--out DIR] [--no-fit] [KEY=VALUE ...]
+    jaxinfra sweep SPEC [--dry-run] [--launcher local|slurm|k8s|jobset] [--out DIR] [--no-fit] [KEY=VALUE ...]
     jaxinfra scaling collect OUT_DIR
     jaxinfra scaling fit RESULTS [--plot DIR] [--out FIT.json] [--bootstrap N] [--n-column N_nonemb]
     jaxinfra scaling predict --fit FIT.json --compute C
@@ -83,7 +83,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides of the spec's base config")
     p.add_argument("--dry-run", action="store_true", help="print the table of runs and stop")
     p.add_argument("--launcher", choices=LAUNCHERS, default="local",
-                   help="local: run here one after another; slurm / k8s: write a job array / Indexed Job")
+                   help="local: run here one after another; slurm / k8s / jobset: write a job array / an Indexed "
+                   "Job / one Kubernetes JobSet per run (launcher.jobset.hosts pods each)")
     p.add_argument("--out", help="sweep directory (default: the spec's `out`, else sweeps/<name>)")
     p.add_argument("--no-fit", action="store_true", help="local: collect results but do not fit or plot")
     p.add_argument("--bootstrap", type=_count, default=100, help="bootstrap resamples of the fit (default 100)")

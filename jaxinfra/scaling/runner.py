@@ -1,4 +1,4 @@
-"""Running a sweep's runs: one after another here, or as a SLURM job array / Kubernetes Indexed Job.
+"""Running a sweep's runs: one after another here, or as a SLURM job array / Kubernetes Indexed Job / JobSets.
 
 Every launcher runs the same command per run,
 
@@ -6,8 +6,8 @@ Every launcher runs the same command per run,
 
 after `prepare` has written each run's resolved config.yaml, so a run is reproducible from
 its directory alone. Paths are as given to --out (relative paths resolve against the
-directory the jobs start in: the submission directory for SLURM, `launcher.k8s.workdir`
-for Kubernetes). A run whose directory holds summary.json is complete and skipped by
+directory the jobs start in: the submission directory for SLURM, `launcher.k8s.workdir` or
+`launcher.jobset.workdir` for Kubernetes). A run whose directory holds summary.json is complete and skipped by
 every launcher; one without it (never started, or interrupted) is run again with the same
 command, which resumes from the run's last checkpoint when it has one (checkpoint.enabled)
 and otherwise starts over.
@@ -28,7 +28,7 @@ import yaml
 from jaxinfra.scaling.results import PLAN_FILE
 from jaxinfra.scaling.spec import Plan, RunPlan
 
-LAUNCHERS = ("local", "slurm", "k8s")
+LAUNCHERS = ("local", "slurm", "k8s", "jobset")
 
 
 def is_complete(run: RunPlan) -> bool:
@@ -200,6 +200,48 @@ def write_k8s(plan: Plan) -> pathlib.Path:
     header = f"# jaxinfra sweep '{plan.spec.name}': {n} runs, one per completion index. kubectl apply -f {path}\n"
     path.write_text(header + yaml.dump(job, Dumper=_BlockDumper, sort_keys=False, width=10_000))
     return path
+
+
+def jobset_manifests(plan: Plan) -> list[tuple[RunPlan, dict[str, Any]]]:
+    """One JobSet per unfinished run (`launcher.jobset.hosts` pods each), checked, nothing written.
+
+    Each JobSet runs the run's command in `launcher.jobset.workdir`; the out dir must be a gs:// / s3://
+    URL or lie on the claim mounted there (`launcher.jobset.pvc`), so configs go in and results come back.
+    """
+    from jaxinfra.cluster import jobset as js
+
+    spec = plan.spec.launcher.jobset
+    longest = js.max_name_length(spec.hosts)
+    sweep_label = js.dns_name(plan.spec.name, 63)
+    names: set[str] = set()
+    out = []
+    for run in (r for r in plan.runs if not is_complete(r)):
+        js.check_run_dir(str(run.run_dir), spec, f"run {run.name}: its run dir")
+        name = js.dns_name(f"{plan.spec.name}-{run.name}", longest)
+        if name in names:  # two run names that read the same once cleaned
+            name = js.dns_name(f"{plan.spec.name}-{run.name}", longest, unique=True)
+        names.add(name)
+        labels = {"jaxinfra/sweep": sweep_label, "jaxinfra/run": js.dns_name(run.name, 63)}
+        out.append((run, js.jobset(name, run.command, spec, labels=labels)))
+    return out
+
+
+def write_jobsets(plan: Plan, manifests: list[tuple[RunPlan, dict[str, Any]]] | None = None) -> list[pathlib.Path]:
+    """out/jobsets/<run>.yaml per unfinished run, and all of them in out/sweep-jobsets.yaml (returned first)."""
+    from jaxinfra.cluster.jobset import to_yaml
+
+    manifests = jobset_manifests(plan) if manifests is None else manifests
+    folder = plan.out / "jobsets"
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for run, obj in manifests:
+        paths.append(folder / f"{run.name}.yaml")
+        paths[-1].write_text(to_yaml([obj], f"jaxinfra sweep '{plan.spec.name}', run {run.name}"))
+    everything = plan.out / "sweep-jobsets.yaml"
+    everything.write_text(to_yaml([obj for _, obj in manifests],
+                                  f"jaxinfra sweep '{plan.spec.name}': {len(manifests)} JobSets, one per unfinished "
+                                  f"run ({len(plan.runs) - len(manifests)} complete). kubectl apply -f {everything}"))
+    return [everything, *paths]
 
 
 class _BlockDumper(yaml.SafeDumper):

@@ -13,7 +13,7 @@ A spec is a base config plus the runs to derive from it:
                                                       #    or grid: {tokens_per_param: [10, 20]}
     lr: {base: 3e-3, reference_d_model: 128, width_exponent: 1.0}
     schedule: {warmup_fraction: 0.1}
-    launcher: {slurm: {...}, k8s: {...}}               # see runner.py
+    launcher: {slurm: {...}, k8s: {...}, jobset: {...}} # see runner.py; jobset: jaxinfra/cluster/jobset.py
 
 Budgets become steps with the base config's global batch and sequence length
 (tokens per step = train.batch_size x train.seq_len), rounded to whole steps; the table
@@ -42,6 +42,7 @@ from typing import Any
 
 import yaml
 
+from jaxinfra.cluster.jobset import JobSetSpec, check_spec
 from jaxinfra.config import Config, ConfigError, apply_overrides, config_from_tree, from_dict, load_yaml, validate
 from jaxinfra.metrics.flops import flops_per_token, param_counts
 from jaxinfra.metrics.table import Column, format_table
@@ -126,6 +127,7 @@ class K8sSpec:
 class LauncherSpec:
     slurm: SlurmSpec = SlurmSpec()
     k8s: K8sSpec = K8sSpec()
+    jobset: JobSetSpec = JobSetSpec()  # one JobSet per run (--launcher jobset): image, hosts, accelerator, ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,6 +288,7 @@ def _check_rules(top: _Top, base: Config) -> None:
             raise ConfigError(f"{key}={value} is invalid: must be a positive integer or null")
     if k.gpus < 0:
         raise ConfigError(f"launcher.k8s.gpus={k.gpus} is invalid: must be >= 0")
+    check_spec(top.launcher.jobset, "launcher.jobset.")
 
 
 # ---------------------------------------------------------------- expansion

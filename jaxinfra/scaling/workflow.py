@@ -16,7 +16,15 @@ from typing import Any
 from jaxinfra.config import ConfigError
 from jaxinfra.scaling import fit as fitting
 from jaxinfra.scaling.results import collect, read_table, write_results
-from jaxinfra.scaling.runner import LAUNCHERS, prepare, run_local, write_k8s, write_slurm
+from jaxinfra.scaling.runner import (
+    LAUNCHERS,
+    jobset_manifests,
+    prepare,
+    run_local,
+    write_jobsets,
+    write_k8s,
+    write_slurm,
+)
 from jaxinfra.scaling.spec import expand, format_plan, load_spec
 from jaxinfra.storage import as_path, is_url
 
@@ -26,7 +34,7 @@ Echo = Callable[[str], None]
 def sweep(spec_path: str | pathlib.Path, *, launcher: str = "local", out: str | pathlib.Path | None = None,
           dry_run: bool = False, overrides: list[str] | None = None, fit: bool = True, bootstrap: int = 100,
           in_process: bool = False, devices: Sequence[Any] | None = None, echo: Echo = print) -> dict[str, Any]:
-    """Expand a spec and run it (local) or write its job files (slurm, k8s).
+    """Expand a spec and run it (local) or write its job files (slurm, k8s, jobset).
 
     local: runs the unfinished runs one after another, then writes out/results.{csv,jsonl}
     and, with `fit`, out/fit.json and out/plots/*.png. Returns {"plan", "status",
@@ -39,12 +47,15 @@ def sweep(spec_path: str | pathlib.Path, *, launcher: str = "local", out: str | 
     result: dict[str, Any] = {"plan": plan, "status": {}, "files": []}
     if dry_run:
         return result
+    jobsets = jobset_manifests(plan) if launcher == "jobset" else None  # a bad setting fails before any write
     for warning in prepare(plan):
         echo(f"sweep: warning: {warning}")
     if launcher == "slurm":
         result["files"].append(write_slurm(plan))
     elif launcher == "k8s":
         result["files"].append(write_k8s(plan))
+    elif launcher == "jobset":
+        result["files"] += write_jobsets(plan, jobsets)
     if launcher != "local":
         echo(f"sweep: wrote {result['files'][0]} ({len(plan.runs)} runs); after the jobs finish: "
              f"jaxinfra scaling collect {plan.out}")
