@@ -129,6 +129,8 @@ def follow(runs: Runs, out: pathlib.Path, script: pathlib.Path, retries: int, ma
             job = submit(out, script, [index[r] for r in again], again, max_parallel, retry=True)
             echo(f"sweep: resubmitted {', '.join(again)} as job {job}")
             continue
-        if all(s.state in FINAL_STATES or s.state == "not submitted" for s in now):
+        # final, and no job still writing its record (summary.json lands before the job's exit)
+        if all((s.state in FINAL_STATES or s.state == "not submitted")
+               and (s.last is None or s.last.state not in ("pending", "running")) for s in now):
             return now
         time.sleep(poll_s)
