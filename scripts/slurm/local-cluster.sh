@@ -23,8 +23,12 @@ CONF=$DIR/slurm.conf
 
 die() { echo "local-cluster: $*" >&2; exit 1; }
 
+pid_of() { cat "$DIR/$1.pid" 2>/dev/null || true; }
+
 running() {  # running NAME: the daemon whose pid file is DIR/NAME.pid is alive
-  [ -f "$DIR/$1.pid" ] && kill -0 "$(cat "$DIR/$1.pid")" 2>/dev/null
+  local pid
+  pid=$(pid_of "$1")
+  [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null
 }
 
 write_conf() {
@@ -74,7 +78,7 @@ start_munge() {
     dd if=/dev/urandom of="$DIR/munge/munge.key" bs=1024 count=1 status=none
     chmod 600 "$DIR/munge/munge.key"
   }
-  chmod 700 "$DIR/munge"
+  chmod 755 "$DIR/munge"  # clients of any user reach the socket; the key stays 600
   munged --force --key-file="$DIR/munge/munge.key" --socket="$DIR/munge/munge.socket" \
     --pid-file="$DIR/munged.pid" --log-file="$DIR/log/munged.log" --seed-file="$DIR/munge/munge.seed"
 }
@@ -110,24 +114,24 @@ start() {
 }
 
 stop() {
+  local pids=() pid
   for name in slurmd slurmctld munged; do
-    if running "$name"; then
-      kill "$(cat "$DIR/$name.pid")" 2>/dev/null || true
-    fi
+    pid=$(pid_of "$name")
+    if [ -n "$pid" ] && kill "$pid" 2>/dev/null; then pids+=("$pid"); fi
   done
-  for name in slurmd slurmctld munged; do
-    for _ in $(seq 1 50); do
-      running "$name" || break
+  for pid in "${pids[@]}"; do
+    for _ in $(seq 1 100); do
+      kill -0 "$pid" 2>/dev/null || break
       sleep 0.1
     done
-    rm -f "$DIR/$name.pid"
   done
+  rm -f "$DIR"/{slurmd,slurmctld,munged}.pid
   echo "local-cluster: stopped"
 }
 
 status() {
   for name in munged slurmctld slurmd; do
-    if running "$name"; then echo "$name: running (pid $(cat "$DIR/$name.pid"))"; else echo "$name: stopped"; fi
+    if running "$name"; then echo "$name: running (pid $(pid_of "$name"))"; else echo "$name: stopped"; fi
   done
   [ -f "$CONF" ] && SLURM_CONF=$CONF sinfo 2>/dev/null || true
   running slurmctld && running slurmd
