@@ -115,7 +115,8 @@ def follow(runs: Runs, out: pathlib.Path, script: pathlib.Path, retries: int, ma
     while True:
         now = statuses(runs, out, retries)
         for s in now:
-            if seen.get(s.run) != s.state:
+            settling = s.state in FINAL_STATES and s.last is not None and s.last.state in ("pending", "running")
+            if seen.get(s.run) != s.state and not settling:  # a final state once its job has recorded its exit
                 last = s.last
                 why = f" (exit {last.exit})" if last and last.exit is not None else (
                     " (its job vanished: treated as 70)" if last and last.state == "lost" else "")
