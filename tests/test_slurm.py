@@ -135,6 +135,15 @@ def test_sweep_sbatch_records_each_attempt(tmp_path):
     assert f"srun: {' '.join(run.command)}" in proc.stdout
     record = json.loads((run.run_dir / "attempts" / "40_1.json").read_text())
     assert record["exit"] == 75 and record["job_id"] == "41" and record["end"] >= record["start"] > 0
+    # SLURM's time limit TERMs the batch shell too: it outlives the step and still records its status
+    (fake / "srun").write_text("#!/bin/bash\nsleep 1\nexit 75\n")
+    shell = subprocess.Popen(["bash", "-c", body], env={**env, "SLURM_ARRAY_JOB_ID": "42"}, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _wait_for(lambda: (run.run_dir / "attempts" / "42_1.json").is_file(), 10, "the start record")
+    shell.terminate()
+    _, err = shell.communicate(timeout=10)
+    assert shell.returncode == 75 and "SIGTERM" in err
+    assert json.loads((run.run_dir / "attempts" / "42_1.json").read_text())["exit"] == 75
     (run.run_dir / "summary.json").write_text(json.dumps({"exit_code": 75, "steps": 3}, indent=2))
     assert subprocess.run(["bash", "-c", body], env=env, capture_output=True, text=True).returncode == 75
     (run.run_dir / "summary.json").write_text(json.dumps({"exit_code": 0, "steps": 3}, indent=2))

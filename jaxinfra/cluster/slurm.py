@@ -112,6 +112,7 @@ def follow(runs: Runs, out: pathlib.Path, script: pathlib.Path, retries: int, ma
     Prints a line whenever a run changes state; returns the final states."""
     index = {name: i for i, (name, _) in enumerate(runs)}
     seen: dict[str, str] = {}
+    lost_before: set[str] = set()
     while True:
         now = statuses(runs, out, retries)
         for s in now:
@@ -122,7 +123,11 @@ def follow(runs: Runs, out: pathlib.Path, script: pathlib.Path, retries: int, ma
                     " (its job vanished: treated as 70)" if last and last.state == "lost" else "")
                 echo(f"sweep: {s.run}: {s.state}{why}" + (f", job {last.job}" if last else ""))
                 seen[s.run] = s.state
-        again = [s.run for s in now if s.state == "retrying"]
+        # a job gone from the queue without a record: wait one more poll before calling it lost
+        # (the record may still be on its way through a shared filesystem's caches)
+        lost = {s.last.job for s in now if s.state == "retrying" and s.last and s.last.state == "lost"}
+        again = [s.run for s in now if s.state == "retrying" and (s.last.job not in lost or s.last.job in lost_before)]
+        lost_before = lost
         if again:
             for run in again:
                 if before_retry is not None:

@@ -153,6 +153,9 @@ record() {  # record [EXIT END]: the attempt's JSON, written whole (tmp + rename
 }
 START=$(date +%s.%N)
 record
+# SLURM's time limit (and some preemption modes) TERM the batch shell too: a handler (not an
+# ignore, which the step would inherit) lets it outlive the step and record the step's status
+trap 'echo "$JOB: SIGTERM; recording the attempt when the training ends" >&2' TERM
 set +e
 srun --kill-on-bad-exit=1 "${CMD[@]}"
 STATUS=$?
