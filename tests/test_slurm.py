@@ -116,6 +116,36 @@ def test_status_from_records_and_queue(tmp_path):
     assert table[1].split() == ["a", "done", "0", "2", "9_0"] and table[4].split() == ["d", "pending", "-", "1", "7_3"]
 
 
+def test_follow_resubmits_a_lost_job_after_a_second_look_and_never_a_bad_input_run(tmp_path, monkeypatch):
+    """--wait's loop with the scheduler stubbed: a job that vanished without a record (scancel -s
+    KILL, node lost) is resubmitted on the second poll that finds it gone; a run that ended 2 is not."""
+    from jaxinfra.cluster import slurm
+
+    out = tmp_path / "out"
+    runs = [("a", out / "a"), ("b", out / "b")]
+    for _, run_dir in runs:
+        (run_dir / "attempts").mkdir(parents=True)
+    A.record_submitted(out, [("a", "5_0"), ("b", "5_1")], retry=False)
+    (out / "b" / "attempts" / "5_1.json").write_text(json.dumps({"job": "5_1", "start": 1, "exit": 2, "end": 2}))
+    polls, submitted = [], []
+
+    def fake_submit(out_dir, script, indices, names, max_parallel, retry=False):
+        submitted.append((list(indices), list(names), retry))
+        A.record_submitted(out_dir, [("a", "6_0")], retry)
+        (out / "a" / "attempts" / "6_0.json").write_text(json.dumps({"job": "6_0", "start": 3, "exit": 0, "end": 4}))
+        (out / "a" / "summary.json").write_text(json.dumps({"exit_code": 0}))
+        return "6"
+
+    monkeypatch.setattr(slurm, "queue_states", lambda user=None: polls.append(1) or {})
+    monkeypatch.setattr(slurm, "submit", fake_submit)
+    lines = []
+    final = slurm.follow(runs, out, out / "sweep.sbatch", retries=2, max_parallel=None, poll_s=0.01, echo=lines.append)
+    assert submitted == [([0], ["a"], True)] and len(polls) == 3, (submitted, lines)
+    assert [(s.run, s.state, len(s.attempts)) for s in final] == [("a", "done", 2), ("b", "failed", 1)]
+    assert "sweep: a: retrying (its job vanished: treated as 70), job 5_0" in lines
+    assert "sweep: b: failed (exit 2), job 5_1" in lines
+
+
 def test_sweep_sbatch_records_each_attempt(tmp_path):
     """The generated array script: srun starts the command, the attempt record gets its exit status,
     a finished run is skipped, a preempted run's summary.json is not "finished"."""
