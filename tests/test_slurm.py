@@ -259,6 +259,38 @@ def test_train_sbatch_bad_override_ends_2_without_requeue(tmp_path):
     assert "unknown key 'model.num_layerz'" in log and "exit 2 (not requeued)" in log
 
 
+def _job_state(job: str) -> str:
+    return subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+
+
+@pytest.mark.slow
+@needs_slurm
+def test_train_sbatch_trains_and_requeues_itself_after_sigterm(tmp_path):
+    """train.sbatch on a real SLURM (the default run checks its requeue logic with stand-ins and a bad
+    override for real): SIGTERM mid-way -> exit 75 -> requeued, same job id -> resumes -> 0."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RUN_DIR": str(run_dir), "JAXINFRA": f"{sys.executable} -m jaxinfra"}
+    overrides = ["data.source=synthetic", "model.d_model=32", "model.num_layers=1", "model.num_heads=2",
+                 "model.num_kv_heads=2", "model.head_dim=16", "model.mlp_dim=64", "train.steps=300", "train.seq_len=32",
+                 "train.batch_size=8", "train.eval_every=0", "log.every=1", "log.progress=false",
+                 "log.tensorboard=false", "checkpoint.every=10"]
+    job = subprocess.run(["sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=1",
+                          f"--output={tmp_path}/%j.out", str(REPO / "scripts/slurm/train.sbatch"), "tiny", *overrides],
+                         env=env, capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
+    _wait_for(lambda: _steps_logged(run_dir) >= 15, 240, "training mid-way")
+    subprocess.run(["scancel", "--signal=TERM", job], capture_output=True)
+    _wait_for(lambda: "Restarts=1" in _job_state(job) and "JobState=PENDING" in _job_state(job), 120, "the requeue")
+    # SLURM holds a requeued job for a while (its eligible time); let it start now
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
+    _wait_for(lambda: re.search(r"JobState=(COMPLETED|FAILED|CANCELLED)", _job_state(job)), 240, "the rerun")
+    show = _job_state(job)
+    assert "JobState=COMPLETED" in show and "Restarts=1" in show, show
+    log = (tmp_path / f"{job}.out").read_text()
+    stopped = int(re.search(r"stopping at step (\d+) on signal 15", log).group(1))
+    assert "exit 75 (resumable); requeueing" in log and f"resumed at step {stopped}" in log, log[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 300
+
+
 @needs_slurm
 def test_sweep_submit_wait_bad_input_is_not_retried_and_status_reads_it(tmp_path):
     """The CLI end to end on a real SLURM, cheaply: a run whose data path is wrong ends 2 (bad input);
