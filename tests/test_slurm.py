@@ -83,7 +83,7 @@ def test_retry_decision_by_exit_status(exit_status, lost, used, want):
 def test_status_from_records_and_queue(tmp_path):
     """What a fresh process reads: jobs.jsonl (submitter), attempts/<job>.json (the jobs), the queue."""
     out = tmp_path / "out"
-    runs = [(name, out / name) for name in ("a", "b", "c", "d", "e", "f")]
+    runs = [(name, out / name) for name in ("a", "b", "c", "d", "e", "f", "g", "h")]
     for _, run_dir in runs:
         (run_dir / "attempts").mkdir(parents=True)
     A.record_submitted(out, [(n, f"7_{i}") for i, (n, _) in enumerate(runs)], retry=False)
@@ -100,7 +100,9 @@ def test_status_from_records_and_queue(tmp_path):
     record("e", "7_4")  # started, then its job vanished (scancel -s KILL, node lost)
     record("f", "7_5", exit=75, end=2.0)
     (out / "f" / "summary.json").write_text(json.dumps({"exit_code": 75}))  # a preempted run's summary
-    queue = {"7_2": "running", "7_3": "pending", "7_4": "ended"}
+    record("g", "7_6", exit=75, end=2.0)  # a plain `scancel`: the training recorded 75, the queue says CANCELLED
+    record("h", "7_7", exit=75, end=2.0)  # recorded, but its job is still completing: not final yet
+    queue = {"7_2": "running", "7_3": "pending", "7_4": "ended", "7_6": "cancelled", "7_7": "running"}
     got = {s.run: s.row() for s in A.run_statuses(runs, out, queue, retries=1)}
     assert got == {
         "a": {"run": "a", "state": "done", "exit": 0, "attempts": 2, "job": "9_0"},
@@ -109,7 +111,13 @@ def test_status_from_records_and_queue(tmp_path):
         "d": {"run": "d", "state": "pending", "exit": None, "attempts": 1, "job": "7_3"},
         "e": {"run": "e", "state": "retrying", "exit": None, "attempts": 1, "job": "7_4"},
         "f": {"run": "f", "state": "retrying", "exit": 75, "attempts": 1, "job": "7_5"},
+        "g": {"run": "g", "state": "cancelled", "exit": 75, "attempts": 1, "job": "7_6"},
+        "h": {"run": "h", "state": "running", "exit": 75, "attempts": 1, "job": "7_7"},
     }
+    from jaxinfra.cluster.slurm import _parse_states
+
+    assert _parse_states("7_6|CANCELLED by 0\n7_7|COMPLETING\n7_8|NODE_FAIL\n7_9|PENDING\n7_1|PREEMPTED\n") == {
+        "7_6": "cancelled", "7_7": "running", "7_8": "ended", "7_9": "pending", "7_1": "ended"}
     assert A.run_statuses(runs[2:3], out, None, retries=1)[0].state == "unknown"  # squeue unreachable
     table = A.format_status(A.run_statuses(runs, out, queue, retries=1)).splitlines()
     assert table[0].split() == ["run", "state", "exit", "attempts", "job"]

@@ -8,14 +8,14 @@ Two writers, so that no file is ever written by two processes:
                                     it begins, then "exit" and "end" when the training ends
 
 A fresh process (`jaxinfra sweep SPEC --status`, the submitter gone) rebuilds every run's
-state from these files and the scheduler's queue (`queue`: job -> pending | running | ended,
-from squeue/sacct). An attempt the queue no longer knows, without an exit in its record
+state from these files and the scheduler's queue (`queue`: job -> pending | running | ended | cancelled,
+from squeue, else sacct). An attempt the queue no longer knows, without an exit in its record
 (node lost, `scancel` with KILL, cancelled while pending), is "lost" and treated like exit 70.
 
 Run states: done (`run_finished`: a summary.json not left by a 75/70 stop) | pending | running |
 retrying (the last attempt ended 75 or 70 or was lost, and retries are left: `--wait`
-resubmits it) | failed (2, 3, 74, any other status, or retries used up) | not submitted |
-unknown (the queue could not be read).
+resubmits it) | failed (2, 3, 74, any other status, or retries used up) | cancelled (by
+`scancel` without --signal: not retried) | not submitted | unknown (the queue could not be read).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from jaxinfra.exits import EXIT_HUNG, EXIT_PREEMPTED
 
 JOBS_FILE = "jobs.jsonl"
 RETRYABLE = frozenset({EXIT_PREEMPTED, EXIT_HUNG})  # rerunning the same command resumes the run
-FINAL_STATES = frozenset({"done", "failed"})
+FINAL_STATES = frozenset({"done", "failed", "cancelled"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +40,7 @@ class Attempt:
     start: float | None = None
     end: float | None = None
     exit: int | None = None  # the training command's status, as the job recorded it
-    state: str = "pending"  # pending | running | ended | lost | unknown
+    state: str = "pending"  # pending | running | ended | cancelled | lost | unknown
     retry: bool = False  # submitted by `--wait` as a retry of the attempt before
 
     @property
@@ -110,16 +110,20 @@ def _job_record(run_dir: pathlib.Path, job: str) -> dict[str, object]:
 
 
 def attempt(run_dir: pathlib.Path, sub: Mapping[str, object], queue: Mapping[str, str] | None) -> Attempt:
-    """One attempt: the job's own record first (its exit is the truth), then the queue."""
+    """One attempt: the job's own record (its exit status is the truth) and the queue's word.
+
+    A recorded exit counts once the queue no longer runs the job (a plain `scancel` lets the
+    training record 75, then the queue says CANCELLED: a person's decision, not retried)."""
     job = str(sub["job"])
     rec = _job_record(run_dir, job)
     exit_status = rec.get("exit")
+    queued = None if queue is None else queue.get(job)
     if exit_status is not None:
-        state = "ended"
+        state = queued if queued in ("pending", "running", "cancelled") else "ended"
     elif queue is None:
         state = "unknown"
     else:
-        state = queue.get(job, "lost")
+        state = queued or "lost"
         if state == "ended":  # the scheduler says it ended, but the job never recorded a status
             state = "lost"
     return Attempt(job=job, submitted=sub.get("submitted"), start=rec.get("start"), end=rec.get("end"),
@@ -134,7 +138,7 @@ def run_state(done: bool, attempts: tuple[Attempt, ...], retries: int) -> str:
     if not attempts:
         return "not submitted"
     last = attempts[-1]
-    if last.state in ("pending", "running", "unknown"):
+    if last.state in ("pending", "running", "unknown", "cancelled"):
         return last.state
     if last.retryable:
         return "retrying" if retries_used(attempts) < retries else "failed"

@@ -1,7 +1,8 @@
 """A sweep's job array on a real SLURM: submitted with sbatch, followed with squeue, retried by exit status.
 
     submit(out, script, indices, names, max_parallel)   # sbatch --parsable --array=...; records the job ids
-    queue_states(user)                                  # squeue: job -> pending | running | ended (None: unreachable)
+    queue_states(user)                                  # squeue: job -> pending | running | ended | cancelled
+    sacct_states(jobs)                                  # the same from accounting, for jobs squeue forgot
     statuses(runs, out, retries)                        # every run's state (attempts.py), from any process
     follow(runs, out, script, retries, max_parallel)    # poll; resubmit 75 / 70 / lost; return when all are final
 
@@ -21,7 +22,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from jaxinfra.cluster.attempts import FINAL_STATES, RunStatus, record_submitted, run_statuses
+from jaxinfra.cluster.attempts import FINAL_STATES, RunStatus, record_submitted, run_statuses, submitted
 from jaxinfra.config import ConfigError
 
 Echo = Callable[[str], None]
@@ -69,7 +70,7 @@ def submit(out: pathlib.Path, script: pathlib.Path, indices: Sequence[int], name
 
 def queue_states(user: str | None = None) -> dict[str, str] | None:
     """Every array task squeue knows (finished ones too, for MinJobAge): job -> pending | running |
-    ended. None when squeue fails (controller unreachable): states then read "unknown"."""
+    ended | cancelled. None when squeue fails (controller unreachable): states then read "unknown"."""
     squeue = shutil.which("squeue")
     if squeue is None:
         return None
@@ -82,17 +83,41 @@ def queue_states(user: str | None = None) -> dict[str, str] | None:
         return None
     if proc.returncode != 0:
         return None
+    return _parse_states(proc.stdout)
+
+
+def _parse_states(text: str) -> dict[str, str]:
+    """`JOB|STATE` lines (squeue -o '%i|%T', sacct -P -o JobID,State) -> job -> engine state."""
     states = {}
-    for line in proc.stdout.splitlines():
+    for line in text.splitlines():
         job, _, state = line.strip().partition("|")
-        state = state.split()[0] if state else ""
-        states[job] = "pending" if state in _PENDING else "running" if state in _RUNNING else "ended"
+        state = state.split()[0] if state else ""  # sacct: "CANCELLED by 0"
+        states[job] = ("pending" if state in _PENDING else "running" if state in _RUNNING
+                       else "cancelled" if state == "CANCELLED" else "ended")
     return states
 
 
+def sacct_states(jobs: Sequence[str]) -> dict[str, str]:
+    """Jobs squeue has forgotten (MinJobAge), from accounting; {} where sacct is absent or has no
+    database behind it ("Slurm accounting storage is disabled", as on the local cluster)."""
+    sacct = shutil.which("sacct")
+    if sacct is None or not jobs:
+        return {}
+    try:
+        proc = subprocess.run([sacct, "-n", "-P", "-X", "-o", "JobID,State", "-j", ",".join(jobs)],
+                              capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return {}
+    return _parse_states(proc.stdout) if proc.returncode == 0 else {}
+
+
 def statuses(runs: Runs, out: pathlib.Path, retries: int) -> list[RunStatus]:
-    """Every run's state now (the records in OUT and the queue)."""
-    return run_statuses(runs, out, queue_states(_user()), retries)
+    """Every run's state now (the records in OUT, the queue, accounting for jobs the queue forgot)."""
+    queue = queue_states(_user())
+    if queue is not None:
+        forgotten = [str(s["job"]) for subs in submitted(out).values() for s in subs if str(s["job"]) not in queue]
+        queue = {**sacct_states(forgotten), **queue}
+    return run_statuses(runs, out, queue, retries)
 
 
 def _user() -> str | None:

@@ -94,7 +94,7 @@ def _submit_slurm(plan: Plan, script: pathlib.Path, wait: bool, poll_s: float, e
     by_name = {r.name: r for r in plan.runs}
     retries = plan.spec.launcher.retries
     now = slurm.statuses(_runs(plan), plan.out, retries)
-    todo = [s.run for s in now if s.state in ("not submitted", "failed", "retrying")]
+    todo = [s.run for s in now if s.state in ("not submitted", "failed", "retrying", "cancelled")]
     if todo:
         for name in todo:
             set_aside_partial_metrics(by_name[name])
