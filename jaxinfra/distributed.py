@@ -4,7 +4,11 @@ Order of precedence: explicit `--coordinator/--num-processes/--process-id` flags
 `JAX_COORDINATOR_ADDRESS` / `JAX_NUM_PROCESSES` / `JAX_PROCESS_ID`, then jax's own
 auto-detection, tried only where `_cluster_detected` recognises a cluster: a SLURM job
 with more than one task (`SLURM_JOB_ID` set, `SLURM_NTASKS` > 1) or a multi-host TPU slice
-(`TPU_WORKER_HOSTNAMES` naming two or more hosts). Anything else, Kubernetes included, sets
+(`TPU_WORKER_HOSTNAMES` naming two or more hosts). Under `srun` the group comes from SLURM's
+step variables (`slurm_group`): coordinator = the step's first node, process id =
+SLURM_PROCID; each task sees all of its node's accelerators when it is the node's only task
+(jax's own detection would narrow it to device SLURM_LOCALID) and device SLURM_LOCALID when
+the node runs one task per device. Anything else, Kubernetes included, sets
 the JAX_* variables (scripts/k8s/train-indexed-job.yaml does). A plain single machine
 initialises nothing. `exchange_json` shares small per-process dicts once the group is up.
 """
@@ -74,8 +78,30 @@ def initialize(group: ProcessGroup, timeout_s: int = 300) -> None:
                 f"process {group.process_id} of {group.num_processes} could not join coordinator "
                 f"{group.coordinator} within {timeout_s}s: {first}") from None
         return
-    if _cluster_detected():
+    slurm = slurm_group()
+    if slurm is not None:
+        group, local_devices = slurm
+        jax.distributed.initialize(coordinator_address=group.coordinator, num_processes=group.num_processes,
+                                   process_id=group.process_id, local_device_ids=local_devices,
+                                   cluster_detection_method="deactivate", initialization_timeout=timeout_s)
+    elif _cluster_detected():
         jax.distributed.initialize(initialization_timeout=timeout_s)
+
+
+def slurm_group() -> tuple[ProcessGroup, list[int] | None] | None:
+    """The process group of an `srun` step with more than one task, and the local device ids
+    (None: all of the node's devices); None outside such a step."""
+    env = os.environ
+    names = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+    if not all(env.get(k) for k in names) or int(env["SLURM_NTASKS"]) < 2:
+        return None
+    from jax._src.clusters.slurm_cluster import SlurmCluster  # the nodelist parsing and port rule
+
+    coordinator = SlurmCluster.get_coordinator_address(None, env.get("JAX_COORDINATOR_PORT"))
+    nodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or 1)
+    one_per_node = int(env["SLURM_NTASKS"]) <= nodes
+    local = None if one_per_node else [int(env["SLURM_LOCALID"])]
+    return ProcessGroup(coordinator, int(env["SLURM_NTASKS"]), int(env["SLURM_PROCID"])), local
 
 
 def exchange_json(local: dict[str, Any]) -> dict[str, Any]:

@@ -1,6 +1,8 @@
 """The `sweep` and `scaling` subcommands (registered by jaxinfra/cli.py's build_parser).
 
     jaxinfra sweep SPEC [--dry-run] [--launcher local|slurm|k8s|jobset] [--out DIR] [--no-fit] [KEY=VALUE ...]
+    jaxinfra sweep SPEC --launcher slurm --submit [--wait]     # sbatch; follow, retry, collect + fit
+    jaxinfra sweep SPEC --status [--out DIR]                   # one line per run, from any process
     jaxinfra scaling collect OUT_DIR
     jaxinfra scaling fit RESULTS [--plot DIR] [--out FIT.json] [--bootstrap N] [--n-column N_nonemb]
     jaxinfra scaling predict --fit FIT.json --compute C
@@ -12,6 +14,7 @@ ConfigError, which jaxinfra.cli.main turns into one line on stderr and exit stat
 from __future__ import annotations
 
 import argparse
+import os
 
 from jaxinfra.config import ConfigError
 from jaxinfra.scaling.runner import LAUNCHERS
@@ -24,11 +27,29 @@ def _no_overrides(args: argparse.Namespace) -> None:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from jaxinfra.scaling.workflow import sweep
+    from jaxinfra.scaling.workflow import sweep, sweep_status
 
+    if args.status:
+        if args.submit or args.wait or args.dry_run:
+            raise ConfigError("--status only reads: give it without --submit, --wait or --dry-run")
+        sweep_status(args.spec, out=args.out, overrides=list(args.overrides))
+        return 0
     result = sweep(args.spec, launcher=args.launcher, out=args.out, dry_run=args.dry_run,
-                   overrides=list(args.overrides), fit=not args.no_fit, bootstrap=args.bootstrap)
+                   overrides=list(args.overrides), fit=not args.no_fit, bootstrap=args.bootstrap,
+                   submit=args.submit, wait=args.wait, poll_s=_poll_s())
     return 1 if "failed" in result["status"].values() else 0
+
+
+def _poll_s() -> float:
+    """Seconds between squeue polls of `--wait` (JAXINFRA_SLURM_POLL_S, default 10)."""
+    text = os.environ.get("JAXINFRA_SLURM_POLL_S", "10")
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigError(f"JAXINFRA_SLURM_POLL_S={text!r} is invalid: must be a positive number of seconds")
+    return value
 
 
 def cmd_collect(args: argparse.Namespace) -> int:
@@ -87,6 +108,13 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                    "Job / one Kubernetes JobSet per run (launcher.jobset.hosts pods each)")
     p.add_argument("--out", help="sweep directory (default: the spec's `out`, else sweeps/<name>)")
     p.add_argument("--no-fit", action="store_true", help="local: collect results but do not fit or plot")
+    p.add_argument("--submit", action="store_true",
+                   help="slurm: sbatch the job array (runs not finished and not already queued); record the job ids")
+    p.add_argument("--wait", action="store_true",
+                   help="with --submit: follow the jobs, resubmit runs that ended 75 / 70 (launcher.retries "
+                        "times), then collect and fit; exit 1 if a run failed")
+    p.add_argument("--status", action="store_true",
+                   help="print one line per run of a submitted sweep (state, exit, attempts, job) and stop")
     p.add_argument("--bootstrap", type=_count, default=100, help="bootstrap resamples of the fit (default 100)")
     p.set_defaults(func=cmd_sweep)
 

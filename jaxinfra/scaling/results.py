@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxinfra.cluster.attempts import run_finished
 from jaxinfra.config import ConfigError, load_config
 from jaxinfra.metrics.flops import flops_per_token, param_counts
 from jaxinfra.storage import as_path, check_bucket, is_url
@@ -35,7 +36,7 @@ def run_row(run_dir: str | pathlib.Path, c_budget: float | None = None) -> dict[
     """
     run_dir = as_path(run_dir)
     summary_path = run_dir / "summary.json"
-    if not summary_path.is_file():
+    if not run_finished(run_dir):  # none yet, or a preempted run's (it resumes)
         return None
     summary = json.loads(summary_path.read_text())
     cfg = load_config(str(run_dir / "config.yaml"))

@@ -8,9 +8,10 @@ after `prepare` has written each run's resolved config.yaml, so a run is reprodu
 its directory alone. Paths are as given to --out (relative paths resolve against the
 directory the jobs start in: the submission directory for SLURM, `launcher.k8s.workdir` or
 `launcher.jobset.workdir` for Kubernetes). A run whose directory holds summary.json is complete and skipped by
-every launcher; one without it (never started, or interrupted) is run again with the same
-command, which resumes from the run's last checkpoint when it has one (checkpoint.enabled)
-and otherwise starts over.
+every launcher, unless that summary says the run was preempted or hung (exit_code 75 or
+70); one without it (never started, or interrupted) is run again with the same command,
+which resumes from the run's last checkpoint when it has one (checkpoint.enabled) and
+otherwise starts over. `--submit` hands the SLURM array to jaxinfra/cluster/slurm.py.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from jaxinfra.cluster.attempts import FINISHED_SH, run_finished
 from jaxinfra.scaling.results import PLAN_FILE
 from jaxinfra.scaling.spec import Plan, RunPlan
 
@@ -32,7 +34,7 @@ LAUNCHERS = ("local", "slurm", "k8s", "jobset")
 
 
 def is_complete(run: RunPlan) -> bool:
-    return (run.run_dir / "summary.json").is_file()
+    return run_finished(run.run_dir)
 
 
 def prepare(plan: Plan) -> list[str]:
@@ -58,7 +60,7 @@ def prepare(plan: Plan) -> list[str]:
     return warnings
 
 
-def _set_aside_partial_metrics(run: RunPlan) -> None:
+def set_aside_partial_metrics(run: RunPlan) -> None:
     """An interrupted run without a checkpoint restarts from step 0: keep its old metrics.jsonl
     under another name. (With a checkpoint, `jaxinfra train` resumes and appends to it.)"""
     metrics = run.run_dir / "metrics.jsonl"
@@ -90,7 +92,7 @@ def run_local(plan: Plan, *, in_process: bool = False, devices: Sequence[Any] | 
         echo(f"sweep: {len(plan.runs) - len(todo)} of {len(plan.runs)} runs complete, skipping them")
     for i, run in enumerate(todo, 1):
         echo(f"sweep: [{i}/{len(todo)}] {run.name}: {shlex.join(run.command)}")
-        _set_aside_partial_metrics(run)
+        set_aside_partial_metrics(run)
         if in_process:
             ok = _train_in_process(run, devices, echo)
         else:
@@ -123,11 +125,43 @@ def _case_lines(plan: Plan) -> list[str]:
 
 _RUN_ONE = """\
 RUN_DIR="${{CMD[${{#CMD[@]}}-1]}}"  # the value of --run-dir, the command's last argument
-if [ -f "$RUN_DIR/summary.json" ]; then
+if {finished}; then
   echo "$RUN_DIR: complete (summary.json), skipping"
   exit 0
 fi
 {launch}"${{CMD[@]}}"
+"""
+
+
+# A SLURM task records each attempt in RUN_DIR/attempts/<array job>_<index>.json: once when it
+# starts, again with the exit status when the training command ends, so `sweep --status` reads
+# the outcome from any process (jaxinfra/cluster/attempts.py). `srun` starts the training as a
+# job step: `scancel --signal=TERM JOB` signals job steps, not the batch shell, so the training
+# gets the TERM, commits a checkpoint and exits 75, and this shell survives to record it.
+_RUN_ONE_SLURM = """\
+RUN_DIR="${CMD[${#CMD[@]}-1]}"  # the value of --run-dir, the command's last argument
+if FINISHED_SH; then
+  echo "$RUN_DIR: complete (summary.json), skipping"
+  exit 0
+fi
+JOB="${SLURM_ARRAY_JOB_ID:-$SLURM_JOB_ID}_${SLURM_ARRAY_TASK_ID}"
+mkdir -p "$RUN_DIR/attempts"
+record() {  # record [EXIT END]: the attempt's JSON, written whole (tmp + rename)
+  local rec="$RUN_DIR/attempts/$JOB.json"
+  printf '{"job": "%s", "job_id": "%s", "node": "%s", "start": %s%s}\\n' "$JOB" "$SLURM_JOB_ID" \\
+    "$(hostname -s)" "$START" "${1:+, \\"exit\\": $1, \\"end\\": $2}" >"$rec.tmp" && mv "$rec.tmp" "$rec"
+}
+START=$(date +%s.%N)
+record
+# SLURM's time limit (and some preemption modes) TERM the batch shell too: a handler (not an
+# ignore, which the step would inherit) lets it outlive the step and record the step's status
+trap 'echo "$JOB: SIGTERM; recording the attempt when the training ends" >&2' TERM
+set +e
+srun --kill-on-bad-exit=1 "${CMD[@]}"
+STATUS=$?
+set -e
+record "$STATUS" "$(date +%s.%N)"
+exit "$STATUS"
 """
 
 
@@ -156,7 +190,7 @@ def write_slurm(plan: Plan) -> pathlib.Path:
              'case "$SLURM_ARRAY_TASK_ID" in', *_case_lines(plan),
              '  *) echo "no run for array task $SLURM_ARRAY_TASK_ID" >&2; exit 1 ;;', "esac",
              # several nodes per run: one process per node, jax.distributed finds the SLURM job
-             _RUN_ONE.format(launch="srun " if s.nodes > 1 else "exec ")]
+             _RUN_ONE_SLURM.replace("FINISHED_SH", FINISHED_SH)]
     path = plan.out / "sweep.sbatch"
     plan.out.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
@@ -173,7 +207,7 @@ def write_k8s(plan: Plan) -> pathlib.Path:
     n = len(plan.runs)
     script = "\n".join(["set -euo pipefail", *k.setup, 'case "$JOB_COMPLETION_INDEX" in', *_case_lines(plan),
                         '  *) echo "no run for index $JOB_COMPLETION_INDEX" >&2; exit 1 ;;', "esac",
-                        _RUN_ONE.format(launch="exec ")])
+                        _RUN_ONE.format(launch="exec ", finished=FINISHED_SH)])
     name = "".join(ch if ch.isalnum() else "-" for ch in (k.job_name or plan.spec.name).lower()).strip("-")
     container: dict[str, Any] = {"name": "train", "image": k.image, "workingDir": k.workdir,
                                  "command": ["bash", "-c", script]}

@@ -13,7 +13,7 @@ A spec is a base config plus the runs to derive from it:
                                                       #    or grid: {tokens_per_param: [10, 20]}
     lr: {base: 3e-3, reference_d_model: 128, width_exponent: 1.0}
     schedule: {warmup_fraction: 0.1}
-    launcher: {slurm: {...}, k8s: {...}, jobset: {...}} # see runner.py; jobset: jaxinfra/cluster/jobset.py
+    launcher: {slurm: {...}, k8s: {...}, jobset: {...}, retries: 2}  # runner.py, jaxinfra/cluster/
 
 Budgets become steps with the base config's global batch and sequence length
 (tokens per step = train.batch_size x train.seq_len), rounded to whole steps; the table
@@ -128,6 +128,9 @@ class LauncherSpec:
     slurm: SlurmSpec = SlurmSpec()
     k8s: K8sSpec = K8sSpec()
     jobset: JobSetSpec = JobSetSpec()  # one JobSet per run (--launcher jobset): image, hosts, accelerator, ...
+    # resubmissions of a run whose attempt ended 75 (preempted) or 70 (hung, peer lost) or
+    # vanished (node lost), by `sweep --submit --wait`; 2, 3 and 74 are never retried
+    retries: int = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,6 +292,8 @@ def _check_rules(top: _Top, base: Config) -> None:
     if k.gpus < 0:
         raise ConfigError(f"launcher.k8s.gpus={k.gpus} is invalid: must be >= 0")
     check_spec(top.launcher.jobset, "launcher.jobset.")
+    if top.launcher.retries < 0:
+        raise ConfigError(f"launcher.retries={top.launcher.retries} is invalid: must be >= 0")
 
 
 # ---------------------------------------------------------------- expansion

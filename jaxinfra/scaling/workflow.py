@@ -1,6 +1,8 @@
 """What the `jaxinfra sweep` and `jaxinfra scaling ...` commands do, as plain functions.
 
     sweep(spec_path, launcher="local", out=None, dry_run=False)  # plan, write configs, run / write job files
+    sweep(spec_path, launcher="slurm", submit=True, wait=True)   # sbatch, follow, retry, collect + fit
+    sweep_status(spec_path, out=None)                            # one line per run of a submitted sweep
     collect_results(out_dir)                                     # results.csv + results.jsonl
     fit_results(results_path, plot_dir=None, out=None)           # fit.json (+ PNGs)
     predict_from_file(fit_path, compute)                         # N_opt, D_opt, loss at C
@@ -13,6 +15,8 @@ import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jaxinfra.cluster import slurm
+from jaxinfra.cluster.attempts import RunStatus, format_status
 from jaxinfra.config import ConfigError
 from jaxinfra.scaling import fit as fitting
 from jaxinfra.scaling.results import collect, read_table, write_results
@@ -21,11 +25,12 @@ from jaxinfra.scaling.runner import (
     jobset_manifests,
     prepare,
     run_local,
+    set_aside_partial_metrics,
     write_jobsets,
     write_k8s,
     write_slurm,
 )
-from jaxinfra.scaling.spec import expand, format_plan, load_spec
+from jaxinfra.scaling.spec import Plan, expand, format_plan, load_spec
 from jaxinfra.storage import as_path, is_url
 
 Echo = Callable[[str], None]
@@ -33,15 +38,25 @@ Echo = Callable[[str], None]
 
 def sweep(spec_path: str | pathlib.Path, *, launcher: str = "local", out: str | pathlib.Path | None = None,
           dry_run: bool = False, overrides: list[str] | None = None, fit: bool = True, bootstrap: int = 100,
-          in_process: bool = False, devices: Sequence[Any] | None = None, echo: Echo = print) -> dict[str, Any]:
-    """Expand a spec and run it (local) or write its job files (slurm, k8s, jobset).
+          in_process: bool = False, devices: Sequence[Any] | None = None, submit: bool = False,
+          wait: bool = False, poll_s: float = 10.0, echo: Echo = print) -> dict[str, Any]:
+    """Expand a spec and run it (local), write its job files (slurm, k8s, jobset), or submit them (slurm).
 
     local: runs the unfinished runs one after another, then writes out/results.{csv,jsonl}
     and, with `fit`, out/fit.json and out/plots/*.png. Returns {"plan", "status",
     "results", "fit", "files"}; "status" maps run -> skipped | done | failed.
+    slurm with `submit`: sbatch's the unfinished runs that no job is running or queued for;
+    with `wait` also follows them (retrying 75 / 70 / lost, launcher.retries times), then
+    collects and fits as local does; "status" maps run -> done | failed.
     """
     if launcher not in LAUNCHERS:
         raise ConfigError(f"--launcher {launcher!r} is not allowed; choose one of {list(LAUNCHERS)}")
+    if (submit or wait) and launcher != "slurm":
+        raise ConfigError(f"--submit/--wait need --launcher slurm (got --launcher {launcher})")
+    if wait and not submit:
+        raise ConfigError("--wait follows what --submit sends: give both (--submit skips runs already queued)")
+    if submit:
+        slurm.require("sbatch")  # before anything is written
     plan = expand(load_spec(spec_path, overrides), out)
     echo(format_plan(plan))
     result: dict[str, Any] = {"plan": plan, "status": {}, "files": []}
@@ -52,15 +67,25 @@ def sweep(spec_path: str | pathlib.Path, *, launcher: str = "local", out: str | 
         echo(f"sweep: warning: {warning}")
     if launcher == "slurm":
         result["files"].append(write_slurm(plan))
+        if submit:
+            result["status"] = _submit_slurm(plan, result["files"][0], wait, poll_s, echo)
+            if not wait:
+                return result
     elif launcher == "k8s":
         result["files"].append(write_k8s(plan))
     elif launcher == "jobset":
         result["files"] += write_jobsets(plan, jobsets)
-    if launcher != "local":
+    if launcher != "local" and not wait:
         echo(f"sweep: wrote {result['files'][0]} ({len(plan.runs)} runs); after the jobs finish: "
              f"jaxinfra scaling collect {plan.out}")
         return result
-    result["status"] = run_local(plan, in_process=in_process, devices=devices, echo=echo)
+    if launcher == "local":
+        result["status"] = run_local(plan, in_process=in_process, devices=devices, echo=echo)
+    _collect_and_fit(plan, result, fit, bootstrap, echo)
+    return result
+
+
+def _collect_and_fit(plan: Plan, result: dict[str, Any], fit: bool, bootstrap: int, echo: Echo) -> None:
     rows, csv_path = collect_results(plan.out, echo=echo)
     result["results"] = csv_path
     if fit and rows:
@@ -70,7 +95,45 @@ def sweep(spec_path: str | pathlib.Path, *, launcher: str = "local", out: str | 
     failed = [k for k, v in result["status"].items() if v == "failed"]
     if failed:
         echo(f"sweep: {len(failed)} run(s) failed: {', '.join(failed)}")
-    return result
+
+
+def _runs(plan: Plan) -> list[tuple[str, pathlib.Path]]:
+    return [(r.name, r.run_dir) for r in plan.runs]
+
+
+def _submit_slurm(plan: Plan, script: pathlib.Path, wait: bool, poll_s: float, echo: Echo) -> dict[str, str]:
+    """sbatch the runs that are neither finished nor queued/running; with `wait`, follow them all.
+    Returns run -> done | failed after `wait`, run -> submitted | <state> without."""
+    by_name = {r.name: r for r in plan.runs}
+    retries = plan.spec.launcher.retries
+    now = slurm.statuses(_runs(plan), plan.out, retries)
+    todo = [s.run for s in now if s.state in ("not submitted", "failed", "retrying", "cancelled")]
+    if todo:
+        for name in todo:
+            set_aside_partial_metrics(by_name[name])
+        index = {r.name: i for i, r in enumerate(plan.runs)}
+        job = slurm.submit(plan.out, script, [index[n] for n in todo], todo, plan.spec.launcher.slurm.max_parallel)
+        echo(f"sweep: submitted {len(todo)} run(s) as job array {job}: {script}")
+    busy = [s.run for s in now if s.state in ("pending", "running", "unknown")]
+    if busy:
+        echo(f"sweep: already queued or running, not resubmitted: {', '.join(busy)}")
+    if not wait:
+        echo(f"sweep: follow with `jaxinfra sweep SPEC --status --out {plan.out}`, or wait with --submit --wait")
+        return {s.run: "submitted" if s.run in todo else s.state for s in now}
+    final = slurm.follow(_runs(plan), plan.out, script, retries, plan.spec.launcher.slurm.max_parallel,
+                         poll_s=poll_s, echo=echo, before_retry=lambda name: set_aside_partial_metrics(by_name[name]))
+    echo(format_status(final))
+    return {s.run: "done" if s.state == "done" else "failed" for s in final}
+
+
+def sweep_status(spec_path: str | pathlib.Path, *, out: str | pathlib.Path | None = None,
+                 overrides: list[str] | None = None, echo: Echo = print) -> list[RunStatus]:
+    """One line per run of a submitted sweep (state, last exit status, attempts, job id), from
+    the records in its out dir and the queue: works from any process, at any time."""
+    plan = expand(load_spec(spec_path, overrides), out)
+    now = slurm.statuses(_runs(plan), plan.out, plan.spec.launcher.retries)
+    echo(format_status(now))
+    return now
 
 
 def collect_results(out_dir: str | pathlib.Path, echo: Echo = print) -> tuple[list[dict[str, Any]], pathlib.Path]:
