@@ -186,12 +186,19 @@ class ObjectLock:
         self.path.write_text(json.dumps({**self.me, "refreshed": time.time()}))
 
     def _read(self) -> dict[str, Any] | None:
-        try:
-            owner = json.loads(self.path.read_text() or "{}")
-        except FileNotFoundError:
-            return None
-        except ValueError:
-            owner = {}
+        for attempt in range(3):
+            try:
+                owner = json.loads(self.path.read_text() or "{}")
+                break
+            except FileNotFoundError:
+                return None
+            except ValueError:
+                owner = {}
+                break
+            except OSError:  # s3fs FileExpired: the object was rewritten (refreshed) between its HEAD and GET
+                if attempt == 2:
+                    raise
+                time.sleep(0.2)
         return owner if isinstance(owner, dict) else {}
 
     def _refresh(self) -> None:
