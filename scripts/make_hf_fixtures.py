@@ -1,8 +1,9 @@
 """Tiny random Hugging Face checkpoints + reference logits, for tests/test_hf.py.
 
 Families: Llama (GQA, untied), Qwen2 (q/k/v bias), Qwen3 (QK-norm, tied), Mixtral (8 experts top-2),
-DeepSeek-V3 (MLA with q_lora_rank, YaRN, sigmoid MoE with bias, groups, shared expert, first layer dense)
-and DeepSeek-V2 (MLA without q_lora_rank, softmax greedy MoE, 2 shared experts).
+DeepSeek-V3 (MLA with q_lora_rank, YaRN, sigmoid MoE with bias, groups, shared expert, first layer dense),
+DeepSeek-V2 (MLA without q_lora_rank, softmax greedy MoE, 2 shared experts) and Qwen3-MoE (QK-norm, GQA 8/2
+with head_dim 16 != d/heads, 4 experts top-2 without renormalisation, layer 0 dense via mlp_only_layers, untied).
 
 Run with the fixture venv (torch + transformers; the test suite itself never imports them):
 
@@ -72,7 +73,16 @@ def configs() -> dict[str, transformers.PretrainedConfig]:
             v_head_dim=16, n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=2, first_k_dense_replace=1,
             routed_scaling_factor=1.5, topk_method="greedy", norm_topk_prob=False, tie_word_embeddings=False,
             rms_norm_eps=1e-6, rope_theta=10000.0),
+        # Held-out against the qwen3-30b-a3b preset: a dense first layer, norm_topk_prob false (HF's default).
+        "qwen3_moe": transformers.Qwen3MoeConfig(
+            **{**common, "num_attention_heads": 8}, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+            moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+            decoder_sparse_step=1, mlp_only_layers=[0], tie_word_embeddings=False, rms_norm_eps=1e-6,
+            rope_theta=1e6),
     }
+
+# Seeds by name for families added later, so that fixtures keep their seed whatever the dict order.
+SEEDS = {"qwen3_moe": 31}
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:
@@ -159,7 +169,7 @@ def main() -> int:
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")
     for i, (name, cfg) in enumerate(configs().items()):
         if not args.only or name in args.only:
-            build(name, cfg, seed=i + 1)
+            build(name, cfg, seed=SEEDS.get(name, i + 1))
     return 0
 
 
