@@ -34,7 +34,7 @@ from models.layers import apply_rope
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = REPO_ROOT / "tests" / "fixtures" / "hf"
-NAMES = ["llama", "qwen2", "qwen3", "mixtral", "deepseek_v3", "deepseek_v2"]
+NAMES = ["llama", "qwen2", "qwen3", "mixtral", "deepseek_v3", "deepseek_v2", "qwen3_moe"]
 
 
 def reference(name: str) -> dict[str, np.ndarray]:
@@ -192,7 +192,7 @@ def test_export_shards_and_bfloat16(imported, tmp_path):
     assert files.read("model.layers.1.mlp.gate.e_score_correction_bias").dtype == np.float32  # as HF keeps it
 
 
-@pytest.mark.parametrize("preset", ["llama3-8b", "mixtral-8x7b", "deepseek-v3", "tiny"])
+@pytest.mark.parametrize("preset", ["llama3-8b", "mixtral-8x7b", "deepseek-v3", "tiny", "qwen3-30b-a3b"])
 def test_preset_configs_map_to_hf_and_back(preset):
     """to_hf then from_hf gives back every field that changes the function (llama3 rope scaling, YaRN, MoE)."""
     from jaxinfra.hf.families import to_hf

@@ -28,6 +28,7 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 HF_LATENT_NORM_EPS = 1e-6  # DeepseekV2/V3RMSNorm's default, which q_a_layernorm and kv_a_layernorm keep
@@ -108,16 +109,18 @@ def _model_config(hf: dict[str, Any], family: str) -> ModelConfig:
     head_dim = hf.get("head_dim")
     if family not in DEEPSEEK and head_dim and int(head_dim) != fields["d_model"] // heads:
         fields["head_dim"] = int(head_dim)
-    if family in ("llama", "mistral", "mixtral", "qwen3"):
+    if family in ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe"):
         _refuse(hf, family, "attention_bias", False, "attention biases are modelled for qwen2 only")
     if family in ("mistral", "mixtral"):
         _refuse(hf, family, "sliding_window", None, "sliding-window attention is not modelled")
-    if family in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+    if family in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window"):
         raise HFError(f"{family}: use_sliding_window=true is not supported (sliding-window attention)")
     if family == "qwen2":
         fields["qkv_bias"] = True  # Qwen2 always has q/k/v biases (and none on o_proj)
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe"):
         fields["qk_norm"] = True
+    if family == "qwen3_moe":
+        fields.update(_qwen3_moe(hf, family, fields["num_layers"]))
     if family == "mixtral":
         fields.update(moe_num_experts=int(hf["num_local_experts"]), moe_top_k=int(hf["num_experts_per_tok"]),
                       moe_mlp_dim=int(hf["intermediate_size"]), moe_router_score="softmax", moe_norm_top_k=True,
@@ -166,6 +169,45 @@ def _deepseek(hf: dict[str, Any], family: str) -> dict[str, Any]:
         moe_routed_scale=float(hf.get("routed_scaling_factor", 1.0)), moe_dispatch="dropless")
 
 
+def _qwen3_moe(hf: dict[str, Any], family: str, num_layers: int) -> dict[str, Any]:
+    """Qwen3-MoE's experts: softmax over all experts, top-k, renormalised if norm_topk_prob (HF's default
+    false), no shared experts. router_aux_loss_coef only matters to HF's training (output_router_logits):
+    not imported, as for Mixtral. transformers 5 writes num_local_experts, the Hub's configs num_experts."""
+    experts = int(hf.get("num_experts", hf.get("num_local_experts")) or 0)
+    schedule = _moe_schedule(hf, family, num_layers) if experts else None
+    if schedule is None:  # no MoE layer at all: HF builds dense MLPs of intermediate_size everywhere
+        return {}
+    first_dense, every = schedule
+    return dict(moe_num_experts=experts, moe_top_k=int(hf["num_experts_per_tok"]),
+                moe_mlp_dim=int(hf["moe_intermediate_size"]), moe_router_score="softmax",
+                moe_norm_top_k=bool(hf.get("norm_topk_prob", False)), moe_first_dense_layers=first_dense,
+                moe_every=every, moe_dispatch="dropless")
+
+
+def _moe_schedule(hf: dict[str, Any], family: str, num_layers: int) -> tuple[int, int] | None:
+    """(moe_first_dense_layers, moe_every) giving HF's MoE layers: layer i is MoE iff i is not in
+    mlp_only_layers and (i + 1) % decoder_sparse_step == 0. None when no layer is MoE; a pattern our
+    schedule (a dense prefix, then every n-th layer MoE, n dividing the rest) cannot hold is refused."""
+    step = 1 if hf.get("decoder_sparse_step") is None else hf["decoder_sparse_step"]
+    only = hf.get("mlp_only_layers") or []
+    if not isinstance(step, int) or step < 1:
+        raise HFError(f"{family}: config.json decoder_sparse_step={step!r} is not supported (a positive integer)")
+    if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
+        raise HFError(f"{family}: config.json mlp_only_layers={only!r} is not supported (a list of layer indices)")
+    flags = tuple(i not in only and (i + 1) % step == 0 for i in range(num_layers))
+    if not any(flags):
+        return None
+    for n in range(1, num_layers + 1):  # ModelConfig.moe_layer_flags' rule, with its divisibility check;
+        for k in range(num_layers):  # the smallest n first: a dense prefix reads as one, not as every 2nd
+            ours = tuple(i >= k and (i - k + 1) % n == 0 for i in range(num_layers))
+            if (num_layers - k) % n == 0 and ours == flags:
+                return k, n
+    key, value = ("mlp_only_layers", only) if only else ("decoder_sparse_step", step)
+    dense = [i for i, moe in enumerate(flags) if not moe]
+    raise HFError(f"{family}: config.json {key}={value!r} is not supported (dense layers {dense} of "
+                  f"{num_layers}; ours: the first k dense, then every n-th layer MoE, n dividing the rest)")
+
+
 def rope_interleaved(hf: dict[str, Any], family: str) -> bool:
     """Whether the checkpoint's rope columns are in DeepSeek's interleaved-pair order (V2's complex
     rotation always is; V3 unless rope_interleave is false)."""
@@ -199,6 +241,8 @@ def hf_family(cfg: ModelConfig) -> str:
         return "deepseek_v2"
     if cfg.rope_scaling_factor is not None and cfg.rope_scaling_type != "llama3":
         refuse("yarn rope scaling without MLA")
+    if cfg.is_moe and cfg.qk_norm:
+        return _qwen3_moe_family(cfg)
     if cfg.is_moe:
         plain = (cfg.moe_router_score == "softmax" and cfg.moe_norm_top_k and not cfg.moe_shared_experts
                  and cfg.moe_num_groups == 1 and cfg.moe_routed_scale == 1.0 and cfg.moe_first_dense_layers == 0
@@ -215,6 +259,29 @@ def hf_family(cfg: ModelConfig) -> str:
     if cfg.qkv_bias:
         return "qwen2"
     return "llama"
+
+
+def _qwen3_moe_family(cfg: ModelConfig) -> str:
+    """MoE with qk_norm is Qwen3-MoE's: softmax over all experts, top-k (renormalised or not), no shared
+    experts, groups, bias or scale; any dense prefix / every-n-th schedule (mlp_only_layers holds it)."""
+    if (cfg.moe_router_score != "softmax" or cfg.moe_shared_experts or cfg.moe_num_groups != 1
+            or cfg.moe_routed_scale != 1.0 or cfg.moe_bias_update_rate or cfg.moe_router_bias or cfg.qkv_bias):
+        raise HFError("no Hugging Face family for this model: MoE with qk_norm other than Qwen3-MoE's (softmax, "
+                      "top-k, no shared experts, groups, bias, scale or qkv_bias)")
+    return "qwen3_moe"
+
+
+def _qwen3_moe_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """Qwen3-MoE's keys. The schedule as decoder_sparse_step + mlp_only_layers: step n with the dense prefix
+    listed when it is a multiple of n (then HF's (i + 1) % n is ours), else step 1 and every dense layer."""
+    k, n = cfg.moe_first_dense_layers, cfg.moe_every
+    step = n if k % n == 0 else 1
+    only = list(range(k)) if step == n else [i for i, moe in enumerate(cfg.moe_layer_flags()) if not moe]
+    # num_experts (the Hub's key; transformers 5 maps it to num_local_experts) so that 4.x reads it too.
+    return dict(num_experts=cfg.moe_num_experts, num_experts_per_tok=cfg.moe_top_k,
+                moe_intermediate_size=cfg.expert_dim, norm_topk_prob=cfg.moe_norm_top_k, decoder_sparse_step=step,
+                mlp_only_layers=only, router_aux_loss_coef=cfg.moe_aux_loss_weight, output_router_logits=False,
+                use_sliding_window=False, sliding_window=None)
 
 
 def to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
@@ -244,6 +311,8 @@ def to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
         out.update(use_sliding_window=False, sliding_window=None)
     if family == "qwen3":
         out.update(use_sliding_window=False, sliding_window=None)
+    if family == "qwen3_moe":
+        out.update(_qwen3_moe_hf(cfg))
     if family in ("mixtral", "mistral"):
         out["sliding_window"] = None
     if family == "mixtral":
