@@ -418,3 +418,41 @@ def test_mla_latent_norm_eps_defaults_to_norm_eps_and_export_checks_it():
     assert to_hf(both)["rms_norm_eps"] == 1e-5 and from_hf(to_hf(both))[1].mla_norm_eps == 1e-6
     for bad in (0.0, -1e-6, float("nan"), float("inf")):
         assert [p[0] for p in dataclasses.replace(cfg, mla_norm_eps=bad).problems()] == ["mla_norm_eps"]
+
+
+# ---------------------------------------------------------------- Qwen3-MoE's layer schedule
+
+
+def test_qwen3_moe_layer_schedule_maps_both_ways_or_is_refused(tmp_path, capsys):
+    """HF makes layer i MoE iff i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0; ours is a
+    dense prefix then every n-th layer. What that holds maps (and exports back to the same layers); what it
+    cannot (a dense layer after an MoE one, a tail that breaks the period) is refused naming field and value."""
+    from jaxinfra.hf.families import to_hf
+
+    hf = json.loads((FIXTURES / "qwen3_moe" / "config.json").read_text())
+    for extra, flags in [({}, (False, True)), ({"num_hidden_layers": 6, "decoder_sparse_step": 2},
+                                                (False, True) * 3),
+                         ({"num_hidden_layers": 6, "decoder_sparse_step": 2, "mlp_only_layers": [0, 1, 2]},
+                          (False, False, False, True, False, True)),
+                         ({"num_hidden_layers": 6, "decoder_sparse_step": 3, "mlp_only_layers": [0]},
+                          (False, False, True, False, False, True))]:
+        family, cfg = from_hf({**hf, **extra})
+        assert family == "qwen3_moe" and cfg.moe_layer_flags() == flags, extra
+        assert from_hf(to_hf(cfg)) == (family, cfg)
+    assert not from_hf({**hf, "mlp_only_layers": [0, 1]})[1].is_moe  # no MoE layer left: a dense QK-norm model
+    for extra, needle in [({"mlp_only_layers": [1]}, "mlp_only_layers=[1]"),
+                          ({"num_hidden_layers": 3, "decoder_sparse_step": 2, "mlp_only_layers": []},
+                           "decoder_sparse_step=2"),
+                          ({"decoder_sparse_step": 0}, "decoder_sparse_step=0"),
+                          ({"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window")]:
+        with pytest.raises(HFError, match=needle.replace("[", r"\[")):
+            from_hf({**hf, **extra})
+    src = _fixture_with(tmp_path, "qwen3_moe", config={"mlp_only_layers": [1]})
+    assert "qwen3_moe: config.json mlp_only_layers=[1] is not supported" in _one_line_error(
+        capsys, ["hf", "import", str(src), str(tmp_path / "out")])
+    shutil.rmtree(src)
+    missing = "model.layers.1.mlp.experts.2.up_proj.weight"
+    src = _fixture_with(tmp_path, "qwen3_moe", drop=missing)
+    assert missing in _one_line_error(capsys, ["hf", "import", str(src), str(tmp_path / "out2")])
+    with pytest.raises(HFError, match="MoE with qk_norm other than Qwen3-MoE's"):
+        hf_family(ModelConfig(moe_num_experts=4, qk_norm=True, moe_shared_experts=1))
