@@ -456,3 +456,24 @@ def test_qwen3_moe_layer_schedule_maps_both_ways_or_is_refused(tmp_path, capsys)
     assert missing in _one_line_error(capsys, ["hf", "import", str(src), str(tmp_path / "out2")])
     with pytest.raises(HFError, match="MoE with qk_norm other than Qwen3-MoE's"):
         hf_family(ModelConfig(moe_num_experts=4, qk_norm=True, moe_shared_experts=1))
+
+
+def test_qwen3_30b_a3b_hub_config_imports_as_the_preset():
+    """The Hub's Qwen/Qwen3-30B-A3B config.json (transformers 4.51 keys: num_experts, top-level rope_theta,
+    rope_scaling null) maps to the qwen3-30b-a3b preset's model in every field that changes the function."""
+    hub = {"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+           "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+           "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
+           "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [],
+           "model_type": "qwen3_moe", "moe_intermediate_size": 768, "norm_topk_prob": True,
+           "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
+           "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None,
+           "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+           "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
+           "use_cache": True, "use_sliding_window": False, "vocab_size": 151936}
+    family, cfg = from_hf(hub)
+    preset = load_config("qwen3-30b-a3b").model
+    skip = {"scan_layers", "remat_policy", "dtype", "moe_aux_loss_weight"}
+    assert family == "qwen3_moe"
+    assert {k: (v, getattr(cfg, k)) for k, v in dataclasses.asdict(preset).items()
+            if k not in skip and getattr(cfg, k) != v} == {}
