@@ -1,8 +1,9 @@
 """Tiny random Hugging Face checkpoints + reference logits, for tests/test_hf.py.
 
 Families: Llama (GQA, untied), Qwen2 (q/k/v bias), Qwen3 (QK-norm, tied), Mixtral (8 experts top-2),
-DeepSeek-V3 (MLA with q_lora_rank, YaRN, sigmoid MoE with bias, groups, shared expert, first layer dense)
-and DeepSeek-V2 (MLA without q_lora_rank, softmax greedy MoE, 2 shared experts).
+DeepSeek-V3 (MLA with q_lora_rank, YaRN, sigmoid MoE with bias, groups, shared expert, first layer dense),
+DeepSeek-V2 (MLA without q_lora_rank, softmax greedy MoE, 2 shared experts) and OLMo 2 (post-sub-layer
+norms, QK-norm over the whole q / k projections, GQA, head_dim != d_model / heads).
 
 Run with the fixture venv (torch + transformers; the test suite itself never imports them):
 
@@ -72,6 +73,11 @@ def configs() -> dict[str, transformers.PretrainedConfig]:
             v_head_dim=16, n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=2, first_k_dense_replace=1,
             routed_scaling_factor=1.5, topk_method="greedy", norm_topk_prob=False, tie_word_embeddings=False,
             rms_norm_eps=1e-6, rope_theta=10000.0),
+        # OLMo 2: norms after the sub-layers, QK-norm over the whole projections (GQA here: k_norm is
+        # 2 * 24 wide, q_norm 4 * 24; head_dim 24 != 64 / 4, so the widths are not d_model's).
+        "olmo2": transformers.Olmo2Config(**common, num_key_value_heads=2, head_dim=24, intermediate_size=96,
+                                          tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=500000.0,
+                                          pad_token_id=1, eos_token_id=2),
     }
 
 
