@@ -12,7 +12,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from models.config import ModelConfig
-from models.layers import DTYPES, apply_rope, ones_param, param, rms_norm, zeros_bias
+from models.layers import DTYPES, apply_rope, ones_param, param, rms_norm, rms_norm_heads, zeros_bias
 from models.lora_config import NO_LORA, LoraConfig
 from models.project import Projections, prepare_weights, project_attr
 from models.quant_config import NO_QUANT, QuantConfig
@@ -39,10 +39,15 @@ class Attention(nnx.Module):
             self.bq = zeros_bias((h, dh), ("heads", "head_dim"), cfg.param_dtype)
             self.bk = zeros_bias((kv, dh), ("kv_heads", "head_dim"), cfg.param_dtype)
             self.bv = zeros_bias((kv, dh), ("kv_heads", "head_dim"), cfg.param_dtype)
-        if cfg.qk_norm:  # per-head RMSNorm of q and k before RoPE (OLMo-2, Qwen-3)
+        if cfg.qk_norm and cfg.qk_norm_scope == "full":  # over the whole q / k projection before RoPE (OLMo 2)
+            # Flat like HF's and like the block norms (1-D: a norm scale to the optimizer, no decay).
+            self.q_norm = ones_param((h * dh,), ("norm",), cfg.param_dtype)
+            self.k_norm = ones_param((kv * dh,), ("norm",), cfg.param_dtype)
+        elif cfg.qk_norm:  # per-head RMSNorm of q and k before RoPE (Qwen3)
             self.q_norm = ones_param((dh,), ("head_dim",), cfg.param_dtype)
             self.k_norm = ones_param((dh,), ("head_dim",), cfg.param_dtype)
         self.qk_norm = cfg.qk_norm
+        self.qk_norm_full = cfg.qk_norm and cfg.qk_norm_scope == "full"
         self.eps = cfg.norm_eps
         self.impl = cfg.attention_impl
         prepare_weights(self, quant, self.PROJECTIONS, DTYPES[cfg.dtype], lora, rngs)
@@ -86,8 +91,9 @@ class Attention(nnx.Module):
         if hasattr(self, "bq"):
             q, k, v = (x + b[...].astype(dt) for x, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
         if self.qk_norm:
-            q = rms_norm(q, self.q_norm[...], self.eps)
-            k = rms_norm(k, self.k_norm[...], self.eps)
+            norm = rms_norm_heads if self.qk_norm_full else rms_norm
+            q = norm(q, self.q_norm[...], self.eps)
+            k = norm(k, self.k_norm[...], self.eps)
         q = plan.constrain(apply_rope(q, positions, rope_freqs), ("batch", "length", "heads", "head_dim"))
         k = plan.constrain(apply_rope(k, positions, rope_freqs), ("batch", "length", "kv_heads", "head_dim"))
         v = plan.constrain(v, ("batch", "length", "kv_heads", "head_dim"))

@@ -37,6 +37,16 @@ AttentionType = Literal[
 ]
 RopeScaling = Literal["llama3", "yarn"]
 RouterScore = Literal["softmax", "sigmoid"]
+NormPlacement = Literal[
+    "pre",  # RMSNorm on each sub-layer's input (Llama, Qwen, Mixtral, DeepSeek)
+    "post",  # RMSNorm on each sub-layer's output before the residual add, none on its input (OLMo 2)
+]
+NORM_PLACEMENTS: tuple[str, ...] = get_args(NormPlacement)
+QKNormScope = Literal[
+    "head",  # one RMSNorm over each head's head_dim, its [head_dim] weight shared by the heads (Qwen3)
+    "full",  # one RMSNorm over the whole q projection (heads * head_dim) and the whole k projection (OLMo 2)
+]
+QK_NORM_SCOPES: tuple[str, ...] = get_args(QKNormScope)
 MoEDispatch = Literal[
     "capacity",  # fixed expert capacity, overflow dropped; dense einsums (GShard, Switch)
     "dropless",  # tokens sorted by expert, grouped matmuls with jax.lax.ragged_dot (MegaBlocks)
@@ -70,7 +80,11 @@ class ModelConfig:
     rope_yarn_beta_slow: float = 1.0
     rope_yarn_mscale: float = 1.0  # DeepSeek's mscale_all_dim
     norm_eps: float = 1e-6
+    # Where the blocks' RMSNorms sit. A name, not a flag, so that Gemma's pre + post "sandwich" can
+    # join as a third value.
+    norm_placement: NormPlacement = "pre"
     qk_norm: bool = False
+    qk_norm_scope: QKNormScope = "head"  # what one q/k RMSNorm spans (with qk_norm)
     qkv_bias: bool = False  # additive biases on the q/k/v projections (Qwen2; HF imports)
     logit_softcap: float | None = None  # tanh soft-cap of output logits (Gemma-2)
     z_loss_weight: float = 0.0  # PaLM z-loss: weight * log(Z)^2
@@ -187,6 +201,8 @@ class ModelConfig:
             out.append(("loss_chunk_size", self.loss_chunk_size, "an integer >= 0 (0: no chunking)"))
         if self.logit_softcap is not None and self.logit_softcap <= 0:
             out.append(("logit_softcap", self.logit_softcap, "> 0 or null"))
+        if self.qk_norm_scope != "head" and not self.qk_norm:
+            out.append(("qk_norm_scope", self.qk_norm_scope, "head unless model.qk_norm=true"))
         if self.moe_num_experts:
             out += self._moe_problems()
         return out

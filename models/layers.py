@@ -46,6 +46,15 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
+def rms_norm_heads(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm of x [..., heads, head_dim] over the whole projection (heads and head_dim together,
+    OLMo 2's QK-norm), `scale` [heads * head_dim]; float32 inside as rms_norm. Under tensor parallelism
+    the mean reduces across the head shards (GSPMD adds the all-reduce)."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=(-2, -1), keepdims=True) + eps)
+    return (y * scale.astype(jnp.float32).reshape(x.shape[-2:])).astype(x.dtype)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, cfg: ModelConfig, names: Sequence[str] = ("norm",)):
         self.scale = ones_param((dim,), names, cfg.param_dtype)

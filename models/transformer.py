@@ -2,6 +2,7 @@
 
     h = embed(tokens)
     for each layer:  h = h + attn(norm(h));  h = h + mlp(norm(h))     (mlp: dense or MoE)
+                     (norm_placement="post", OLMo 2: h = h + norm(attn(h));  h = h + norm(mlp(h)))
     logits = norm(h) @ embed^T   (or an untied output matrix), optionally soft-capped
 
 Layer parameters are always stored stacked on a leading `layers` axis; the
@@ -55,63 +56,81 @@ def make_attention(cfg: ModelConfig, rngs: nnx.Rngs, quant: QuantConfig = NO_QUA
 RESIDUAL = ("batch", "residual_length", "embed")  # the residual stream's logical axes
 
 
-class Block(nnx.Module):
-    """Pre-norm residual block: attention then SwiGLU MLP."""
+class _Norms(nnx.Module):
+    """The block's RMSNorms, where `model.norm_placement` puts them: "pre" normalises each
+    sub-layer's input (attn_norm, mlp_norm), "post" its output before the residual add
+    (attn_post_norm, mlp_post_norm; OLMo 2). A missing norm is the identity."""
+
+    def _add_norm(self, cfg: ModelConfig, sub: str) -> None:
+        """The norm(s) of sub-layer `sub` ("attn" or "mlp")."""
+        name = f"{sub}_norm" if cfg.norm_placement == "pre" else f"{sub}_post_norm"
+        setattr(self, name, RMSNorm(cfg.d_model, cfg))
+
+    def _norm(self, name: str, x: jax.Array) -> jax.Array:
+        norm = getattr(self, name, None)
+        return x if norm is None else norm(x)
+
+
+class Block(_Norms):
+    """Residual block: attention then SwiGLU MLP (norms as `_Norms` places them)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, quant: QuantConfig = NO_QUANT, lora: LoraConfig = NO_LORA):
-        self.attn_norm = RMSNorm(cfg.d_model, cfg)
+        self._add_norm(cfg, "attn")
         self.attn = make_attention(cfg, rngs, quant, lora)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg)
+        self._add_norm(cfg, "mlp")
         self.mlp = MLP(cfg, rngs, quant=quant, lora=lora)
 
     def __call__(self, h: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                  rope_freqs: jax.Array, *, plan: ParallelPlan = SINGLE_DEVICE) -> jax.Array:
-        return self._ffn(h + self.attn(self.attn_norm(h), positions, segment_ids, rope_freqs, plan=plan), plan)
+        a = self.attn(self._norm("attn_norm", h), positions, segment_ids, rope_freqs, plan=plan)
+        return self._ffn(h + self._norm("attn_post_norm", a), plan)
 
     def prefill(self, h: jax.Array, positions: jax.Array, rope_freqs: jax.Array, *,
                 plan: ParallelPlan = SINGLE_DEVICE) -> tuple[jax.Array, Cache]:
-        a, entries = self.attn.prefill(self.attn_norm(h), positions, rope_freqs, plan=plan)
-        return self._ffn(h + a, plan), entries
+        a, entries = self.attn.prefill(self._norm("attn_norm", h), positions, rope_freqs, plan=plan)
+        return self._ffn(h + self._norm("attn_post_norm", a), plan), entries
 
     def decode(self, h: jax.Array, positions: jax.Array, rope_freqs: jax.Array, cache: Cache, absorb: bool, *,
                plan: ParallelPlan = SINGLE_DEVICE) -> tuple[jax.Array, Cache]:
-        a, entries = self.attn.decode(self.attn_norm(h), positions, rope_freqs, cache, absorb, plan=plan)
-        return self._ffn(h + a, plan), entries
+        a, entries = self.attn.decode(self._norm("attn_norm", h), positions, rope_freqs, cache, absorb, plan=plan)
+        return self._ffn(h + self._norm("attn_post_norm", a), plan), entries
 
     def _ffn(self, h: jax.Array, plan: ParallelPlan) -> jax.Array:
-        h = h + self.mlp(self.mlp_norm(h), plan=plan)
+        h = h + self._norm("mlp_post_norm", self.mlp(self._norm("mlp_norm", h), plan=plan))
         return plan.constrain(h, RESIDUAL)
 
 
-class MoEBlock(nnx.Module):
-    """Pre-norm residual block: attention then a Mixture-of-Experts feed-forward."""
+class MoEBlock(_Norms):
+    """Residual block: attention then a Mixture-of-Experts feed-forward (norms as `_Norms` places them)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, quant: QuantConfig = NO_QUANT, lora: LoraConfig = NO_LORA):
-        self.attn_norm = RMSNorm(cfg.d_model, cfg)
+        self._add_norm(cfg, "attn")
         self.attn = make_attention(cfg, rngs, quant, lora)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg)
+        self._add_norm(cfg, "mlp")
         self.moe = MoE(cfg, rngs, quant, lora)
 
     def __call__(self, h: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                  rope_freqs: jax.Array, mask: jax.Array, order: jax.Array, *,
                  plan: ParallelPlan = SINGLE_DEVICE) -> tuple[jax.Array, dict[str, jax.Array]]:
-        h = h + self.attn(self.attn_norm(h), positions, segment_ids, rope_freqs, plan=plan)
-        return self._ffn(h, mask, order, plan)
+        a = self.attn(self._norm("attn_norm", h), positions, segment_ids, rope_freqs, plan=plan)
+        return self._ffn(h + self._norm("attn_post_norm", a), mask, order, plan)
 
     def prefill(self, h: jax.Array, positions: jax.Array, rope_freqs: jax.Array, *,
                 plan: ParallelPlan = SINGLE_DEVICE) -> tuple[jax.Array, Cache]:
-        a, entries = self.attn.prefill(self.attn_norm(h), positions, rope_freqs, plan=plan)
-        return self._ffn(h + a, jnp.ones(h.shape[:2], jnp.bool_), None, plan)[0], entries
+        a, entries = self.attn.prefill(self._norm("attn_norm", h), positions, rope_freqs, plan=plan)
+        h = h + self._norm("attn_post_norm", a)
+        return self._ffn(h, jnp.ones(h.shape[:2], jnp.bool_), None, plan)[0], entries
 
     def decode(self, h: jax.Array, positions: jax.Array, rope_freqs: jax.Array, cache: Cache, absorb: bool, *,
                plan: ParallelPlan = SINGLE_DEVICE) -> tuple[jax.Array, Cache]:
-        a, entries = self.attn.decode(self.attn_norm(h), positions, rope_freqs, cache, absorb, plan=plan)
-        return self._ffn(h + a, jnp.ones(h.shape[:2], jnp.bool_), None, plan)[0], entries
+        a, entries = self.attn.decode(self._norm("attn_norm", h), positions, rope_freqs, cache, absorb, plan=plan)
+        h = h + self._norm("attn_post_norm", a)
+        return self._ffn(h, jnp.ones(h.shape[:2], jnp.bool_), None, plan)[0], entries
 
     def _ffn(self, h: jax.Array, mask: jax.Array, order: jax.Array | None,
              plan: ParallelPlan) -> tuple[jax.Array, dict[str, jax.Array]]:
-        y, stats = self.moe(self.mlp_norm(h), mask, order, plan=plan)
-        return plan.constrain(h + y, RESIDUAL), stats
+        y, stats = self.moe(self._norm("mlp_norm", h), mask, order, plan=plan)
+        return plan.constrain(h + self._norm("mlp_post_norm", y), RESIDUAL), stats
 
 
 def sequence_order(positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:

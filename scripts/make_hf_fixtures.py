@@ -2,8 +2,9 @@
 
 Families: Llama (GQA, untied), Qwen2 (q/k/v bias), Qwen3 (QK-norm, tied), Mixtral (8 experts top-2),
 DeepSeek-V3 (MLA with q_lora_rank, YaRN, sigmoid MoE with bias, groups, shared expert, first layer dense),
-DeepSeek-V2 (MLA without q_lora_rank, softmax greedy MoE, 2 shared experts) and Qwen3-MoE (QK-norm, GQA 8/2
-with head_dim 16 != d/heads, 4 experts top-2 without renormalisation, layer 0 dense via mlp_only_layers, untied).
+DeepSeek-V2 (MLA without q_lora_rank, softmax greedy MoE, 2 shared experts), Qwen3-MoE (QK-norm, GQA 8/2
+with head_dim 16 != d/heads, 4 experts top-2 without renormalisation, layer 0 dense via mlp_only_layers, untied) and
+OLMo 2 (post-sub-layer norms, QK-norm over the whole q / k projections, GQA, head_dim != d_model / heads).
 
 Run with the fixture venv (torch + transformers; the test suite itself never imports them):
 
@@ -79,10 +80,15 @@ def configs() -> dict[str, transformers.PretrainedConfig]:
             moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
             decoder_sparse_step=1, mlp_only_layers=[0], tie_word_embeddings=False, rms_norm_eps=1e-6,
             rope_theta=1e6),
+        # OLMo 2: norms after the sub-layers, QK-norm over the whole projections (GQA here: k_norm is
+        # 2 * 24 wide, q_norm 4 * 24; head_dim 24 != 64 / 4, so the widths are not d_model's).
+        "olmo2": transformers.Olmo2Config(**common, num_key_value_heads=2, head_dim=24, intermediate_size=96,
+                                          tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=500000.0,
+                                          pad_token_id=1, eos_token_id=2),
     }
 
 # Seeds by name for families added later, so that fixtures keep their seed whatever the dict order.
-SEEDS = {"qwen3_moe": 31}
+SEEDS = {"qwen3_moe": 31, "olmo2": 7}
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:

@@ -16,7 +16,7 @@ from jaxinfra.config import Config, ConfigError, load_config, preset_names, vali
 from jaxinfra.data.config import SOURCES, TOKEN_DTYPES
 from jaxinfra.metrics import param_counts
 from kernels.attention import IMPLEMENTATIONS
-from models.config import REMAT_POLICIES
+from models.config import NORM_PLACEMENTS, QK_NORM_SCOPES, REMAT_POLICIES
 from sharding.rules import CONTEXT_IMPLS, STRATEGIES
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -86,6 +86,8 @@ def test_other_wrong_values_name_key(override, key):
     ("parallelism.context_impl", CONTEXT_IMPLS),
     ("parallelism.pipeline_schedule", ("gpipe", "circular", "1f1b")),
     ("model.remat_policy", REMAT_POLICIES),
+    ("model.norm_placement", NORM_PLACEMENTS),
+    ("model.qk_norm_scope", QK_NORM_SCOPES),
     ("model.attention_impl", IMPLEMENTATIONS),
     ("data.source", SOURCES),
     ("data.token_dtype", TOKEN_DTYPES),
@@ -93,6 +95,17 @@ def test_other_wrong_values_name_key(override, key):
 def test_allowed_values_come_from_the_config_types(key, allowed):
     """The exported lists are the config's Literal types: the error lists exactly them, in order."""
     assert f"choose one of {list(allowed)}" in _error([f"{key}=bogus"])
+
+
+def test_olmo2_7b_parameter_count_and_block():
+    """OLMo-2-1124-7B: 7.30e9 parameters counted from its shapes (untied 100352 x 4096 tables); post norms and
+    full-projection QK-norm (q_norm and k_norm 4096 wide each)."""
+    m = load_config("olmo2-7b").model
+    assert param_counts(m)["total"] == 7_298_617_344
+    assert (m.num_layers, m.d_model, m.num_heads, m.kv_heads, m.mlp_dim, m.vocab_size, m.rope_theta, m.norm_eps) == (
+        32, 4096, 32, 32, 11008, 100352, 500000.0, 1e-6)
+    assert (m.norm_placement, m.qk_norm, m.qk_norm_scope) == ("post", True, "full")
+    assert "model.qk_norm_scope" in _error(["model.qk_norm=false"], source="olmo2-7b")
 
 
 def test_heads_not_dividing_d_model_names_num_heads():

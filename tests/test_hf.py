@@ -34,7 +34,7 @@ from models.layers import apply_rope
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = REPO_ROOT / "tests" / "fixtures" / "hf"
-NAMES = ["llama", "qwen2", "qwen3", "mixtral", "deepseek_v3", "deepseek_v2", "qwen3_moe"]
+NAMES = ["llama", "qwen2", "qwen3", "mixtral", "deepseek_v3", "deepseek_v2", "qwen3_moe", "olmo2"]
 
 
 def reference(name: str) -> dict[str, np.ndarray]:
@@ -192,7 +192,7 @@ def test_export_shards_and_bfloat16(imported, tmp_path):
     assert files.read("model.layers.1.mlp.gate.e_score_correction_bias").dtype == np.float32  # as HF keeps it
 
 
-@pytest.mark.parametrize("preset", ["llama3-8b", "mixtral-8x7b", "deepseek-v3", "tiny", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("preset", ["llama3-8b", "mixtral-8x7b", "deepseek-v3", "tiny", "qwen3-30b-a3b", "olmo2-7b"])
 def test_preset_configs_map_to_hf_and_back(preset):
     """to_hf then from_hf gives back every field that changes the function (llama3 rope scaling, YaRN, MoE)."""
     from jaxinfra.hf.families import to_hf
@@ -366,6 +366,38 @@ def test_ignored_tensors_are_accepted(tmp_path):
     """DeepSeek's multi-token-prediction layer (model.layers.{num_hidden_layers}.*) is dropped, as documented."""
     src = _fixture_with(tmp_path, "deepseek_v3", add="model.layers.3.eh_proj.weight")
     assert import_hf(src, tmp_path / "out", devices=one_device())["family"] == "deepseek_v3"
+
+
+# ---------------------------------------------------------------- OLMo 2
+
+
+def test_olmo2_matches_transformers_to_1e5_and_maps_its_block(imported):
+    """OLMo 2 (post-sub-layer norms, QK-norm over the whole q / k projections, GQA, head_dim 24 != 64 / 4):
+    logits to 1e-5 relative, and the config and params say so."""
+    ref = reference("olmo2")
+    cfg, params = restored(imported["olmo2"])
+    assert (cfg.norm_placement, cfg.qk_norm, cfg.qk_norm_scope, cfg.kv_heads, cfg.resolved_head_dim) == (
+        "post", True, "full", 2, 24)
+    attn = params["layers"]["attn"]
+    assert (attn["q_norm"][...].shape, attn["k_norm"][...].shape) == ((2, 4 * 24), (2, 2 * 24))
+    assert "attn_norm" not in params["layers"] and "mlp_post_norm" in params["layers"]
+    assert rel_err(logits_of(imported["olmo2"], ref["tokens"]), ref["logits"]) <= 1e-5
+    assert hf_family(cfg) == "olmo2"
+
+
+def test_olmo2_bad_input_is_refused_by_name(tmp_path, capsys):
+    """A field we cannot honour names itself and its value; a missing tensor is named; models that are
+    half OLMo 2 (post norms with per-head QK-norm, full QK-norm with pre norms) have no HF family."""
+    with pytest.raises(HFError, match=r"olmo2: config.json attention_bias=True is not supported"):
+        from_hf({**json.loads((FIXTURES / "olmo2" / "config.json").read_text()), "attention_bias": True})
+    name = "model.layers.1.post_feedforward_layernorm.weight"
+    err = _one_line_error(capsys, ["hf", "import", str(_fixture_with(tmp_path, "olmo2", drop=name)),
+                                   str(tmp_path / "out")])
+    assert name in err
+    for half in (dict(norm_placement="post", qk_norm=True), dict(qk_norm=True, qk_norm_scope="full"),
+                 dict(norm_placement="post", qk_norm=True, qk_norm_scope="full", moe_num_experts=4)):
+        with pytest.raises(HFError, match=r"no Hugging Face family.*norm_placement"):
+            hf_family(ModelConfig(**half))
 
 
 # ---------------------------------------------------------------- MLA latent norm epsilon

@@ -50,6 +50,8 @@ MOE = [*MLA, "model.num_layers=3", "model.moe_num_experts=4", "model.moe_top_k=2
        "model.moe_shared_experts=1", "model.moe_first_dense_layers=1", "model.moe_router_score=sigmoid",
        "model.moe_num_groups=2", "model.moe_top_k_groups=1", "model.moe_dispatch=capacity",
        "model.moe_capacity_factor=1.0", "model.moe_bias_update_rate=0.01"]
+# OLMo 2's block: norms after the sub-layers, QK-norm over the whole q / k projections.
+OLMO2 = [*GQA, "model.norm_placement=post", "model.qk_norm=true", "model.qk_norm_scope=full"]
 PROMPTS = [[5, 9, 1, 33, 2], [7, 3, 60, 12, 40, 41, 8, 19, 22, 50, 11]]
 
 
@@ -103,6 +105,11 @@ def moe():
     return cfg, params, Generator(cfg, params)
 
 
+@pytest.fixture(scope="module")
+def olmo2():
+    return make(OLMO2, seed=3)
+
+
 # ---------------------------------------------------------------- exactness of the cache
 
 
@@ -130,7 +137,7 @@ def test_mla_moe_greedy_with_cache_equals_dropless_recomputation(moe):
         assert row == recompute_greedy(cfg, params, prompt, NEW)
 
 
-@pytest.mark.parametrize("which", ["gqa", "mla", "moe"])
+@pytest.mark.parametrize("which", ["gqa", "mla", "moe", "olmo2"])
 def test_decode_step_logits_equal_training_forward(which, request):
     """One prefill + one decode step by hand: the decode logits (absorbed and explicit for
     MLA) equal the training forward's at that position; prefill logits equal it too."""

@@ -148,3 +148,12 @@ def test_ring_runs_the_pallas_kernel_and_matches(baseline):
     cfg = dataclasses.replace(make_cfg(mesh, **parallelism),
                               model=dataclasses.replace(MODEL, attention_impl="pallas_triton"))
     assert_matches(run(cfg, jax.devices()), baseline, "context2-fsdp4-ring-pallas")
+
+
+def test_olmo2_block_trains_under_fsdp4_tensor2_like_one_device():
+    """OLMo 2's block (norms after the sub-layers, QK-norm over the whole q / k projection, whose mean
+    then reduces across the tensor-split heads) trains under fsdp=4 x tensor=2 as on one device."""
+    olmo2 = dataclasses.replace(MODEL, norm_placement="post", qk_norm=True, qk_norm_scope="full")
+    one = run(dataclasses.replace(make_cfg({}), model=olmo2), jax.devices()[:1])
+    split = run(dataclasses.replace(make_cfg(dict(fsdp=4, tensor=2)), model=olmo2), jax.devices())
+    assert_matches(split, one, "olmo2-fsdp4-tensor2")

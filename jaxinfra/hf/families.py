@@ -9,6 +9,7 @@ or refuses.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from jaxinfra.config import ConfigError
@@ -29,6 +30,7 @@ ARCHITECTURES = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
 }
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 HF_LATENT_NORM_EPS = 1e-6  # DeepseekV2/V3RMSNorm's default, which q_a_layernorm and kv_a_layernorm keep
@@ -127,12 +129,21 @@ def _model_config(hf: dict[str, Any], family: str) -> ModelConfig:
                       moe_dispatch="dropless")
     if family in DEEPSEEK:
         fields.update(_deepseek(hf, family))
+    if family == "olmo2":
+        fields.update(_olmo2(hf))
     cfg = ModelConfig(**fields)
     problems = cfg.problems()
     if problems:
         key, value, allowed = problems[0]
         raise HFError(f"{family}: mapped config has model.{key}={value!r}; must be {allowed}")
     return cfg
+
+
+def _olmo2(hf: dict[str, Any]) -> dict[str, Any]:
+    """OLMo 2: RMSNorm after attention and after the MLP (post_attention_layernorm,
+    post_feedforward_layernorm), none before; QK-norm over the whole q and k projections."""
+    _refuse(hf, "olmo2", "attention_bias", False, "attention biases (o_proj's too) are not modelled")
+    return dict(norm_placement="post", qk_norm=True, qk_norm_scope="full")
 
 
 def _deepseek(hf: dict[str, Any], family: str) -> dict[str, Any]:
@@ -224,6 +235,8 @@ def hf_family(cfg: ModelConfig) -> str:
 
     if cfg.logit_softcap is not None:
         refuse(f"model.logit_softcap={cfg.logit_softcap} (no supported HF family soft-caps logits)")
+    if cfg.norm_placement != "pre" or cfg.qk_norm_scope != "head":
+        return _olmo2_family(cfg, refuse)
     if cfg.is_mla:
         if not cfg.is_moe:
             refuse("MLA without MoE (DeepSeek-V3 needs MoE layers)")
@@ -282,6 +295,18 @@ def _qwen3_moe_hf(cfg: ModelConfig) -> dict[str, Any]:
                 moe_intermediate_size=cfg.expert_dim, norm_topk_prob=cfg.moe_norm_top_k, decoder_sparse_step=step,
                 mlp_only_layers=only, router_aux_loss_coef=cfg.moe_aux_loss_weight, output_router_logits=False,
                 use_sliding_window=False, sliding_window=None)
+
+
+def _olmo2_family(cfg: ModelConfig, refuse: Callable[[str], None]) -> str:
+    """OLMo 2 is the one HF family with post-sub-layer norms or full-projection QK-norm, and it has both."""
+    what = f"model.norm_placement={cfg.norm_placement} with model.qk_norm_scope={cfg.qk_norm_scope}"
+    if cfg.norm_placement != "post" or not (cfg.qk_norm and cfg.qk_norm_scope == "full"):
+        refuse(f"{what} (OLMo 2 has post norms, qk_norm=true and qk_norm_scope=full together)")
+    if cfg.is_mla or cfg.is_moe or cfg.qkv_bias:
+        refuse(f"{what} and MLA, MoE or qkv_bias (OLMo 2 has none)")
+    if cfg.rope_scaling_factor is not None and cfg.rope_scaling_type != "llama3":
+        refuse("yarn rope scaling without MLA")
+    return "olmo2"
 
 
 def to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:

@@ -37,12 +37,13 @@ def _layer_matmul_params(cfg: ModelConfig, moe: bool = False, active: bool = Fal
 
 
 def _layer_norm_params(cfg: ModelConfig, moe: bool = False) -> int:
-    """Norm scales of one layer (pre-attention and pre-MLP RMSNorm, q/k or MLA latent norms),
+    """Norm scales of one layer (the attention and MLP RMSNorms, pre or post, q/k or MLA latent norms),
     plus a MoE router's selection bias (not a matmul either)."""
     if cfg.is_mla:
         attention = cfg.kv_lora_rank + (cfg.q_lora_rank or 0)
     else:
-        attention = 2 * cfg.resolved_head_dim if cfg.qk_norm else 0
+        qk = cfg.num_heads + cfg.kv_heads if cfg.qk_norm_scope == "full" else 2  # full: over all heads
+        attention = qk * cfg.resolved_head_dim if cfg.qk_norm else 0
         attention += (cfg.num_heads + 2 * cfg.kv_heads) * cfg.resolved_head_dim if cfg.qkv_bias else 0
     bias = cfg.moe_num_experts if moe and (cfg.moe_bias_update_rate > 0 or cfg.moe_router_bias) else 0
     return 2 * cfg.d_model + attention + bias
