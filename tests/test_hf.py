@@ -97,7 +97,7 @@ def imported(tmp_path_factory) -> dict[str, pathlib.Path]:
 def test_logits_and_loss_match_transformers(imported, name):
     ref = reference(name)
     logits = logits_of(imported[name], ref["tokens"])
-    assert rel_err(logits, ref["logits"]) <= 1e-4
+    assert rel_err(logits, ref["logits"]) <= 1e-5  # float32 imports reproduce transformers to 1e-5
     loss = mean_next_token_ce(logits, ref["tokens"])
     assert loss == pytest.approx(float(ref["loss"]), rel=1e-5)
 
