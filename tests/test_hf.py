@@ -418,3 +418,59 @@ def test_mla_latent_norm_eps_defaults_to_norm_eps_and_export_checks_it():
     assert to_hf(both)["rms_norm_eps"] == 1e-5 and from_hf(to_hf(both))[1].mla_norm_eps == 1e-6
     for bad in (0.0, -1e-6, float("nan"), float("inf")):
         assert [p[0] for p in dataclasses.replace(cfg, mla_norm_eps=bad).problems()] == ["mla_norm_eps"]
+
+
+# ---------------------------------------------------------------- hf check
+
+
+CHECKED = sorted(p.name for p in FIXTURES.iterdir() if (p / "reference.npz").is_file())  # every family's fixture
+
+
+def _hf_check(capsys, argv: list[str]) -> tuple[int, str]:
+    capsys.readouterr()
+    status = cli.main(["hf", "check", *argv])
+    return status, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", CHECKED)
+def test_hf_check_on_each_fixture_passes(name, capsys):
+    """No torch here: the reference is the fixture's reference.npz (transformers' logits and hidden states)."""
+    status, out = _hf_check(capsys, [str(FIXTURES / name)])
+    assert status == 0, out
+    assert "reference.npz (torch/transformers not installed)" in out and out.count("e-0") >= 16
+    worst = float(out.split("max rel logit diff ")[-1].split()[0])
+    assert worst <= 1e-5
+
+
+def test_hf_check_names_the_first_diverging_layer(imported, tmp_path, capsys):
+    """One tensor transposed (layer 0's square q_proj) -> exit 1 naming layer 0; RUN (an import) is checked
+    as saved: the good import passes, an import of the corrupted files does not."""
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "hf"
+    shutil.copytree(FIXTURES / "llama", src)
+    files = SafetensorsDir(src)
+    key = "model.layers.0.self_attn.q_proj.weight"
+    tensors = {k: files.read(k) for k in files.where}
+    assert tensors[key].shape[0] == tensors[key].shape[1]
+    tensors[key] = np.ascontiguousarray(tensors[key].T)
+    save_file(tensors, src / "model.safetensors")
+    status, out = _hf_check(capsys, [str(src)])
+    assert status == 1 and "MISMATCH" in out, out
+    assert "first diverging: layer 0 (model.layers.0;" in out, out
+    assert _hf_check(capsys, [str(FIXTURES / "llama"), str(imported["llama"])])[0] == 0
+    import_hf(src, tmp_path / "bad", devices=one_device())
+    status, out = _hf_check(capsys, [str(FIXTURES / "llama"), str(tmp_path / "bad")])
+    assert status == 1 and "first diverging: layer 0 " in out, out
+
+
+def test_hf_check_without_torch_or_reference_says_what_to_install(tmp_path, capsys):
+    from jaxinfra.hf.check import has_transformers
+
+    if has_transformers():
+        pytest.skip("torch and transformers are installed here: hf check would use them")
+    src = tmp_path / "hf"
+    shutil.copytree(FIXTURES / "llama", src)
+    (src / "reference.npz").unlink()
+    err = _one_line_error(capsys, ["hf", "check", str(src)])
+    assert "pip install torch transformers" in err and str(src) in err

@@ -14,6 +14,8 @@ transformers' (the embeddings, then each layer's output; its last entry is after
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import pathlib
 from collections.abc import Sequence
 from typing import Any
@@ -64,26 +66,41 @@ def layer_hidden_states(model: nnx.Module, tokens: jax.Array) -> tuple[jax.Array
     return hidden, model.logits(final)
 
 
-def ours(cfg: ModelConfig, params: Any, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Our (hidden states, logits) for the token rows, in float32 on one device."""
+@functools.cache
+def _scorer(cfg: ModelConfig):
+    """One jitted (hidden states, logits) per model config (a process checking several dirs compiles once)."""
     from jaxinfra.infer.loading import inference_model_config
     from jaxinfra.state import model_graphdef
 
     graphdef = model_graphdef(inference_model_config(cfg))
+    return jax.jit(lambda p, t: layer_hidden_states(nnx.merge(graphdef, p), t))
+
+
+def ours(cfg: ModelConfig, params: Any, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Our (hidden states, logits) for the token rows, in float32 on one device."""
     dev = jax.devices()[0]
     params = jax.device_put(params, dev)
-    fn = jax.jit(lambda p, t: layer_hidden_states(nnx.merge(graphdef, p), t))
-    hidden, logits = fn(params, jax.device_put(jnp.asarray(tokens, jnp.int32), dev))
+    hidden, logits = _scorer(cfg)(params, jax.device_put(jnp.asarray(tokens, jnp.int32), dev))
     return np.asarray(hidden), np.asarray(logits)
 
 
-def transformers_reference(hf_dir: pathlib.Path, tokens: np.ndarray) -> dict[str, np.ndarray] | None:
-    """transformers' logits and hidden states, or None when torch / transformers are not installed."""
-    try:
-        import torch
-        import transformers
-    except ImportError:
-        return None
+def has_transformers() -> bool:
+    return all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
+
+
+def check_reference_available(hf_dir: pathlib.Path) -> None:
+    """Fail fast (before any import or compile) when there is nothing to compare with."""
+    stored = hf_dir / "reference.npz"
+    if not has_transformers() and not (stored.is_file() and "logits" in np.load(stored).files):
+        raise NoReference(f"hf check needs torch and transformers to score {hf_dir} (no reference.npz with "
+                          f"tokens and logits there): {INSTALL}")
+
+
+def transformers_reference(hf_dir: pathlib.Path, tokens: np.ndarray) -> dict[str, Any]:
+    """transformers' logits and hidden states (float32, eager attention)."""
+    import torch
+    import transformers
+
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager",
                                                               dtype=torch.float32).eval()
     with torch.no_grad():
@@ -100,12 +117,10 @@ def reference_for(hf_dir: pathlib.Path, vocab: int) -> tuple[np.ndarray, dict[st
     tokens = saved.get("tokens")
     if tokens is None:  # fixed ids spread over the vocabulary, the same every run
         tokens = np.random.default_rng(0).integers(0, vocab, (ROWS, LENGTH)).astype(np.int32)
-    live = transformers_reference(hf_dir, tokens)
+    live = transformers_reference(hf_dir, tokens) if has_transformers() else None
     if live is not None:
         return tokens, live
-    if "logits" not in saved:
-        raise NoReference(f"hf check needs torch and transformers to score {hf_dir} (no reference.npz with "
-                          f"tokens and logits there): {INSTALL}")
+    check_reference_available(hf_dir)
     return tokens, {**saved, "source": f"{stored} (torch/transformers not installed)"}
 
 
@@ -159,6 +174,7 @@ def check_hf(hf_dir: str | pathlib.Path, run: str | pathlib.Path | None = None, 
     """Score the reference tokens with our conversion and the reference; the report's `ok` is
     max rel logit diff <= tol. Raises NoReference (exit 2) when there is nothing to compare with."""
     hf_dir = pathlib.Path(hf_dir)
+    check_reference_available(hf_dir)
     cfg, params, what = load_ours(hf_dir, run)
     tokens, ref = reference_for(hf_dir, cfg.vocab_size)
     hidden, logits = ours(cfg, params, tokens)
