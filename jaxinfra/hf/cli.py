@@ -27,6 +27,8 @@ def cmd_import(args: argparse.Namespace) -> int:
     print(f"imported {report['family']} ({report['params'] / 1e6:.2f}M params) -> {report['checkpoint']} in "
           f"{report['seconds']:.1f}s; peak host RSS {report['peak_rss_bytes'] / 2**20:.0f} MiB, checkpoint on disk "
           f"{report['bytes_on_disk'] / 2**20:.0f} MiB")
+    if report.get("hf_files"):
+        print(f"carried: {', '.join(report['hf_files'])}")
     return 0
 
 
