@@ -474,3 +474,68 @@ def test_hf_check_without_torch_or_reference_says_what_to_install(tmp_path, caps
     (src / "reference.npz").unlink()
     err = _one_line_error(capsys, ["hf", "check", str(src)])
     assert "pip install torch transformers" in err and str(src) in err
+
+
+# ---------------------------------------------------------------- tokenizer files carried through
+
+
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+
+
+def _tiny_tokenizer(folder: pathlib.Path) -> None:
+    """A BPE tokenizer.json of < 128 ids (the fixtures' vocabulary), its config with a chat template and
+    the special tokens map, written as transformers' save_pretrained lays them out."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    specials = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]  # </s> = 2, the fixtures' eos_token_id
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog; user assistant hello"] * 8,
+                            trainers.BpeTrainer(vocab_size=100, special_tokens=specials, show_progress=False))
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": TEMPLATE,
+              "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 256}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (folder / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}) + "\n")
+
+
+def test_tokenizer_files_round_trip_and_runs_use_them(tmp_path, capsys):
+    from tokenizers import Tokenizer
+
+    from jaxinfra.data.chat import load_chat_template
+    from jaxinfra.hf.tokenizer_files import CARRIED
+    from jaxinfra.infer.text import generation_stop_ids
+
+    src = tmp_path / "hf"
+    shutil.copytree(FIXTURES / "llama", src)
+    _tiny_tokenizer(src)
+    out = tmp_path / "import"
+    report = import_hf(src, out, devices=one_device())
+    carried = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"]
+    assert report["hf_files"] == carried and all(name in CARRIED for name in carried)
+    data = load_config(str(out / "config.yaml")).data
+    assert (data.source, data.tokenizer, data.chat_template) == ("text", str(out / "tokenizer.json"), "tokenizer")
+    # The chat data source of a run configured from the import renders with the model's own template.
+    chat = load_config(str(out / "config.yaml"), ["data.source=chat", f"data.paths=[{tmp_path}/c.jsonl]"]).data
+    assert load_chat_template(chat.chat_template, chat.tokenizer).source == TEMPLATE
+    export_hf(out, tmp_path / "export")
+    for name in carried:
+        assert (tmp_path / "export" / name).read_bytes() == (src / name).read_bytes(), name
+    # generate --chat: the model's template renders the turn, its tokenizer encodes it and decodes the reply
+    # (random weights: any text), and generation_config.json's eos_token_id is the default stop id.
+    cfg = load_config(str(out / "config.yaml"))
+    assert generation_stop_ids(cfg, out) == [2]
+    capsys.readouterr()
+    assert cli.main(["generate", str(out), "--chat", "--prompt", "hello fox", "--max-new-tokens", "3"]) == 0
+    assert "prefill: 7 tokens" in capsys.readouterr().err  # <|im_start|> user hello fox <|im_end|> <|im_start|> ...
+    # eval --text: the text through the import's tokenizer, scored as --tokens of the same ids.
+    text = "the quick brown fox jumps over the lazy dog " * 4
+    (tmp_path / "t.txt").write_text(text)
+    ids = Tokenizer.from_file(str(out / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    np.save(tmp_path / "t.npy", np.asarray(ids, np.int32))
+    rows = []
+    for flag, path in (("--text", "t.txt"), ("--tokens", "t.npy")):
+        assert cli.main(["eval", str(out), flag, str(tmp_path / path), "--seq-len", "8"]) == 0
+        rows.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert rows[0] == rows[1] and rows[0]["tokens"] == (len(ids) // 9) * 8
