@@ -70,6 +70,11 @@ def _join_process_group(args: argparse.Namespace) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # bad input fails here: before any device, process group or compile
     _check_urls(run_dir=args.run_dir, restore=args.restore)
+    from jaxinfra.hf.tokenizer_files import restore_defaults
+
+    cfg, note = restore_defaults(cfg, args.restore, args.overrides)  # an `hf import`'s tokenizer and template
+    if note:
+        print(f"jaxinfra train: {note}")
     _join_process_group(args)
     from jaxinfra.plan.cli import preflight
     from jaxinfra.train import train

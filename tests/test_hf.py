@@ -519,6 +519,18 @@ def test_tokenizer_files_round_trip_and_runs_use_them(tmp_path, capsys):
     # The chat data source of a run configured from the import renders with the model's own template.
     chat = load_config(str(out / "config.yaml"), ["data.source=chat", f"data.paths=[{tmp_path}/c.jsonl]"]).data
     assert load_chat_template(chat.chat_template, chat.tokenizer).source == TEMPLATE
+    # So does a byte-level chat config that starts from the import (train --restore OUT or OUT/checkpoints/0),
+    # unless the command line names the template.
+    from jaxinfra.hf.tokenizer_files import restore_defaults
+
+    byte_chat = ["data.source=chat", f"data.paths=[{tmp_path}/c.jsonl]", "data.tokenizer=null",
+                 "data.chat_template=chatml"]
+    native = load_config(str(out / "config.yaml"), byte_chat)
+    for restore in (out, out / "checkpoints" / "0"):
+        got, note = restore_defaults(native, str(restore), byte_chat[:2])
+        assert (got.data.tokenizer, got.data.chat_template) == (str(out / "tokenizer.json"), "tokenizer"), note
+    assert restore_defaults(native, str(out), byte_chat)[0].data.chat_template == "chatml"
+    assert restore_defaults(native, str(FIXTURES / "llama"), byte_chat[:2]) == (native, None)
     export_hf(out, tmp_path / "export")
     for name in carried:
         assert (tmp_path / "export" / name).read_bytes() == (src / name).read_bytes(), name

@@ -155,6 +155,9 @@ def load_ours(hf_dir: pathlib.Path, run: str | pathlib.Path | None) -> tuple[Mod
         from jaxinfra.infer import load_model
 
         cfg, params = load_model(str(run), [])
+        if cfg.lora.enabled or cfg.quant.weights != "none":  # not the HF model's function, nor its params' layout
+            raise HFError(f"hf check: {run} is a LoRA or int8 run; check the float base it came from (or "
+                          f"`jaxinfra lora merge` it first)")
         return cfg.model, params, f"the conversion in {run}"
     from jaxinfra.hf.families import from_hf, rope_interleaved
     from jaxinfra.hf.importer import build_config, check_unused, load_params, read_hf_config

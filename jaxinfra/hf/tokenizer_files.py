@@ -62,3 +62,36 @@ def copy_carried(src: pathlib.Path, dst: pathlib.Path, names: Sequence[str]) -> 
             shutil.copyfile(src / name, dst / name)
     return list(names)
 
+
+
+def import_dir(restore: str | None) -> pathlib.Path | None:
+    """The `hf import` output a --restore path names (OUT or OUT/checkpoints/N) when it carries a
+    tokenizer.json, else None (other runs, bucket URLs)."""
+    if restore is None or "://" in str(restore):
+        return None
+    path = pathlib.Path(restore)
+    for candidate in (path, path.parent.parent):
+        if (candidate / "config.yaml").is_file() and (candidate / "tokenizer.json").is_file():
+            return candidate
+    return None
+
+
+def restore_defaults(cfg: Any, restore: str | None, overrides: Sequence[str]) -> tuple[Any, str | None]:
+    """A run that starts from an import (`train --restore OUT`) with a byte-level data section reads its
+    text with the import's tokenizer, and renders chat / preference / prompt data with the model's own
+    template unless data.chat_template is given on the command line. Returns (config, a note or None)."""
+    import dataclasses
+
+    from jaxinfra.config import validate
+
+    found = import_dir(restore)
+    data = cfg.data
+    if found is None or data.tokenizer is not None or data.source in ("synthetic", "tokens"):
+        return cfg, None
+    changes = {"tokenizer": str((found / "tokenizer.json").absolute())}
+    chatty = data.source in ("chat", "preference", "prompts")
+    if chatty and has_chat_template(found) and not any(o.startswith("data.chat_template=") for o in overrides):
+        changes["chat_template"] = "tokenizer"
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(data, **changes))
+    validate(cfg)
+    return cfg, "from the import " + str(found) + ": " + ", ".join(f"data.{k}={v}" for k, v in changes.items())
