@@ -21,9 +21,10 @@ train, info and bench also take --coordinator HOST:PORT --num-processes N --proc
     jaxinfra scaling predict --fit FIT.json --compute C   compute-optimal N, D and loss at C FLOPs
     jaxinfra hf import HF_DIR OUT [KEY=VALUE ...]   Hugging Face safetensors -> a run directory
     jaxinfra hf export RUN_OR_CKPT OUT_DIR [--dtype D] [--max-shard-gb G]   a run -> HF safetensors
+    jaxinfra hf check HF_DIR [RUN] [--tol 1e-5]   logits vs transformers per position; exit 1 names the layer
     jaxinfra generate CKPT (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N] [--temperature T]
                       [--top-k K] [--top-p P] [--stop-ids ...]   sampling with a KV cache
-    jaxinfra eval CKPT --tokens FILE.npy [--batch-size B]   mean next-token loss, one JSON line
+    jaxinfra eval CKPT (--tokens FILE.npy | --text FILE.txt) [--batch-size B]   mean next-token loss, one JSON line
     jaxinfra data prepare INPUT... --out DIR (--tokenizer PATH | --bytes) [--workers N] [--shard-tokens N]
     jaxinfra data inspect DIR [CONFIG] [KEY=VALUE ...]   counts, lengths, a decoded sample, checks
     jaxinfra quantize RUN_OR_CKPT OUT --weights int8 [--group-size N]   weight-only int8 checkpoint for inference
@@ -182,7 +183,7 @@ def _add_package_commands(sub: argparse._SubParsersAction) -> None:
     from jaxinfra.data_cli import add_subcommands as add_data  # data {prepare,inspect}
     from jaxinfra.distill.cli import add_subcommands as add_distill  # distill save-logits
     from jaxinfra.dpo.cli import add_subcommands as add_dpo  # dpo save-reference
-    from jaxinfra.hf.cli import add_subcommands as add_hf  # hf {import,export}
+    from jaxinfra.hf.cli import add_subcommands as add_hf  # hf {import,export,check}
     from jaxinfra.infer.cli import add_subcommands as add_inference  # generate, eval
     from jaxinfra.lora.cli import add_subcommands as add_lora  # lora merge
     from jaxinfra.plan.cli import add_subcommands as add_plan  # plan
