@@ -21,9 +21,10 @@ train, info and bench also take --coordinator HOST:PORT --num-processes N --proc
     jaxinfra scaling predict --fit FIT.json --compute C   compute-optimal N, D and loss at C FLOPs
     jaxinfra hf import HF_DIR OUT [KEY=VALUE ...]   Hugging Face safetensors -> a run directory
     jaxinfra hf export RUN_OR_CKPT OUT_DIR [--dtype D] [--max-shard-gb G]   a run -> HF safetensors
+    jaxinfra hf check HF_DIR [RUN] [--tol 1e-5]   logits vs transformers per position; exit 1 names the layer
     jaxinfra generate CKPT (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N] [--temperature T]
                       [--top-k K] [--top-p P] [--stop-ids ...]   sampling with a KV cache
-    jaxinfra eval CKPT --tokens FILE.npy [--batch-size B]   mean next-token loss, one JSON line
+    jaxinfra eval CKPT (--tokens FILE.npy | --text FILE.txt) [--batch-size B]   mean next-token loss, one JSON line
     jaxinfra data prepare INPUT... --out DIR (--tokenizer PATH | --bytes) [--workers N] [--shard-tokens N]
     jaxinfra data inspect DIR [CONFIG] [KEY=VALUE ...]   counts, lengths, a decoded sample, checks
     jaxinfra quantize RUN_OR_CKPT OUT --weights int8 [--group-size N]   weight-only int8 checkpoint for inference
@@ -70,6 +71,11 @@ def _join_process_group(args: argparse.Namespace) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # bad input fails here: before any device, process group or compile
     _check_urls(run_dir=args.run_dir, restore=args.restore)
+    from jaxinfra.hf.tokenizer_files import restore_defaults
+
+    cfg, note = restore_defaults(cfg, args.restore, args.overrides)  # an `hf import`'s tokenizer and template
+    if note:
+        print(f"jaxinfra train: {note}")
     _join_process_group(args)
     from jaxinfra.plan.cli import preflight
     from jaxinfra.train import train
@@ -177,7 +183,7 @@ def _add_package_commands(sub: argparse._SubParsersAction) -> None:
     from jaxinfra.data_cli import add_subcommands as add_data  # data {prepare,inspect}
     from jaxinfra.distill.cli import add_subcommands as add_distill  # distill save-logits
     from jaxinfra.dpo.cli import add_subcommands as add_dpo  # dpo save-reference
-    from jaxinfra.hf.cli import add_subcommands as add_hf  # hf {import,export}
+    from jaxinfra.hf.cli import add_subcommands as add_hf  # hf {import,export,check}
     from jaxinfra.infer.cli import add_subcommands as add_inference  # generate, eval
     from jaxinfra.lora.cli import add_subcommands as add_lora  # lora merge
     from jaxinfra.plan.cli import add_subcommands as add_plan  # plan

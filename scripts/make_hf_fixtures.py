@@ -14,7 +14,11 @@ Run with the fixture venv (torch + transformers; the test suite itself never imp
 Each fixture dir holds what `save_pretrained(safe_serialization=True)` writes (config.json,
 model.safetensors) plus `reference.npz`: `tokens` [2, 16] int32, `logits` [2, 16, vocab]
 float32 and `loss`, the mean next-token cross-entropy over all 2 * 15 predictions computed in
-float32 from those logits (HF's `labels=` convention: logits[:, :-1] predict tokens[:, 1:]).
+float32 from those logits (HF's `labels=` convention: logits[:, :-1] predict tokens[:, 1:]), and
+`hidden_states` [layers + 1, 2, 16, hidden] float32 (`output_hidden_states=True`: the embeddings, each
+layer's output, the last one final-normed) for `jaxinfra hf check`'s first-diverging-layer report.
+`--add-hidden-states` adds that array to existing fixtures' reference.npz, leaving the other arrays and
+files as they are (it checks the reloaded model still gives the stored logits exactly).
 
 Weights are re-drawn with larger scales than HF's init (std 0.02 makes every logit ~0 and the
 MoE routers near-ties, which would test nothing); norm weights are 1 + noise; DeepSeek's
@@ -108,6 +112,22 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 b.copy_(0.05 * torch.randn(b.shape, generator=g))
 
 
+def hidden_states(model: torch.nn.Module, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        out = model(torch.from_numpy(tokens).long(), output_hidden_states=True)
+    return np.stack([h.float().numpy() for h in out.hidden_states])
+
+
+def add_hidden_states(fixture: pathlib.Path) -> None:
+    """Adds `hidden_states` to an existing reference.npz; every other array is written back unchanged."""
+    ref = dict(np.load(fixture / "reference.npz"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(fixture, attn_implementation="eager").float().eval()
+    assert _rel_err(reference(model, ref["tokens"])[0], ref["logits"]) == 0.0, f"{fixture}: logits changed"
+    ref["hidden_states"] = hidden_states(model, ref["tokens"])
+    np.savez(fixture / "reference.npz", **ref)
+    print(f"{fixture.name}: hidden_states {ref['hidden_states'].shape}")
+
+
 def reference(model: torch.nn.Module, tokens: np.ndarray) -> tuple[np.ndarray, float]:
     with torch.no_grad():
         logits = model(torch.from_numpy(tokens).long()).logits.float().numpy()
@@ -131,7 +151,8 @@ def build(name: str, cfg: transformers.PretrainedConfig, seed: int) -> None:
     for old in out.glob("*"):
         old.unlink()
     model.save_pretrained(out, safe_serialization=True)
-    np.savez(out / "reference.npz", tokens=tokens, logits=logits, loss=np.float32(loss))
+    np.savez(out / "reference.npz", tokens=tokens, logits=logits, loss=np.float32(loss),
+             hidden_states=hidden_states(model, tokens))
     # What did transformers write? (5.x may store fused expert tensors; the Hub uses per-expert names.)
     from safetensors import safe_open
     with safe_open(out / "model.safetensors", "np") as f:
@@ -167,7 +188,14 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", help="fixture names (default: all)")
     parser.add_argument("--check-export", type=pathlib.Path, metavar="EXPORT_DIR")
     parser.add_argument("--reference", type=pathlib.Path, metavar="FIXTURE_DIR")
+    parser.add_argument("--add-hidden-states", action="store_true",
+                        help="add hidden_states to the existing fixtures' reference.npz (--only: those)")
     args = parser.parse_args()
+    if args.add_hidden_states:
+        for fixture in sorted(p for p in OUT.iterdir() if (p / "reference.npz").is_file()):
+            if not args.only or fixture.name in args.only:
+                add_hidden_states(fixture)
+        return 0
     if args.check_export:
         if args.reference is None:
             parser.error("--check-export needs --reference FIXTURE_DIR")

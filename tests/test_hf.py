@@ -509,3 +509,137 @@ def test_qwen3_30b_a3b_hub_config_imports_as_the_preset():
     assert family == "qwen3_moe"
     assert {k: (v, getattr(cfg, k)) for k, v in dataclasses.asdict(preset).items()
             if k not in skip and getattr(cfg, k) != v} == {}
+
+
+# ---------------------------------------------------------------- hf check
+
+
+CHECKED = sorted(p.name for p in FIXTURES.iterdir() if (p / "reference.npz").is_file())  # every family's fixture
+
+
+def _hf_check(capsys, argv: list[str]) -> tuple[int, str]:
+    capsys.readouterr()
+    status = cli.main(["hf", "check", *argv])
+    return status, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", CHECKED)
+def test_hf_check_on_each_fixture_passes(name, capsys):
+    """No torch here: the reference is the fixture's reference.npz (transformers' logits and hidden states)."""
+    status, out = _hf_check(capsys, [str(FIXTURES / name)])
+    assert status == 0, out
+    assert "reference.npz (torch/transformers not installed)" in out and out.count("e-0") >= 16
+    worst = float(out.split("max rel logit diff ")[-1].split()[0])
+    assert worst <= 1e-5
+
+
+def test_hf_check_names_the_first_diverging_layer(imported, tmp_path, capsys):
+    """One tensor transposed (layer 0's square q_proj) -> exit 1 naming layer 0; RUN (an import) is checked
+    as saved: the good import passes, an import of the corrupted files does not."""
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "hf"
+    shutil.copytree(FIXTURES / "llama", src)
+    files = SafetensorsDir(src)
+    key = "model.layers.0.self_attn.q_proj.weight"
+    tensors = {k: files.read(k) for k in files.where}
+    assert tensors[key].shape[0] == tensors[key].shape[1]
+    tensors[key] = np.ascontiguousarray(tensors[key].T)
+    save_file(tensors, src / "model.safetensors")
+    status, out = _hf_check(capsys, [str(src)])
+    assert status == 1 and "MISMATCH" in out, out
+    assert "first diverging: layer 0 (model.layers.0;" in out, out
+    assert _hf_check(capsys, [str(FIXTURES / "llama"), str(imported["llama"])])[0] == 0
+    import_hf(src, tmp_path / "bad", devices=one_device())
+    status, out = _hf_check(capsys, [str(FIXTURES / "llama"), str(tmp_path / "bad")])
+    assert status == 1 and "first diverging: layer 0 " in out, out
+
+
+def test_hf_check_without_torch_or_reference_says_what_to_install(tmp_path, capsys):
+    from jaxinfra.hf.check import has_transformers
+
+    if has_transformers():
+        pytest.skip("torch and transformers are installed here: hf check would use them")
+    src = tmp_path / "hf"
+    shutil.copytree(FIXTURES / "llama", src)
+    (src / "reference.npz").unlink()
+    err = _one_line_error(capsys, ["hf", "check", str(src)])
+    assert "pip install torch transformers" in err and str(src) in err
+
+
+# ---------------------------------------------------------------- tokenizer files carried through
+
+
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+
+
+def _tiny_tokenizer(folder: pathlib.Path) -> None:
+    """A BPE tokenizer.json of < 128 ids (the fixtures' vocabulary), its config with a chat template and
+    the special tokens map, written as transformers' save_pretrained lays them out."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    specials = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]  # </s> = 2, the fixtures' eos_token_id
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog; user assistant hello"] * 8,
+                            trainers.BpeTrainer(vocab_size=100, special_tokens=specials, show_progress=False))
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": TEMPLATE,
+              "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 256}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (folder / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}) + "\n")
+
+
+def test_tokenizer_files_round_trip_and_runs_use_them(tmp_path, capsys):
+    from tokenizers import Tokenizer
+
+    from jaxinfra.data.chat import load_chat_template
+    from jaxinfra.hf.tokenizer_files import CARRIED
+    from jaxinfra.infer.text import generation_stop_ids
+
+    src = tmp_path / "hf"
+    shutil.copytree(FIXTURES / "llama", src)
+    _tiny_tokenizer(src)
+    out = tmp_path / "import"
+    report = import_hf(src, out, devices=one_device())
+    carried = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"]
+    assert report["hf_files"] == carried and all(name in CARRIED for name in carried)
+    data = load_config(str(out / "config.yaml")).data
+    assert (data.source, data.tokenizer, data.chat_template) == ("text", str(out / "tokenizer.json"), "tokenizer")
+    # The chat data source of a run configured from the import renders with the model's own template.
+    chat = load_config(str(out / "config.yaml"), ["data.source=chat", f"data.paths=[{tmp_path}/c.jsonl]"]).data
+    assert load_chat_template(chat.chat_template, chat.tokenizer).source == TEMPLATE
+    # So does a byte-level chat config that starts from the import (train --restore OUT or OUT/checkpoints/0),
+    # unless the command line names the template.
+    from jaxinfra.hf.tokenizer_files import restore_defaults
+
+    byte_chat = ["data.source=chat", f"data.paths=[{tmp_path}/c.jsonl]", "data.chat_template=chatml"]
+    imported_cfg = load_config(str(out / "config.yaml"), byte_chat[:2])  # (a byte-level config itself would not
+    # validate: 256 ids > vocab 128; the defaults make it valid)
+    native = dataclasses.replace(imported_cfg, data=dataclasses.replace(chat, tokenizer=None, chat_template="chatml"))
+    for restore in (out, out / "checkpoints" / "0"):
+        got, note = restore_defaults(native, str(restore), byte_chat[:2])
+        assert (got.data.tokenizer, got.data.chat_template) == (str(out / "tokenizer.json"), "tokenizer"), note
+    assert restore_defaults(native, str(out), byte_chat)[0].data.chat_template == "chatml"
+    assert restore_defaults(native, str(FIXTURES / "llama"), byte_chat[:2]) == (native, None)
+    export_hf(out, tmp_path / "export")
+    for name in carried:
+        assert (tmp_path / "export" / name).read_bytes() == (src / name).read_bytes(), name
+    # generate --chat: the model's template renders the turn, its tokenizer encodes it and decodes the reply
+    # (random weights: any text), and generation_config.json's eos_token_id is the default stop id.
+    cfg = load_config(str(out / "config.yaml"))
+    assert generation_stop_ids(cfg, out) == [2]
+    capsys.readouterr()
+    assert cli.main(["generate", str(out), "--chat", "--prompt", "hello fox", "--max-new-tokens", "3"]) == 0
+    assert "prefill: 7 tokens" in capsys.readouterr().err  # <|im_start|> user hello fox <|im_end|> <|im_start|> ...
+    # eval --text: the text through the import's tokenizer, scored as --tokens of the same ids.
+    text = "the quick brown fox jumps over the lazy dog " * 4
+    (tmp_path / "t.txt").write_text(text)
+    ids = Tokenizer.from_file(str(out / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    np.save(tmp_path / "t.npy", np.asarray(ids, np.int32))
+    rows = []
+    for flag, path in (("--text", "t.txt"), ("--tokens", "t.npy")):
+        assert cli.main(["eval", str(out), flag, str(tmp_path / path), "--seq-len", "8"]) == 0
+        rows.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert rows[0] == rows[1] and rows[0]["tokens"] == (len(ids) // 9) * 8

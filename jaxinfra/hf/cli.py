@@ -2,6 +2,7 @@
 
     jaxinfra hf import HF_DIR OUT [KEY=VALUE ...] [--adapter PEFT_DIR]      e.g. mesh.fsdp=4 mesh.tensor=2
     jaxinfra hf export RUN_OR_CKPT OUT_DIR [--dtype float32|bfloat16] [--max-shard-gb 5] [--adapters]
+    jaxinfra hf check HF_DIR [RUN] [--tol 1e-5]     exit 0 (matches), 1 (differs: names the first layer), 2
 
 `--adapters` (a LoRA run): the base as without it (adapters NOT merged) plus PEFT's adapter_config.json
 and adapter_model.safetensors, so `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(OUT), OUT)`
@@ -26,6 +27,8 @@ def cmd_import(args: argparse.Namespace) -> int:
     print(f"imported {report['family']} ({report['params'] / 1e6:.2f}M params) -> {report['checkpoint']} in "
           f"{report['seconds']:.1f}s; peak host RSS {report['peak_rss_bytes'] / 2**20:.0f} MiB, checkpoint on disk "
           f"{report['bytes_on_disk'] / 2**20:.0f} MiB")
+    if report.get("hf_files"):
+        print(f"carried: {', '.join(report['hf_files'])}")
     return 0
 
 
@@ -47,8 +50,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    from jaxinfra.hf.check import check_hf, format_report
+
+    report = check_hf(args.hf_dir, args.run, args.tol)
+    print(format_report(report))
+    return 0 if report["ok"] else 1
+
+
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
-    """Adds `hf {import,export}` to the jaxinfra parser."""
+    """Adds `hf {import,export,check}` to the jaxinfra parser."""
     hf = sub.add_parser("hf", help="Hugging Face interop: import safetensors checkpoints, export runs")
     hf_sub = hf.add_subparsers(dest="hf_command", required=True)
 
@@ -68,3 +79,12 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--adapters", action="store_true",
                    help="a LoRA run: also write its adapters in PEFT's format (the base is written unmerged)")
     p.set_defaults(func=cmd_export)
+
+    p = hf_sub.add_parser("check", help="score prompts with jaxinfra and transformers (or HF_DIR/reference.npz): "
+                          "per-position max relative logit difference, losses, first diverging layer")
+    p.add_argument("hf_dir")
+    p.add_argument("run", nargs="?", help="an `hf import` output or run dir made from HF_DIR (default: import "
+                   "HF_DIR in memory)")
+    p.add_argument("--tol", type=float, default=1e-5, help="max relative logit difference that passes "
+                   "(float32: 1e-5); exit 1 above it")
+    p.set_defaults(func=cmd_check)

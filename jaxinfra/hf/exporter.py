@@ -168,7 +168,10 @@ def export_tokenizer_files(cfg: Config, run_dir: pathlib.Path | None, out_dir: p
     """The run's tokenizer beside the weights, as transformers loads it: tokenizer.json and
     tokenizer_config.json (the run's own, or a minimal one) whose `chat_template` is the template
     the run trained with (chat data). Byte-level runs have no tokenizer.json (no HF tokenizer maps
-    bytes to these ids); a byte-level chat run writes its template as chat_template.jinja."""
+    bytes to these ids); a byte-level chat run writes its template as chat_template.jinja. The other
+    files an `hf import` carried (jaxinfra/hf/tokenizer_files.py: generation_config.json,
+    special_tokens_map.json, the template files when the run kept that template) are copied back,
+    and every file whose content is unchanged is copied byte for byte."""
     from jaxinfra.data.chat import load_chat_template
     from jaxinfra.infer.chat import run_file
 
@@ -179,15 +182,42 @@ def export_tokenizer_files(cfg: Config, run_dir: pathlib.Path | None, out_dir: p
         spec = data.chat_template if data.chat_template in ("chatml", "tokenizer") else run_file(data.chat_template,
                                                                                                   run_dir)
         template = load_chat_template(spec, tokenizer).source
+    folders = [p for p in (pathlib.Path(tokenizer).parent if tokenizer else None, run_dir) if p is not None]
     if tokenizer is None:
-        if template is None:
-            return []
-        (out_dir / "chat_template.jinja").write_text(template, encoding="utf-8")
-        return ["chat_template.jinja"]
+        written = []
+        if template is not None:
+            (out_dir / "chat_template.jinja").write_text(template, encoding="utf-8")
+            written.append("chat_template.jinja")
+        return written + _carried_back(folders, out_dir, template, written)
     shutil.copyfile(tokenizer, out_dir / "tokenizer.json")
     beside = pathlib.Path(tokenizer).parent / "tokenizer_config.json"
     config = json.loads(beside.read_text(encoding="utf-8")) if beside.is_file() else {}
-    if template is not None:
-        config["chat_template"] = template
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
-    return ["tokenizer.json", "tokenizer_config.json"]
+    jinja = pathlib.Path(tokenizer).parent / "chat_template.jinja"
+    kept = template is None or template == config.get("chat_template") or (
+        jinja.is_file() and jinja.read_text(encoding="utf-8") == template)
+    if beside.is_file() and kept:  # the stored template is the run's: the file as it was
+        shutil.copyfile(beside, out_dir / "tokenizer_config.json")
+    else:
+        if template is not None:
+            config["chat_template"] = template
+        (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False),
+                                                       encoding="utf-8")
+    written = ["tokenizer.json", "tokenizer_config.json"]
+    return written + _carried_back(folders, out_dir, template if not kept else None, written)
+
+
+def _carried_back(folders: list[pathlib.Path], out_dir: pathlib.Path, template: str | None,
+                  written: list[str]) -> list[str]:
+    """Copies the other carried files found in `folders` (first wins); the template files only when the
+    run did not replace the template (`template` None), so transformers never finds a stale one."""
+    from jaxinfra.hf.tokenizer_files import CARRIED, copy_carried
+
+    names = []
+    for name in CARRIED:
+        stale = template is not None and name in ("chat_template.jinja", "additional_chat_templates")
+        if name in written or name in ("tokenizer.json", "tokenizer_config.json") or stale:
+            continue
+        found = next((f for f in folders if (f / name).exists()), None)
+        if found is not None:
+            names += copy_carried(found, out_dir, [name])
+    return names

@@ -14,6 +14,7 @@ are host memory too, so there RSS includes the model once).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import pathlib
@@ -51,13 +52,17 @@ def read_hf_config(hf_dir: pathlib.Path) -> dict[str, Any]:
         raise HFError(f"{path}: invalid JSON ({e})") from None
 
 
-def build_config(model: ModelConfig, overrides: Sequence[str] = (), device_count: int | None = None) -> Config:
-    """Config(model=mapped) + KEY=VALUE overrides, validated. The data section stays the default unless
-    its vocabulary does not fit the model (tiny test models): then synthetic tokens, to be overridden."""
+def build_config(model: ModelConfig, overrides: Sequence[str] = (), device_count: int | None = None,
+                 data: dict[str, Any] | None = None) -> Config:
+    """Config(model=mapped) + `data` keys (the HF tokenizer's, jaxinfra/hf/tokenizer_files.py) + KEY=VALUE
+    overrides, validated. Without `data` the data section stays the default unless its vocabulary does not
+    fit the model (tiny test models): then synthetic tokens, to be overridden."""
     from jaxinfra.data import vocab_size_of
 
     tree = Config(model=model).to_dict()
-    if vocab_size_of(Config().data) > model.vocab_size:
+    if data:
+        tree["data"].update(data)
+    elif vocab_size_of(Config().data) > model.vocab_size:
         tree["data"]["source"] = "synthetic"
         tree["data"]["synthetic_vocab"] = min(64, model.vocab_size)
     cfg = from_dict(Config, apply_overrides(tree, list(overrides)), "")
@@ -153,7 +158,10 @@ def import_hf(hf_dir: str | pathlib.Path, out: str | pathlib.Path, overrides: Se
 
         adapter = pathlib.Path(adapter)
         overrides = [*lora_overrides(adapter, model, family), *overrides]
-    cfg = build_config(model, overrides, len(devices))
+    from jaxinfra.hf.tokenizer_files import carried_files, copy_carried, data_defaults
+
+    data = data_defaults(hf_dir, overrides, model.vocab_size)
+    cfg = build_config(model, overrides, len(devices), data)
     if cfg.lora.enabled and adapter is None:
         raise HFError("hf import with lora.rank > 0 needs --adapter PEFT_DIR; to start new adapters, import the "
                       "base and train it with lora.* set (train --restore OUT)")
@@ -164,7 +172,11 @@ def import_hf(hf_dir: str | pathlib.Path, out: str | pathlib.Path, overrides: Se
             "hf_architectures": hf.get("architectures"), "step": STEP}
     if adapter is not None:
         meta["peft_adapter"] = str(adapter.absolute())
+    meta["hf_files"] = copy_carried(hf_dir, out, carried_files(hf_dir))  # tokenizer, template, generation
+    if data and cfg.data.tokenizer == data["tokenizer"]:  # the run reads the copy in OUT, not the source dir
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str((out / "tokenizer.json")
+                                                                                        .absolute())))
     path = save_params_only(out, cfg, params, meta, STEP)
     count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     return {"family": family, "checkpoint": str(path), "params": count, "bytes_on_disk": files.bytes_on_disk(),
-            "peak_rss_bytes": peak_rss_bytes(), "seconds": time.perf_counter() - start}
+            "peak_rss_bytes": peak_rss_bytes(), "seconds": time.perf_counter() - start, "hf_files": meta["hf_files"]}

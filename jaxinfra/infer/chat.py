@@ -32,9 +32,12 @@ def run_file(path: str, run_dir: str | pathlib.Path | None) -> str:
 def run_chat_template(cfg: Config, run_dir: str | pathlib.Path | None = None) -> tuple[ChatTemplate, Encoder]:
     """The chat template and encoder of the run (its data.chat_template and data.tokenizer)."""
     data = cfg.data
-    if data.source not in ("chat", "prompts"):  # prompts: a GRPO run, its chat prompts rendered the same way
-        raise InferenceError(f"--chat needs a run trained on chat data (data.source=chat, or prompts for GRPO); "
-                             f"this run's data.source is {data.source!r}")
+    # prompts: a GRPO run, its chat prompts rendered the same way; an HF model's own template (an `hf import`
+    # carries it: data.chat_template=tokenizer) is the template it was tuned with, whatever data.source is.
+    own = data.chat_template == "tokenizer" and data.tokenizer is not None
+    if data.source not in ("chat", "prompts") and not own:
+        raise InferenceError(f"--chat needs a run trained on chat data (data.source=chat, or prompts for GRPO) or "
+                             f"a tokenizer with its chat template; this run's data.source is {data.source!r}")
     tokenizer = run_file(data.tokenizer, run_dir) if data.tokenizer is not None else None
     spec = data.chat_template
     if spec not in ("chatml", "tokenizer"):

@@ -3,7 +3,7 @@
     jaxinfra generate CKPT (--prompt TEXT [--chat [--system TEXT]] | --prompt-ids 1,2,3) [--max-new-tokens N]
                       [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop-ids 10,13] [--no-absorb]
                       [--kv-cache int8] [KEY=VALUE ...]
-    jaxinfra eval CKPT --tokens FILE.npy [--seq-len N] [--batch-size N] [KEY=VALUE ...]
+    jaxinfra eval CKPT (--tokens FILE.npy | --text FILE.txt) [--seq-len N] [--batch-size N] [KEY=VALUE ...]
 
 CKPT is a run directory (newest readable checkpoint) or RUN/checkpoints/<step>; KEY=VALUE
 overrides the run's config (e.g. mesh.tensor=2). stdout carries only the result (the text,
@@ -35,7 +35,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely ids (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stop-ids", default="", help="comma-separated ids that end generation (kept as the last id)")
+    p.add_argument("--stop-ids", default=None, help="comma-separated ids that end generation (kept as the last id; "
+                   "default: the eos_token_id of a generation_config.json an `hf import` carried, else none)")
     p.add_argument("--no-absorb", action="store_true", help="MLA: reconstruct K/V from the latent cache instead "
                    "of absorbing the up-projections (same result, more FLOPs)")
     p.add_argument("--kv-cache", metavar="MODE", help="int8: store the KV cache (MLA: the latent cache) as int8 with "
@@ -45,8 +46,11 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="mean next-token cross-entropy of a token file under a checkpoint")
     p.add_argument("ckpt", help="run directory or RUN/checkpoints/<step>")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    p.add_argument("--tokens", required=True, help=".npy integer array of token ids: [batch, seq] rows, or a flat "
-                   "1-D array (as data.source=tokens reads) cut into rows of --seq-len + 1, the remainder dropped")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--tokens", help=".npy integer array of token ids: [batch, seq] rows, or a flat "
+                        "1-D array (as data.source=tokens reads) cut into rows of --seq-len + 1, the remainder dropped")
+    source.add_argument("--text", help="a UTF-8 text file, encoded with the run's tokenizer (data.tokenizer: an "
+                        "`hf import` carries the model's) and cut into rows like a 1-D --tokens file")
     p.add_argument("--seq-len", type=int, help="1-D token files: predictions per row (default: the run's "
                    "train.seq_len)")
     p.add_argument("--batch-size", type=int, default=8, help="rows per forward pass")
@@ -67,7 +71,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     sampling.check()
-    stop_ids = _ids(args.stop_ids, "--stop-ids")
+    stop_ids = _ids(args.stop_ids, "--stop-ids") if args.stop_ids is not None else None
     prompt_ids = _ids(args.prompt_ids, "--prompt-ids") if args.prompt_ids is not None else None
     if prompt_ids is not None and not prompt_ids:
         raise InferenceError("--prompt-ids is empty")
@@ -77,6 +81,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise InferenceError("--system needs --chat")
     overrides = list(args.overrides) + ([f"quant.kv_cache={args.kv_cache}"] if args.kv_cache is not None else [])
     cfg, params = load_model(args.ckpt, overrides)
+    if stop_ids is None:
+        from jaxinfra.infer.text import generation_stop_ids
+
+        stop_ids = generation_stop_ids(cfg, resolve_checkpoint(args.ckpt)[0])
     if args.chat:
         return _generate_chat(args, cfg, params, sampling, stop_ids)
     if prompt_ids is None:
@@ -115,21 +123,36 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise InferenceError(f"--batch-size={args.batch_size} is invalid: must be >= 1")
     if args.seq_len is not None and args.seq_len < 1:
         raise InferenceError(f"--seq-len={args.seq_len} is invalid: must be >= 1")
-    from jaxinfra.storage import local_copy
-
-    try:
-        tokens = np.load(local_copy(args.tokens, "--tokens"), allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise InferenceError(f"--tokens: cannot read {args.tokens!r} as a .npy array "
-                             f"({str(e).splitlines()[0]})") from None
-    if args.seq_len is not None and np.ndim(tokens) != 1:
-        raise InferenceError(f"--seq-len applies to 1-D token files; {args.tokens!r} has shape {np.shape(tokens)}")
+    if args.tokens is not None:
+        tokens = _token_file(args.tokens, args.seq_len)
     cfg, params = load_model(args.ckpt, args.overrides)
+    if args.text is not None:
+        from jaxinfra.infer import resolve_checkpoint
+        from jaxinfra.infer.text import text_ids
+
+        tokens = np.asarray(text_ids(cfg, resolve_checkpoint(args.ckpt)[0], args.text), np.int32)
     seq_len = cfg.train.seq_len if args.seq_len is None else args.seq_len
     tokens, dropped = token_rows(tokens, seq_len)
     if dropped:
-        print(f"jaxinfra eval: {args.tokens}: {tokens.shape[0]} rows of {seq_len + 1} ids (seq_len {seq_len} + 1); "
-              f"dropped the last {dropped} ids", file=sys.stderr)
+        print(f"jaxinfra eval: {args.tokens or args.text}: {tokens.shape[0]} rows of {seq_len + 1} ids "
+              f"(seq_len {seq_len} + 1); dropped the last {dropped} ids", file=sys.stderr)
     loss, count = score(cfg, params, tokens, args.batch_size)
     print(json.dumps({"eval_loss": loss, "tokens": count}))
     return 0
+
+
+def _token_file(path: str, seq_len: int | None):
+    """`eval --tokens`: the .npy array (read before any model is loaded: bad input fails fast)."""
+    import numpy as np
+
+    from jaxinfra.infer import InferenceError
+    from jaxinfra.storage import local_copy
+
+    try:
+        tokens = np.load(local_copy(path, "--tokens"), allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise InferenceError(f"--tokens: cannot read {path!r} as a .npy array "
+                             f"({str(e).splitlines()[0]})") from None
+    if seq_len is not None and np.ndim(tokens) != 1:
+        raise InferenceError(f"--seq-len applies to 1-D token files; {path!r} has shape {np.shape(tokens)}")
+    return tokens
