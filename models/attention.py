@@ -12,7 +12,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from models.config import ModelConfig
-from models.layers import DTYPES, apply_rope, ones_param, param, rms_norm, rms_norm_heads, zeros_bias
+from models.layers import DTYPES, apply_rope, norm_param, param, rms_norm, rms_norm_heads, zeros_bias
 from models.lora_config import NO_LORA, LoraConfig
 from models.project import Projections, prepare_weights, project_attr
 from models.quant_config import NO_QUANT, QuantConfig
@@ -41,14 +41,15 @@ class Attention(nnx.Module):
             self.bv = zeros_bias((kv, dh), ("kv_heads", "head_dim"), cfg.param_dtype)
         if cfg.qk_norm and cfg.qk_norm_scope == "full":  # over the whole q / k projection before RoPE (OLMo 2)
             # Flat like HF's and like the block norms (1-D: a norm scale to the optimizer, no decay).
-            self.q_norm = ones_param((h * dh,), ("norm",), cfg.param_dtype)
-            self.k_norm = ones_param((kv * dh,), ("norm",), cfg.param_dtype)
+            self.q_norm = norm_param((h * dh,), ("norm",), cfg)
+            self.k_norm = norm_param((kv * dh,), ("norm",), cfg)
         elif cfg.qk_norm:  # per-head RMSNorm of q and k before RoPE (Qwen3)
-            self.q_norm = ones_param((dh,), ("head_dim",), cfg.param_dtype)
-            self.k_norm = ones_param((dh,), ("head_dim",), cfg.param_dtype)
+            self.q_norm = norm_param((dh,), ("head_dim",), cfg)
+            self.k_norm = norm_param((dh,), ("head_dim",), cfg)
         self.qk_norm = cfg.qk_norm
         self.qk_norm_full = cfg.qk_norm and cfg.qk_norm_scope == "full"
-        self.eps = cfg.norm_eps
+        self.eps, self.norm_offset = cfg.norm_eps, cfg.norm_weight_offset
+        self.softcap = cfg.attn_logit_softcap
         self.impl = cfg.attention_impl
         prepare_weights(self, quant, self.PROJECTIONS, DTYPES[cfg.dtype], lora, rngs)
 
@@ -74,7 +75,8 @@ class Attention(nnx.Module):
         q, k, v = self._qkv(x, positions, rope_freqs, plan)
         new = cache_entries(k, v, plan)
         out = decode_attention([q], [cache["k"]], [new["k"]], cache["v"], new["v"], positions[:, 0],
-                               q.shape[-1] ** -0.5, k_scales=[cache.get("k_scale")], v_scale=cache.get("v_scale"))
+                               q.shape[-1] ** -0.5, k_scales=[cache.get("k_scale")], v_scale=cache.get("v_scale"),
+                               softcap=self.softcap)
         return self._output(out), new
 
     def _qkv(self, x: jax.Array, positions: jax.Array, rope_freqs: jax.Array,
@@ -92,8 +94,8 @@ class Attention(nnx.Module):
             q, k, v = (x + b[...].astype(dt) for x, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
         if self.qk_norm:
             norm = rms_norm_heads if self.qk_norm_full else rms_norm
-            q = norm(q, self.q_norm[...], self.eps)
-            k = norm(k, self.k_norm[...], self.eps)
+            q = norm(q, self.q_norm[...], self.eps, self.norm_offset)
+            k = norm(k, self.k_norm[...], self.eps, self.norm_offset)
         q = plan.constrain(apply_rope(q, positions, rope_freqs), ("batch", "length", "heads", "head_dim"))
         k = plan.constrain(apply_rope(k, positions, rope_freqs), ("batch", "length", "kv_heads", "head_dim"))
         v = plan.constrain(v, ("batch", "length", "kv_heads", "head_dim"))
@@ -107,7 +109,7 @@ class Attention(nnx.Module):
                 rope_freqs: jax.Array, plan: ParallelPlan) -> tuple[jax.Array, jax.Array, jax.Array]:
         q, k, v = self._qkv(x, positions, rope_freqs, plan)
         # Plain attention, or context-parallel when the plan's mesh splits the sequence.
-        out = context_attention(q, k, v, segment_ids=segment_ids, impl=self.impl, plan=plan)
+        out = context_attention(q, k, v, segment_ids=segment_ids, impl=self.impl, plan=plan, softcap=self.softcap)
         out = checkpoint_name(out, "attn_out")
         return self._output(out), k, v
 
@@ -121,7 +123,7 @@ def cache_entries(k: jax.Array, v: jax.Array, plan: ParallelPlan = SINGLE_DEVICE
 def decode_attention(qs: Sequence[jax.Array], ks: Sequence[jax.Array], k_news: Sequence[jax.Array],
                      v_cache: jax.Array, v_new: jax.Array, positions: jax.Array, scale: float,
                      k_scales: Sequence[jax.Array | None] | None = None,
-                     v_scale: jax.Array | None = None) -> jax.Array:
+                     v_scale: jax.Array | None = None, softcap: float | None = None) -> jax.Array:
     """Softmax attention of one query per row over its cached keys plus its own new key.
 
     Scores are sums over parts, q . k = sum_i q_i . k_i, so a key kept in pieces (MLA: latent
@@ -138,7 +140,8 @@ def decode_attention(qs: Sequence[jax.Array], ks: Sequence[jax.Array], k_news: S
 
     An int8 cache (models/cache.py) passes its per-token-per-head scales: k_scales[i] [B, Hk_i, S, 1]
     multiply part i's scores, v_scale [B, Hv, S, 1] the probabilities; the int8 values enter the
-    products converted, never dequantized as a whole.
+    products converted, never dequantized as a whole. softcap: scores -> softcap * tanh(scores / softcap)
+    after scaling (Gemma 2), as in training.
     """
     b, _, hq, _ = qs[0].shape
     dt = qs[0].dtype
@@ -154,6 +157,8 @@ def decode_attention(qs: Sequence[jax.Array], ks: Sequence[jax.Array], k_news: S
         s_new = s_new + jnp.einsum("bkgd,bkd->bkg", qg, k_new[:, :, 0],
                                    preferred_element_type=jnp.float32).reshape(b, hq)
     s_old, s_new = s_old * scale, s_new * scale
+    if softcap is not None:
+        s_old, s_new = (softcap * jnp.tanh(s / softcap) for s in (s_old, s_new))
     visible = jnp.arange(s_len)[None, :] < positions[:, None]  # [B, S]
     s_old = jnp.where(visible[:, None, :], s_old, -jnp.inf)
     m = jnp.maximum(jnp.max(s_old, axis=-1), s_new)  # finite: the new key is always visible

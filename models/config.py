@@ -40,6 +40,7 @@ RouterScore = Literal["softmax", "sigmoid"]
 NormPlacement = Literal[
     "pre",  # RMSNorm on each sub-layer's input (Llama, Qwen, Mixtral, DeepSeek)
     "post",  # RMSNorm on each sub-layer's output before the residual add, none on its input (OLMo 2)
+    "sandwich",  # both: on each sub-layer's input and on its output before the residual add (Gemma 2/3)
 ]
 NORM_PLACEMENTS: tuple[str, ...] = get_args(NormPlacement)
 QKNormScope = Literal[
@@ -47,6 +48,11 @@ QKNormScope = Literal[
     "full",  # one RMSNorm over the whole q projection (heads * head_dim) and the whole k projection (OLMo 2)
 ]
 QK_NORM_SCOPES: tuple[str, ...] = get_args(QKNormScope)
+MLPActivation = Literal[
+    "silu",  # SwiGLU: silu(x @ gate) * (x @ up) (Llama, Qwen, Mistral, DeepSeek, OLMo 2)
+    "gelu_tanh",  # GeGLU with tanh-approximated GELU (Gemma)
+]
+MLP_ACTIVATIONS: tuple[str, ...] = get_args(MLPActivation)
 MoEDispatch = Literal[
     "capacity",  # fixed expert capacity, overflow dropped; dense einsums (GShard, Switch)
     "dropless",  # tokens sorted by expert, grouped matmuls with jax.lax.ragged_dot (MegaBlocks)
@@ -83,10 +89,17 @@ class ModelConfig:
     # Where the blocks' RMSNorms sit. A name, not a flag, so that Gemma's pre + post "sandwich" can
     # join as a third value.
     norm_placement: NormPlacement = "pre"
+    # RMSNorm weights multiply as (offset + w): Gemma's (1 + w) is offset 1.0 with w initialised to 0
+    # (init is 1 - offset, the same function at step 0). Every RMSNorm: blocks, QK-norm, final, MLA latents.
+    norm_weight_offset: float = 0.0
     qk_norm: bool = False
     qk_norm_scope: QKNormScope = "head"  # what one q/k RMSNorm spans (with qk_norm)
     qkv_bias: bool = False  # additive biases on the q/k/v projections (Qwen2; HF imports)
     logit_softcap: float | None = None  # tanh soft-cap of output logits (Gemma-2)
+    # tanh soft-cap of the attention scores before the softmax, cap * tanh(s / cap) (Gemma 2)
+    attn_logit_softcap: float | None = None
+    mlp_activation: MLPActivation = "silu"  # the dense gated MLP's activation (gelu_tanh: dense models only)
+    embed_scale: bool = False  # multiply the embeddings by sqrt(d_model), in their dtype (Gemma)
     z_loss_weight: float = 0.0  # PaLM z-loss: weight * log(Z)^2
     init_std: float = 0.02
     scan_layers: bool = True
@@ -201,10 +214,30 @@ class ModelConfig:
             out.append(("loss_chunk_size", self.loss_chunk_size, "an integer >= 0 (0: no chunking)"))
         if self.logit_softcap is not None and self.logit_softcap <= 0:
             out.append(("logit_softcap", self.logit_softcap, "> 0 or null"))
+        out += self._gemma_problems()
         if self.qk_norm_scope != "head" and not self.qk_norm:
             out.append(("qk_norm_scope", self.qk_norm_scope, "head unless model.qk_norm=true"))
         if self.moe_num_experts:
             out += self._moe_problems()
+        return out
+
+    def _gemma_problems(self) -> list[tuple[str, object, str]]:
+        out: list[tuple[str, object, str]] = []
+        if self.norm_placement not in NORM_PLACEMENTS:
+            out.append(("norm_placement", self.norm_placement, f"one of {list(NORM_PLACEMENTS)}"))
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            out.append(("mlp_activation", self.mlp_activation, f"one of {list(MLP_ACTIVATIONS)}"))
+        elif self.mlp_activation != "silu" and self.is_moe:
+            out.append(("mlp_activation", self.mlp_activation, "silu with moe_num_experts > 0 (experts are SwiGLU)"))
+        if not math.isfinite(self.norm_weight_offset):
+            out.append(("norm_weight_offset", self.norm_weight_offset, "a finite number (Gemma: 1.0)"))
+        cap = self.attn_logit_softcap
+        if cap is not None and not (0 < cap < math.inf):
+            out.append(("attn_logit_softcap", cap, "a finite number > 0 or null"))
+        elif cap is not None and self.attention_impl == "cudnn":
+            out.append(("attn_logit_softcap", cap, "null with attention_impl=cudnn (cuDNN has no soft-cap)"))
+        elif cap is not None and self.is_mla:
+            out.append(("attn_logit_softcap", cap, "null with attention_type=mla"))
         return out
 
     def _mla_problems(self) -> list[tuple[str, object, str]]:

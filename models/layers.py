@@ -39,29 +39,45 @@ def ones_param(shape: Sequence[int], names: Sequence[str], dtype: str) -> nnx.Pa
     return nnx.Param(jnp.ones(tuple(shape), DTYPES[dtype]), out_sharding=tuple(names), eager_sharding=False)
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm in float32 (the mean of squares is precision-sensitive), result in x's dtype."""
+def norm_param(shape: Sequence[int], names: Sequence[str], cfg: ModelConfig) -> nnx.Param:
+    """An RMSNorm weight: 1 - model.norm_weight_offset everywhere, so (offset + w) starts at 1."""
+    if not cfg.norm_weight_offset:
+        return ones_param(shape, names, cfg.param_dtype)
+    value = jnp.full(tuple(shape), 1.0 - cfg.norm_weight_offset, DTYPES[cfg.param_dtype])
+    return nnx.Param(value, out_sharding=tuple(names), eager_sharding=False)
+
+
+def _norm_scale(scale: jax.Array, offset: float) -> jax.Array:
+    """The float32 multiplier (offset + w); no add at offset 0 (the program stays as it was)."""
+    scale = scale.astype(jnp.float32)
+    return scale + offset if offset else scale
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm in float32 (the mean of squares is precision-sensitive), result in x's dtype;
+    multiplied by (offset + scale) (Gemma's (1 + w): offset 1)."""
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+    return (y * _norm_scale(scale, offset)).astype(x.dtype)
 
 
-def rms_norm_heads(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+def rms_norm_heads(x: jax.Array, scale: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
     """RMSNorm of x [..., heads, head_dim] over the whole projection (heads and head_dim together,
     OLMo 2's QK-norm), `scale` [heads * head_dim]; float32 inside as rms_norm. Under tensor parallelism
     the mean reduces across the head shards (GSPMD adds the all-reduce)."""
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=(-2, -1), keepdims=True) + eps)
-    return (y * scale.astype(jnp.float32).reshape(x.shape[-2:])).astype(x.dtype)
+    return (y * _norm_scale(scale, offset).reshape(x.shape[-2:])).astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, cfg: ModelConfig, names: Sequence[str] = ("norm",)):
-        self.scale = ones_param((dim,), names, cfg.param_dtype)
+        self.scale = norm_param((dim,), names, cfg)
         self.eps = cfg.norm_eps
+        self.offset = cfg.norm_weight_offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.scale[...], self.eps)
+        return rms_norm(x, self.scale[...], self.eps, self.offset)
 
 
 def rope_frequencies(cfg: ModelConfig) -> jnp.ndarray:
@@ -121,8 +137,12 @@ def apply_rope(x: jax.Array, positions: jax.Array, freqs: jax.Array) -> jax.Arra
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}  # model.mlp_activation
+
+
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(x @ gate) * (x @ up)); `width` overrides cfg.mlp_dim (MoE shared experts)."""
+    """SwiGLU: down(silu(x @ gate) * (x @ up)), or GeGLU with gelu_tanh in place of silu (Gemma);
+    `width` overrides cfg.mlp_dim (MoE shared experts)."""
 
     # weight -> (projection name, contracted dims): models/project.py prepare_weights
     PROJECTIONS: ClassVar[Projections] = {
@@ -135,6 +155,7 @@ class MLP(nnx.Module):
         self.w_up = param(rngs, (d, f), ("embed", "mlp"), std, cfg.param_dtype)
         # Residual-branch outputs are scaled down with depth (GPT-2) so the stream's variance stays flat.
         self.w_down = param(rngs, (f, d), ("mlp", "embed"), std / math.sqrt(2 * cfg.num_layers), cfg.param_dtype)
+        self.activation = cfg.mlp_activation
         prepare_weights(self, quant, self.PROJECTIONS, DTYPES[cfg.dtype], lora, rngs)
 
     def __call__(self, x: jax.Array, *, plan: ParallelPlan = SINGLE_DEVICE) -> jax.Array:
@@ -145,6 +166,6 @@ class MLP(nnx.Module):
         rows = x.reshape(b * t, d)
         gate = project_attr(self, "nd,df->nf", rows, "w_gate")
         up = project_attr(self, "nd,df->nf", rows, "w_up")
-        hidden = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")
+        hidden = checkpoint_name(ACTIVATIONS[self.activation](gate) * up, "mlp_hidden")
         hidden = plan.constrain(hidden, ("rows", "mlp"))
         return project_attr(self, "nf,fd->nd", hidden, "w_down").reshape(b, t, d)

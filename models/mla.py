@@ -33,7 +33,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.attention import Cache, decode_attention
 from models.config import ModelConfig
-from models.layers import DTYPES, apply_rope, ones_param, param, rms_norm, yarn_softmax_scale
+from models.layers import DTYPES, apply_rope, norm_param, param, rms_norm, yarn_softmax_scale
 from models.lora_config import NO_LORA, LoraConfig
 from models.project import Projections, prepare_weights, project_attr, slice_weight, weight
 from models.quant import dequantize
@@ -55,14 +55,14 @@ class MLA(nnx.Module):
             self.wq = param(rngs, (d, h, nope + rope), ("embed", "heads", "head_dim"), std, dtype)
         else:
             self.wq_a = param(rngs, (d, cfg.q_lora_rank), ("embed", "q_lora"), std, dtype)
-            self.q_norm = ones_param((cfg.q_lora_rank,), ("q_lora",), dtype)
+            self.q_norm = norm_param((cfg.q_lora_rank,), ("q_lora",), cfg)
             self.wq_b = param(rngs, (cfg.q_lora_rank, h, nope + rope), ("q_lora", "heads", "head_dim"), std, dtype)
         self.wkv_a = param(rngs, (d, rank + rope), ("embed", "kv_lora"), std, dtype)
-        self.kv_norm = ones_param((rank,), ("kv_lora",), dtype)
+        self.kv_norm = norm_param((rank,), ("kv_lora",), cfg)
         self.wkv_b = param(rngs, (rank, h, nope + dv), ("kv_lora", "heads", "head_dim"), std, dtype)
         self.wo = param(rngs, (h, dv, d), ("heads", "head_dim", "embed"), std / math.sqrt(2 * cfg.num_layers), dtype)
         self.nope, self.rope, self.dv = nope, rope, dv
-        self.eps = cfg.latent_norm_eps
+        self.eps, self.norm_offset = cfg.latent_norm_eps, cfg.norm_weight_offset
         self.impl = cfg.attention_impl
         # The attention entry scales by d_qk^-1/2; a different scale is folded into q.
         self.q_scale = yarn_softmax_scale(cfg)
@@ -123,10 +123,10 @@ class MLA(nnx.Module):
         if hasattr(self, "wq"):
             q = self._up(rows, "wq", b, t)
         else:
-            q_a = rms_norm(project_attr(self, "nd,dr->nr", rows, "wq_a"), self.q_norm[...], self.eps)
+            q_a = rms_norm(project_attr(self, "nd,dr->nr", rows, "wq_a"), self.q_norm[...], self.eps, self.norm_offset)
             q = self._up(q_a, "wq_b", b, t)
         kv_a = project_attr(self, "nd,dr->nr", rows, "wkv_a")
-        latent = rms_norm(kv_a[:, :-self.rope] if self.rope else kv_a, self.kv_norm[...], self.eps)
+        latent = rms_norm(kv_a[:, :-self.rope] if self.rope else kv_a, self.kv_norm[...], self.eps, self.norm_offset)
         k_rope = None
         if self.rope:
             q_rope = apply_rope(q[..., self.nope:], positions, rope_freqs)

@@ -3,6 +3,7 @@
     h = embed(tokens)
     for each layer:  h = h + attn(norm(h));  h = h + mlp(norm(h))     (mlp: dense or MoE)
                      (norm_placement="post", OLMo 2: h = h + norm(attn(h));  h = h + norm(mlp(h)))
+                     ("sandwich", Gemma 2/3: h = h + norm(attn(norm(h)));  h = h + norm(mlp(norm(h))))
     logits = norm(h) @ embed^T   (or an untied output matrix), optionally soft-capped
 
 Layer parameters are always stored stacked on a leading `layers` axis; the
@@ -59,12 +60,14 @@ RESIDUAL = ("batch", "residual_length", "embed")  # the residual stream's logica
 class _Norms(nnx.Module):
     """The block's RMSNorms, where `model.norm_placement` puts them: "pre" normalises each
     sub-layer's input (attn_norm, mlp_norm), "post" its output before the residual add
-    (attn_post_norm, mlp_post_norm; OLMo 2). A missing norm is the identity."""
+    (attn_post_norm, mlp_post_norm; OLMo 2), "sandwich" both (Gemma 2/3). A missing norm is the identity."""
 
     def _add_norm(self, cfg: ModelConfig, sub: str) -> None:
         """The norm(s) of sub-layer `sub` ("attn" or "mlp")."""
-        name = f"{sub}_norm" if cfg.norm_placement == "pre" else f"{sub}_post_norm"
-        setattr(self, name, RMSNorm(cfg.d_model, cfg))
+        if cfg.norm_placement in ("pre", "sandwich"):
+            setattr(self, f"{sub}_norm", RMSNorm(cfg.d_model, cfg))
+        if cfg.norm_placement in ("post", "sandwich"):
+            setattr(self, f"{sub}_post_norm", RMSNorm(cfg.d_model, cfg))
 
     def _norm(self, name: str, x: jax.Array) -> jax.Array:
         norm = getattr(self, name, None)
@@ -296,7 +299,10 @@ class Transformer(nnx.Module):
         # Gather the FSDP-sharded table first (as for any weight): a lookup straight into a
         # table sharded on `embed` makes GSPMD replicate the activations instead under data x fsdp.
         table = jax.tree.map(lambda a: plan.constrain(a, ("vocab", None)), weight(self, "embed"))
-        return plan.constrain(lookup(table, tokens, dt), RESIDUAL), positions, rope_frequencies(cfg)
+        h = lookup(table, tokens, dt)
+        if cfg.embed_scale:  # Gemma: the scale rounded to the embeddings' dtype first, as HF's
+            h = h * jnp.asarray(cfg.d_model ** 0.5, h.dtype)
+        return plan.constrain(h, RESIDUAL), positions, rope_frequencies(cfg)
 
     def _head(self, h: jax.Array, plan: ParallelPlan) -> jax.Array:  # inference: norm and logits
         return self.logits(self.final_norm(h), plan=plan)

@@ -66,11 +66,12 @@ def _token_index(device: jax.Array, local_len: int, ring: int, balanced: bool) -
 
 
 def _ring_attention_local(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array, *, ring: int,
-                          balanced: bool, scale: float, impl: str = "auto", platform: str | None = None) -> jax.Array:
+                          balanced: bool, scale: float, impl: str = "auto", platform: str | None = None,
+                          softcap: float | None = None) -> jax.Array:
     """Per-device body: local q [B, Tl, H, D] against every K/V block of the ring, one
     `kernels.attention_with_lse` call per ring step (`sharding/ring.py`)."""
     return ring_attention_local(q, k, v, seg, axis=CONTEXT, ring=ring, balanced=balanced, scale=scale, impl=impl,
-                                platform=platform)
+                                platform=platform, softcap=softcap)
 
 
 # Custom kernels XLA cannot partition (cuDNN's packed layout: its per-row segment tables are
@@ -93,7 +94,7 @@ def _kernel_axes(q: jax.Array, k: jax.Array, plan: ParallelPlan) -> tuple[object
 
 
 def _per_shard_kernel(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, impl: str,
-                      plan: ParallelPlan) -> jax.Array:
+                      plan: ParallelPlan, softcap: float | None = None) -> jax.Array:
     """Run a custom kernel (Pallas, cuDNN) on each device's (batch, heads) shard.
 
     XLA cannot partition a custom kernel, so without this it would gather the full batch
@@ -104,20 +105,21 @@ def _per_shard_kernel(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
     spec = P(batch, None, heads, None)
     seg_spec = P(batch, None)
     if not used:
-        return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl, platform=platform)
+        return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl, platform=platform,
+                                 softcap=softcap)
     args, specs = (q, k, v), (spec, spec, spec)
     if segment_ids is not None:
         args, specs = (*args, segment_ids), (*specs, seg_spec)
     body = jax.shard_map(
         lambda q, k, v, *s: kernels.attention(q, k, v, causal=True, segment_ids=s[0] if s else None, impl=impl,
-                                              platform=platform),
+                                              platform=platform, softcap=softcap),
         mesh=mesh, axis_names=used, in_specs=specs, out_specs=spec,
         check_vma=False)  # custom-call outputs carry no varying-axes annotation
     return body(*args)
 
 
 def _ring(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, impl: str,
-          plan: ParallelPlan) -> jax.Array:
+          plan: ParallelPlan, softcap: float | None = None) -> jax.Array:
     """Ring attention (`sharding/ring.py`) in a shard_map manual over `context` and over the
     (batch, heads) axes a custom kernel must run split over (`_kernel_axes`, as `_per_shard_kernel`)."""
     kernels.validate_attention_args(q, k, v, segment_ids)
@@ -127,27 +129,31 @@ def _ring(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | Non
     spec, seg_spec = P(batch, CONTEXT, heads, None), P(batch, CONTEXT)
     body = jax.shard_map(
         lambda q, k, v, s: _ring_attention_local(q, k, v, s, ring=plan.context_size, balanced=plan.load_balance,
-                                                 scale=q.shape[-1] ** -0.5, impl=impl, platform=plan.platform),
+                                                 scale=q.shape[-1] ** -0.5, impl=impl, platform=plan.platform,
+                                                 softcap=softcap),
         mesh=plan.mesh, axis_names={CONTEXT, *used}, in_specs=(spec, spec, spec, seg_spec), out_specs=spec,
         check_vma=False)  # custom-call outputs carry no varying-axes annotation
     return body(q, k, v, segment_ids)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Array | None,
-              impl: str = "auto", plan: ParallelPlan | None = None) -> jax.Array:
+              impl: str = "auto", plan: ParallelPlan | None = None, softcap: float | None = None) -> jax.Array:
     """Causal attention for [batch, length, heads, head_dim] inputs, context-parallel when the plan's
-    mesh splits the sequence (`plan`: default single device)."""
+    mesh splits the sequence (`plan`: default single device); `softcap`: tanh soft-cap of the scores."""
     plan = plan or single_device()
     platform = plan.platform
     if plan.mesh is None:
-        return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl, platform=platform)
+        return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl, platform=platform,
+                                 softcap=softcap)
     if plan.context_size == 1:
-        resolved = kernels.resolve_impl(impl, q, v, segment_ids=segment_ids, platform=platform)
+        resolved = kernels.resolve_impl(impl, q, v, segment_ids=segment_ids, softcap=softcap, platform=platform)
         if resolved in PER_SHARD_IMPLS and plan.size > 1:
-            return _per_shard_kernel(q, k, v, segment_ids, impl, plan)
-        return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl, platform=platform)
+            return _per_shard_kernel(q, k, v, segment_ids, impl, plan, softcap)
+        return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl, platform=platform,
+                                 softcap=softcap)
     if plan.context_impl == "allgather":
         k = plan.constrain(k, ("batch", "kv_length", "kv_heads", "head_dim"))
         v = plan.constrain(v, ("batch", "kv_length", "kv_heads", "head_dim"))
-        return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl, platform=platform)
-    return _ring(q, k, v, segment_ids, impl, plan)
+        return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl, platform=platform,
+                                 softcap=softcap)
+    return _ring(q, k, v, segment_ids, impl, plan, softcap)

@@ -79,6 +79,7 @@ class RingConfig:
     scale: float
     impl: str
     platform: str | None = None  # the plan's devices (None: the default backend), for kernel dispatch
+    softcap: float | None = None  # tanh soft-cap of the scores (Gemma 2), in every ring step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +117,7 @@ def _kernel(cfg: RingConfig, pair: Pair, q: jax.Array, k: jax.Array, v: jax.Arra
             kv_seg: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(out [B, Tq, H, Dv], lse [B, Tq, H]) of already-sliced rows and keys."""
     out, lse = kernels.attention_with_lse(q, k, v, causal=pair.causal, segment_ids=(q_seg, kv_seg), scale=cfg.scale,
-                                          impl=cfg.impl, platform=cfg.platform)
+                                          impl=cfg.impl, platform=cfg.platform, softcap=cfg.softcap)
     return out, jnp.swapaxes(lse, 1, 2)
 
 
@@ -229,8 +230,9 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def ring_attention_local(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array, *, axis: str, ring: int,
-                         balanced: bool, scale: float, impl: str, platform: str | None = None) -> jax.Array:
+                         balanced: bool, scale: float, impl: str, platform: str | None = None,
+                         softcap: float | None = None) -> jax.Array:
     """Per-device body: local q [B, Tl, H, D] against every K/V block of the ring -> [B, Tl, H, Dv]."""
     if balanced and q.shape[1] % 2:
         raise ValueError(f"ring attention: balanced local length {q.shape[1]} must be even (two chunks)")
-    return _ring(RingConfig(axis, ring, balanced, float(scale), ring_impl(impl), platform), q, k, v, seg)
+    return _ring(RingConfig(axis, ring, balanced, float(scale), ring_impl(impl), platform, softcap), q, k, v, seg)

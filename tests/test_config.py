@@ -16,7 +16,7 @@ from jaxinfra.config import Config, ConfigError, load_config, preset_names, vali
 from jaxinfra.data.config import SOURCES, TOKEN_DTYPES
 from jaxinfra.metrics import param_counts
 from kernels.attention import IMPLEMENTATIONS
-from models.config import NORM_PLACEMENTS, QK_NORM_SCOPES, REMAT_POLICIES
+from models.config import MLP_ACTIVATIONS, NORM_PLACEMENTS, QK_NORM_SCOPES, REMAT_POLICIES
 from sharding.rules import CONTEXT_IMPLS, STRATEGIES
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -87,6 +87,7 @@ def test_other_wrong_values_name_key(override, key):
     ("parallelism.pipeline_schedule", ("gpipe", "circular", "1f1b")),
     ("model.remat_policy", REMAT_POLICIES),
     ("model.norm_placement", NORM_PLACEMENTS),
+    ("model.mlp_activation", MLP_ACTIVATIONS),
     ("model.qk_norm_scope", QK_NORM_SCOPES),
     ("model.attention_impl", IMPLEMENTATIONS),
     ("data.source", SOURCES),

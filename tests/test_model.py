@@ -393,6 +393,7 @@ COUNT_CONFIGS = {
     "qk-norm-mqa": dict(qk_norm=True, num_kv_heads=1),
     "untied-qknorm-headdim": dict(tie_embeddings=False, qk_norm=True, head_dim=16, num_layers=3),
     "olmo2-post-fullqk-gqa": dict(norm_placement="post", qk_norm=True, qk_norm_scope="full", head_dim=16),
+    "gemma-sandwich-qknorm": dict(norm_placement="sandwich", qk_norm=True, norm_weight_offset=1.0),
 }
 
 
@@ -487,3 +488,97 @@ def test_z_loss_in_model_loss_equals_weight_times_mean_logsumexp_squared():
     want = ce[mask].mean() + w * np.mean(lse[mask] ** 2)
     assert w * np.mean(lse[mask] ** 2) > 1e-3 * want  # the term is not negligible
     np.testing.assert_allclose(loss_z, want, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- Gemma 2/3 features against a numpy reference
+
+GEMMA = variant(norm_placement="sandwich", norm_weight_offset=1.0, mlp_activation="gelu_tanh", embed_scale=True,
+                attn_logit_softcap=1.0, qk_norm=True, logit_softcap=30.0)
+
+
+def _np_rms(x, w, cfg):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + cfg.norm_eps) * (cfg.norm_weight_offset + w)
+
+
+def _np_rope(x, positions, dim, theta):
+    angles = positions[:, :, None] * (1.0 / theta ** (np.arange(0, dim, 2) / dim))
+    sin, cos = np.sin(angles)[:, :, None], np.cos(angles)[:, :, None]
+    x1, x2 = np.split(x, 2, axis=-1)
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _np_attention(x, p, cfg, caps):
+    """Causal GQA with per-head QK-norm and RoPE; scores capped as cap * tanh(s / cap); `caps` collects max |s|."""
+    positions = np.broadcast_to(np.arange(x.shape[1]), x.shape[:2])
+    q = np.einsum("btd,dhk->bthk", x, p["wq"])
+    k, v = (np.einsum("btd,dhk->bthk", x, p[w]) for w in ("wk", "wv"))
+    q, k = (_np_rope(_np_rms(a, p[n], cfg), positions, cfg.resolved_head_dim, cfg.rope_theta)
+            for a, n in ((q, "q_norm"), (k, "k_norm")))
+    group = cfg.num_heads // cfg.kv_heads
+    k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+    s = np.einsum("bqhk,bshk->bhqs", q, k) / np.sqrt(cfg.resolved_head_dim)
+    caps.append(np.abs(s).max())
+    s = cfg.attn_logit_softcap * np.tanh(s / cfg.attn_logit_softcap)
+    s = np.where(np.tril(np.ones(s.shape[-2:], bool)), s, -np.inf)
+    probs = np.exp(s - s.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    return np.einsum("bqhk,hkd->bqd", np.einsum("bhqs,bshk->bqhk", probs, v), p["wo"])
+
+
+def _np_gemma_logits(cfg, params, tokens, caps):
+    """Gemma's decoder in float64 numpy: embeddings * sqrt(d), sandwich norms with (offset + w), GeGLU (tanh GELU)."""
+    leaf = lambda *keys: np.asarray(_leaf(params, *keys), np.float64)  # noqa: E731
+    table = leaf("embed")
+    h = table[np.asarray(tokens)] * np.float32(np.sqrt(cfg.d_model))
+    gelu = lambda x: 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))  # noqa: E731
+    for i in range(cfg.num_layers):
+        p = {n: leaf("layers", "attn", n)[i] for n in ("wq", "wk", "wv", "wo", "q_norm", "k_norm")}
+        p.update({n: leaf("layers", "mlp", n)[i] for n in ("w_gate", "w_up", "w_down")})
+        norm = lambda x, name: _np_rms(x, leaf("layers", name, "scale")[i], cfg)  # noqa: E731
+        h = h + norm(_np_attention(norm(h, "attn_norm"), p, cfg, caps), "attn_post_norm")
+        x = norm(h, "mlp_norm")
+        h = h + norm((gelu(x @ p["w_gate"]) * (x @ p["w_up"])) @ p["w_down"], "mlp_post_norm")
+    logits = _np_rms(h, leaf("final_norm", "scale"), cfg) @ table.T
+    return cfg.logit_softcap * np.tanh(logits / cfg.logit_softcap)
+
+
+def test_gemma_features_match_numpy_reference():
+    """Sandwich norms, (1 + w) norm weights (QK and final norms too), GeGLU with tanh GELU, sqrt(d) embedding
+    scale and attention soft-capping together equal a plain numpy Gemma decoder."""
+    params, tokens, caps = params_for(GEMMA), _tokens(), []
+    want = _np_gemma_logits(GEMMA, params, tokens, caps)
+    assert max(caps) > 2 * GEMMA.attn_logit_softcap  # the attention cap is active
+    np.testing.assert_allclose(logits(GEMMA, params, tokens), want, rtol=2e-5, atol=2e-5)
+
+
+def test_norm_weight_offset_init_is_the_same_function():
+    """norm_weight_offset=1 stores the norm weights as 0 and computes the same model at step 0."""
+    models = [Transformer(variant(qk_norm=True, norm_weight_offset=off), nnx.Rngs(0)) for off in (0.0, 1.0)]
+    (g0, s0), (g1, s1) = (nnx.split(m) for m in models)
+    assert float(s1["final_norm"]["scale"][...].max()) == 0.0 and float(s1["layers"]["attn"]["q_norm"][...].max()) == 0
+    tokens = _tokens()
+    np.testing.assert_array_equal(np.asarray(_logits(g0, s0, tokens, None, None)),
+                                  np.asarray(_logits(g1, s1, tokens, None, None)))
+
+
+def test_decode_attention_softcap_matches_reference():
+    from kernels import reference_attention
+    from models.attention import decode_attention
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal(s) * 2, jnp.float32) for s in ((2, 6, 4, 8), (2, 6, 2, 8), (2, 6, 2, 8)))
+    want = reference_attention(q, k, v, causal=True, softcap=1.5)[:, -1:]
+    cache = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  [B, kv_heads, S, d]
+    got = decode_attention([q[:, -1:]], [cache(k)], [cache(k[:, -1:])], cache(v), cache(v[:, -1:]),
+                           jnp.full((2,), 5), 8 ** -0.5, softcap=1.5)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("changes, key", [
+    (dict(attn_logit_softcap=1.0, attention_impl="cudnn"), "attn_logit_softcap"),
+    (dict(attn_logit_softcap=0.0), "attn_logit_softcap"),
+    (dict(attn_logit_softcap=1.0, attention_type="mla"), "attn_logit_softcap"),
+    (dict(mlp_activation="gelu_tanh", moe_num_experts=4), "mlp_activation"),
+    (dict(norm_weight_offset=math.inf), "norm_weight_offset"),
+])
+def test_gemma_feature_problems_name_the_key(changes, key):
+    assert key in [k for k, _, _ in variant(**changes).problems()]

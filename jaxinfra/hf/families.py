@@ -235,6 +235,11 @@ def hf_family(cfg: ModelConfig) -> str:
 
     if cfg.logit_softcap is not None:
         refuse(f"model.logit_softcap={cfg.logit_softcap} (no supported HF family soft-caps logits)")
+    # Gemma's features (norm_placement=sandwich is refused with the norm placements below)
+    for key, plain in (("norm_weight_offset", 0.0), ("mlp_activation", "silu"), ("embed_scale", False),
+                       ("attn_logit_softcap", None)):
+        if getattr(cfg, key) != plain:
+            refuse(f"model.{key}={getattr(cfg, key)!r} (no supported HF family has it)")
     if cfg.norm_placement != "pre" or cfg.qk_norm_scope != "head":
         return _olmo2_family(cfg, refuse)
     if cfg.is_mla:

@@ -37,7 +37,7 @@ def _layer_matmul_params(cfg: ModelConfig, moe: bool = False, active: bool = Fal
 
 
 def _layer_norm_params(cfg: ModelConfig, moe: bool = False) -> int:
-    """Norm scales of one layer (the attention and MLP RMSNorms, pre or post, q/k or MLA latent norms),
+    """Norm scales of one layer (the attention and MLP RMSNorms, pre, post or both, q/k or MLA latent norms),
     plus a MoE router's selection bias (not a matmul either)."""
     if cfg.is_mla:
         attention = cfg.kv_lora_rank + (cfg.q_lora_rank or 0)
@@ -46,7 +46,8 @@ def _layer_norm_params(cfg: ModelConfig, moe: bool = False) -> int:
         attention = qk * cfg.resolved_head_dim if cfg.qk_norm else 0
         attention += (cfg.num_heads + 2 * cfg.kv_heads) * cfg.resolved_head_dim if cfg.qkv_bias else 0
     bias = cfg.moe_num_experts if moe and (cfg.moe_bias_update_rate > 0 or cfg.moe_router_bias) else 0
-    return 2 * cfg.d_model + attention + bias
+    blocks = 4 if cfg.norm_placement == "sandwich" else 2  # sandwich: input and output norm per sub-layer
+    return blocks * cfg.d_model + attention + bias
 
 
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
