@@ -643,3 +643,10 @@ def test_tokenizer_files_round_trip_and_runs_use_them(tmp_path, capsys):
         assert cli.main(["eval", str(out), flag, str(tmp_path / path), "--seq-len", "8"]) == 0
         rows.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
     assert rows[0] == rows[1] and rows[0]["tokens"] == (len(ids) // 9) * 8
+
+
+def test_export_refuses_gemma_features_until_a_gemma_family_exists():
+    for key, value in (("norm_weight_offset", 1.0), ("mlp_activation", "gelu_tanh"), ("embed_scale", True),
+                       ("attn_logit_softcap", 50.0), ("norm_placement", "sandwich")):
+        with pytest.raises(HFError, match=key):
+            hf_family(dataclasses.replace(ModelConfig(), **{key: value}))

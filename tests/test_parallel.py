@@ -157,3 +157,14 @@ def test_olmo2_block_trains_under_fsdp4_tensor2_like_one_device():
     one = run(dataclasses.replace(make_cfg({}), model=olmo2), jax.devices()[:1])
     split = run(dataclasses.replace(make_cfg(dict(fsdp=4, tensor=2)), model=olmo2), jax.devices())
     assert_matches(split, one, "olmo2-fsdp4-tensor2")
+
+
+def test_gemma_block_trains_under_context2_ring_like_one_device():
+    """Gemma 2/3's block (sandwich norms with (1 + w) weights, GeGLU, sqrt(d) embeddings, attention soft-cap,
+    which every ring step applies to its piece of the scores) trains under context=2 x fsdp=4 as on one device."""
+    gemma = dataclasses.replace(MODEL, norm_placement="sandwich", norm_weight_offset=1.0, mlp_activation="gelu_tanh",
+                                embed_scale=True, attn_logit_softcap=0.5, qk_norm=True)
+    mesh, parallelism = LAYOUTS["context2-fsdp4-ring"]
+    one = run(dataclasses.replace(make_cfg({}), model=gemma), jax.devices()[:1])
+    split = run(dataclasses.replace(make_cfg(mesh, **parallelism), model=gemma), jax.devices())
+    assert_matches(split, one, "gemma-context2-fsdp4-ring")
