@@ -332,6 +332,7 @@ def jax_saved_bytes(cfg, moe: bool, policy: str) -> int:
 
 @pytest.mark.parametrize("preset, extra, moe", [
     ("tiny", [], False),  # GQA 4/2 heads
+    ("tiny", ["model.norm_placement=sandwich", "model.mlp_activation=gelu_tanh"], False),  # Gemma's block
     ("deepseek-tiny", [], False),  # MLA
     ("mixtral-tiny", [], True),  # MoE, capacity dispatch
     ("mixtral-tiny", ["model.moe_dispatch=dropless"], True),

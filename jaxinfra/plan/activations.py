@@ -117,8 +117,9 @@ def mla_tensors(lay: Layout) -> list[Tensor]:
 def swiglu_tensors(lay: Layout, rows: float, width: int, kind: str = "dot", what: str = "mlp") -> list[Tensor]:
     """SwiGLU on `rows` rows of hidden `width` (this device's share): gate, up, silu pieces, hidden."""
     c = lay.compute_bytes
+    pieces = 5 if lay.model.mlp_activation == "gelu_tanh" else 3  # tanh GELU's backward reads two more
     return [Tensor(f"{what} gate, up", 2 * rows * width * c, kind, none=True),
-            Tensor(f"{what} silu pieces", 3 * rows * width * c, none=True),
+            Tensor(f"{what} {lay.model.mlp_activation} pieces", pieces * rows * width * c, none=True),
             Tensor(f"{what} hidden", rows * width * c, name="mlp_hidden", none=True)]
 
 
@@ -174,10 +175,26 @@ def attention_tensors(lay: Layout) -> list[Tensor]:
     return mla_tensors(lay) if lay.model.is_mla else mha_tensors(lay)
 
 
+def _sandwich(lay: Layout, tensors: list[Tensor], what: str) -> list[Tensor]:
+    """norm_placement=sandwich (Gemma) adds an RMSNorm on the sub-layer's output (pre and post have one)."""
+    return tensors + _norm(lay, f"{what} output norm") if lay.model.norm_placement == "sandwich" else tensors
+
+
+def _sandwich_mlp(lay: Layout) -> list[Tensor]:
+    """The dense MLP; with sandwich norms its down-projection output feeds a norm, whose backward reads it
+    (a dot output that save_dots keeps; the un-rematerialised layer's copy is the norm's float32 input)."""
+    out = _sandwich(lay, mlp_tensors(lay), "ffn")
+    if lay.model.norm_placement == "sandwich":
+        out.append(Tensor("mlp down-projection", lay.tokens / lay.residual_split * lay.model.d_model
+                          * lay.compute_bytes, "dot"))
+    return out
+
+
 @functools.lru_cache(maxsize=256)
 def layer_tensors(lay: Layout, moe: bool) -> tuple[Tensor, ...]:
-    ffn = moe_tensors(lay) if moe else mlp_tensors(lay)
-    return tuple(attention_tensors(lay) + [dataclasses.replace(t, block="ffn") for t in ffn])
+    ffn = _sandwich(lay, moe_tensors(lay), "ffn") if moe else _sandwich_mlp(lay)
+    attention = _sandwich(lay, attention_tensors(lay), "attention")
+    return tuple(attention + [dataclasses.replace(t, block="ffn") for t in ffn])
 
 
 def effective_policy(lay: Layout, policy: str | None = None, staged: bool = True) -> str:
