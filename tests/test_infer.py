@@ -52,6 +52,8 @@ MOE = [*MLA, "model.num_layers=3", "model.moe_num_experts=4", "model.moe_top_k=2
        "model.moe_capacity_factor=1.0", "model.moe_bias_update_rate=0.01"]
 # OLMo 2's block: norms after the sub-layers, QK-norm over the whole q / k projections.
 OLMO2 = [*GQA, "model.norm_placement=post", "model.qk_norm=true", "model.qk_norm_scope=full"]
+# gpt-oss attention sinks (set nonzero by the fixture: their init is 0).
+SINKS = [*GQA, "model.attention_sinks=true"]
 PROMPTS = [[5, 9, 1, 33, 2], [7, 3, 60, 12, 40, 41, 8, 19, 22, 50, 11]]
 
 
@@ -110,6 +112,14 @@ def olmo2():
     return make(OLMO2, seed=3)
 
 
+@pytest.fixture(scope="module")
+def sinks():
+    cfg, params = make(SINKS, seed=4)
+    attn = params["layers"]["attn"]
+    attn["sinks"][...] = 2 * jax.random.normal(jax.random.key(5), attn["sinks"][...].shape)
+    return cfg, params
+
+
 # ---------------------------------------------------------------- exactness of the cache
 
 
@@ -137,7 +147,7 @@ def test_mla_moe_greedy_with_cache_equals_dropless_recomputation(moe):
         assert row == recompute_greedy(cfg, params, prompt, NEW)
 
 
-@pytest.mark.parametrize("which", ["gqa", "mla", "moe", "olmo2"])
+@pytest.mark.parametrize("which", ["gqa", "mla", "moe", "olmo2", "sinks"])
 def test_decode_step_logits_equal_training_forward(which, request):
     """One prefill + one decode step by hand: the decode logits (absorbed and explicit for
     MLA) equal the training forward's at that position; prefill logits equal it too."""
