@@ -393,6 +393,7 @@ COUNT_CONFIGS = {
     "qk-norm-mqa": dict(qk_norm=True, num_kv_heads=1),
     "untied-qknorm-headdim": dict(tie_embeddings=False, qk_norm=True, head_dim=16, num_layers=3),
     "olmo2-post-fullqk-gqa": dict(norm_placement="post", qk_norm=True, qk_norm_scope="full", head_dim=16),
+    "attention-sinks-gqa": dict(attention_sinks=True),
 }
 
 
