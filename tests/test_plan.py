@@ -521,7 +521,8 @@ def _kernels_run(monkeypatch, impl: str, kind: str, lay: Layout, segments: bool 
 
 def test_attention_sinks_are_priced_as_xla_like_the_kernels_run_them(monkeypatch):
     """gpt-oss sinks run only on xla: `auto` on an H100 plans (and dispatches) the dense path."""
-    cfg = load_config("tiny", [*BASE, *GQA, "mesh.data=8", "model.dtype=bfloat16", "model.attention_sinks=true"])
+    cfg = load_config("tiny", [*BASE, *GQA, "mesh.data=8", "model.dtype=bfloat16", "model.attention_sinks=true",
+                                "model.attention_impl=auto"])
     lay = make_plan(cfg, 8, device_spec("h100")).layout
     sinks = jax.ShapeDtypeStruct((lay.heads,), jnp.float32)
     spec = device_spec("h100")
