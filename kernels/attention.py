@@ -34,6 +34,11 @@ Implementations (`impl`):
   the call, else pallas_triton; TPU -> pallas_mosaic_tpu; else xla. Falls back to xla
   (logging once per reason) where the chosen kernel does not support the problem. `auto`
   never picks cuDNN's packed layout (bounded segments per row).
+
+Attention sinks (``sinks``, [Hq] float logits, gpt-oss): one learned logit per query head
+joins the softmax denominator with no value, so a row's weights may sum to < 1; the lse
+includes it. Only ``xla`` (the dense jnp path, differentiable by autodiff) runs them for now:
+``auto`` resolves to ``xla`` and the other implementations refuse them.
 """
 
 from __future__ import annotations
@@ -79,7 +84,8 @@ def _shape_of(x, name: str) -> tuple[int, ...]:
 
 def validate_attention_args(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: SegmentIds = None,
                             window: Window = None, scale: float | None = None, softcap: float | None = None,
-                            causal: bool = True) -> tuple[jax.Array | None, jax.Array | None]:
+                            causal: bool = True,
+                            sinks: jax.Array | None = None) -> tuple[jax.Array | None, jax.Array | None]:
     """Checks in Python, before any kernel runs (a wrong head count must not run silently:
     interpret mode clamps out-of-range block indices). Returns (q_segment_ids, kv_segment_ids)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -111,6 +117,11 @@ def validate_attention_args(q: jax.Array, k: jax.Array, v: jax.Array, segment_id
         raise ValueError(f"attention: scale must be a finite nonzero Python float, got {scale!r}")
     if softcap is not None and not (isinstance(softcap, numbers.Real) and math.isfinite(softcap) and softcap > 0):
         raise ValueError(f"attention: softcap must be a Python float > 0, got {softcap!r}")
+    if sinks is not None:
+        if _shape_of(sinks, "sinks") != (q.shape[2],):
+            raise ValueError(f"attention: sinks must be [q heads] = ({q.shape[2]},), got shape {tuple(sinks.shape)}")
+        if not jnp.issubdtype(sinks.dtype, jnp.floating):
+            raise ValueError(f"attention: sinks dtype must be floating, got {sinks.dtype}")
     return _split_segment_ids(segment_ids, q.shape[:2], k.shape[:2])
 
 
@@ -172,10 +183,17 @@ def _cudnn_unsupported(q, v, band: Band, q_seg, kv_seg, softcap, need_lse: bool,
     return facts.cudnn_unsupported(_target(platform), _call(q, v, band, q_seg, kv_seg, softcap, need_lse))
 
 
-def _resolve(impl: str, q, v, band: Band, q_seg, kv_seg, softcap, need_lse: bool, platform: str) -> str:
+def _resolve(impl: str, q, v, band: Band, q_seg, kv_seg, softcap, need_lse: bool, platform: str,
+             has_sinks: bool = False) -> str:
     """kernels/facts.py decides (the planner asks it the same question); fallbacks log once here."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"attention: impl={impl!r}; choose one of {IMPLEMENTATIONS}")
+    if has_sinks:  # only the dense jnp path has sinks yet: refuse rather than drop them
+        if impl == "auto":
+            log_once(logger, _logged, "attention: sinks run on impl='xla' (no kernel has them yet)")
+            return "xla"
+        if impl != "xla":
+            raise ValueError(f"attention: impl={impl!r} does not support attention sinks yet; use impl='xla'")
     chosen, note = facts.resolve(impl, _target(platform), _call(q, v, band, q_seg, kv_seg, softcap, need_lse))
     if note is not None:
         log_once(logger, _logged, note)
@@ -184,12 +202,12 @@ def _resolve(impl: str, q, v, band: Band, q_seg, kv_seg, softcap, need_lse: bool
 
 def resolve_impl(impl: str, q: jax.Array, v: jax.Array, *, causal: bool = True, segment_ids: SegmentIds = None,
                  window: Window = None, softcap: float | None = None, need_lse: bool = False,
-                 platform: str | None = None) -> str:
+                 platform: str | None = None, sinks: jax.Array | None = None) -> str:
     """The implementation `impl` runs as for this call on this platform (auto resolved,
     fallbacks logged). The keyword arguments are those of `attention` (unvalidated here)."""
     q_seg, kv_seg = (segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids, segment_ids))
     band = make_band(bool(causal), None if window is None else tuple(window), q.shape[1], v.shape[1])
-    return _resolve(impl, q, v, band, q_seg, kv_seg, softcap, need_lse, platform or _platform())
+    return _resolve(impl, q, v, band, q_seg, kv_seg, softcap, need_lse, platform or _platform(), sinks is not None)
 
 
 def _flash_params(impl: str, q, v, band: Band, scale: float, softcap, block_sizes: BlockSizes | None,
@@ -219,9 +237,10 @@ def _flash_params(impl: str, q, v, band: Band, scale: float, softcap, block_size
     return FlashParams(backend=backend, band=band, scale=scale, softcap=softcap, blocks=blocks, interpret=interpret)
 
 
-def _xla(q, k, v, band: Band, q_seg, kv_seg, causal: bool, scale: float, softcap, need_lse: bool):
-    if need_lse or softcap is not None or q.shape[-1] != v.shape[-1]:
-        out, lse = dense_attention(q, k, v, band, q_seg, kv_seg, scale, softcap, upcast=False, precision=None)
+def _xla(q, k, v, band: Band, q_seg, kv_seg, causal: bool, scale: float, softcap, need_lse: bool, sinks=None):
+    if need_lse or softcap is not None or q.shape[-1] != v.shape[-1] or sinks is not None:
+        out, lse = dense_attention(q, k, v, band, q_seg, kv_seg, scale, softcap, upcast=False, precision=None,
+                                   sinks=sinks)
         return out.astype(q.dtype), lse
     mask = None
     if q_seg is not None:
@@ -249,15 +268,16 @@ def _cudnn(q, k, v, band: Band, scale: float, segment_ids):
                                         implementation="cudnn")
 
 
-def _attention(q, k, v, *, causal, segment_ids, window, scale, softcap, impl, block_sizes, need_lse, platform):
-    q_seg, kv_seg = validate_attention_args(q, k, v, segment_ids, window, scale, softcap, causal)
+def _attention(q, k, v, *, causal, segment_ids, window, scale, softcap, impl, block_sizes, need_lse, platform,
+               sinks=None):
+    q_seg, kv_seg = validate_attention_args(q, k, v, segment_ids, window, scale, softcap, causal, sinks)
     band = make_band(bool(causal), None if window is None else tuple(window), q.shape[1], k.shape[1])
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     softcap = None if softcap is None else float(softcap)
     platform = platform or _platform()
-    impl = _resolve(impl, q, v, band, q_seg, kv_seg, softcap, need_lse, platform)
+    impl = _resolve(impl, q, v, band, q_seg, kv_seg, softcap, need_lse, platform, sinks is not None)
     if impl == "xla":
-        return _xla(q, k, v, band, q_seg, kv_seg, bool(causal), scale, softcap, need_lse)
+        return _xla(q, k, v, band, q_seg, kv_seg, bool(causal), scale, softcap, need_lse, sinks)
     if impl == "cudnn":
         reason = _cudnn_unsupported(q, v, band, q_seg, kv_seg, softcap, need_lse, platform)
         if reason is not None:
@@ -269,15 +289,17 @@ def _attention(q, k, v, *, causal, segment_ids, window, scale, softcap, impl, bl
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, segment_ids: SegmentIds = None,
               window: Window = None, scale: float | None = None, softcap: float | None = None,
-              impl: str = "auto", block_sizes: BlockSizes | None = None, platform: str | None = None) -> jax.Array:
+              impl: str = "auto", block_sizes: BlockSizes | None = None, platform: str | None = None,
+              sinks: jax.Array | None = None) -> jax.Array:
     """Softmax attention -> [B, Tq, Hq, d_v] in q.dtype. See the module docstring.
 
     scale: multiplies q.k (default d_qk ** -0.5); softcap: logits -> softcap * tanh(logits / softcap)
     after scaling (Gemma-2); block_sizes: override the table in `kernels/block_sizes.py`
     (Pallas impls only; for sweeps); platform: "cpu" / "gpu" / "tpu" of the devices it runs on
-    (a parallel plan's; default: jax's default backend)."""
+    (a parallel plan's; default: jax's default backend); sinks: [Hq] attention-sink logits (xla only)."""
     out, _ = _attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window, scale=scale,
-                        softcap=softcap, impl=impl, block_sizes=block_sizes, need_lse=False, platform=platform)
+                        softcap=softcap, impl=impl, block_sizes=block_sizes, need_lse=False, platform=platform,
+                        sinks=sinks)
     return out
 
 
@@ -285,11 +307,13 @@ def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool
                        segment_ids: SegmentIds = None, window: Window = None, scale: float | None = None,
                        softcap: float | None = None, impl: str = "auto",
                        block_sizes: BlockSizes | None = None,
-                       platform: str | None = None) -> tuple[jax.Array, jax.Array]:
+                       platform: str | None = None, sinks: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(out, lse): lse [B, Hq, Tq] float32 is the natural log-sum-exp of the scaled (capped)
     logits over visible keys, -inf for rows with none, for merging chunks:
     ``out = sum_c exp(lse_c - lse) out_c`` with ``lse = logsumexp_c lse_c`` (sharding/context.py's
     ring attention calls this per K/V block and merges the blocks so). Differentiable in both
-    outputs. `impl="cudnn"` is not available here."""
+    outputs. `impl="cudnn"` is not available here. With `sinks` the lse includes the sink term
+    (so chunks of one row cannot be merged this way: the sink would count once per chunk)."""
     return _attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window, scale=scale,
-                      softcap=softcap, impl=impl, block_sizes=block_sizes, need_lse=True, platform=platform)
+                      softcap=softcap, impl=impl, block_sizes=block_sizes, need_lse=True, platform=platform,
+                      sinks=sinks)

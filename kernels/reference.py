@@ -4,6 +4,11 @@ input dtype, float32 accumulation) the `xla` path's fallback for what
 
 Both materialise the [B, H, Tq, Tkv] scores: fine for references and short sequences,
 not a kernel. Empty rows (no visible key) give output 0 and lse -inf, like the kernels.
+
+Attention sinks (gpt-oss): a learned logit per query head that joins the softmax denominator
+and carries no value, p_ij = exp(s_ij) / (exp(sink_h) + sum_j exp(s_ij)); rows may sum to < 1.
+With sinks the lse includes the sink term, and a row with no visible key gives output 0 and
+lse = sink (finite: the sink is always "visible").
 """
 
 from __future__ import annotations
@@ -17,17 +22,21 @@ from kernels.masks import Band, dense_mask, make_band
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, band: Band, q_seg: jax.Array | None,
                     kv_seg: jax.Array | None, scale: float, softcap: float | None, *,
-                    upcast: bool, precision: lax.Precision | None) -> tuple[jax.Array, jax.Array]:
+                    upcast: bool, precision: lax.Precision | None,
+                    sinks: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(out [B, Tq, Hq, d_v] float32, lse [B, Hq, Tq] float32). Differentiable by autodiff.
+    sinks: optional [Hq] logits (any float dtype; used in the accumulation dtype) joining each row's denominator.
 
     GQA without repeating k/v: q heads are viewed as [kv_heads, group] (query head h reads
     kv head h // group, the convention of jax.nn.dot_product_attention)."""
     b, tq, hq, _ = q.shape
     hkv = k.shape[2]
+    # float32 accumulation, or float64 for float64 inputs (finite-difference tests under x64).
+    acc = jnp.promote_types(jnp.float32, q.dtype)
     if upcast:
-        q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+        q, k, v = (x.astype(acc) for x in (q, k, v))
     qg = q.reshape(b, tq, hkv, hq // hkv, q.shape[-1])
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, precision=precision, preferred_element_type=jnp.float32)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, precision=precision, preferred_element_type=acc)
     s = s * scale
     if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)
@@ -37,13 +46,19 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, band: Band, q_seg:
     # Shift by the row max; a row with no visible key has max -inf: shift by 0 instead so
     # exp gives exact zeros (not NaN), then l == 0 marks the row empty.
     m = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+    if sinks is not None:
+        # The sink joins the max too, so exp(sink - m) <= 1 can't overflow whatever its size.
+        sink = sinks.astype(acc).reshape(1, hkv, hq // hkv, 1, 1)
+        m = jnp.maximum(m, lax.stop_gradient(sink))
     m = jnp.where(jnp.isneginf(m), 0.0, m)
     p = jnp.exp(s - m)
     l = jnp.sum(p, axis=-1, keepdims=True)
+    if sinks is not None:
+        l = l + jnp.exp(sink - m)  # denominator only: the sink has no value row
     empty = l == 0
     l_safe = jnp.where(empty, 1.0, l)
     o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, precision=precision,
-                   preferred_element_type=jnp.float32)
+                   preferred_element_type=acc)
     o = o / jnp.moveaxis(l_safe, -2, 1)  # l as [B, Tq, Hkv, G, 1]
     lse = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))[..., 0]  # [B, Hkv, G, Tq]
     return o.reshape(b, tq, hq, v.shape[-1]), lse.reshape(b, hq, tq)
@@ -53,7 +68,8 @@ def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: boo
                         segment_ids: jax.Array | tuple[jax.Array, jax.Array] | None = None,
                         window: tuple[int | None, int | None] | None = None, scale: float | None = None,
                         softcap: float | None = None, return_lse: bool = False,
-                        out_dtype: jnp.dtype | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                        out_dtype: jnp.dtype | None = None,
+                        sinks: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Plain float32 jnp attention at HIGHEST precision: the reference for tests.
 
     Same arguments and conventions as `kernels.attention`; output in `out_dtype`
@@ -65,6 +81,6 @@ def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: boo
     band = make_band(causal, window, q.shape[1], k.shape[1])
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out, lse = dense_attention(q, k, v, band, q_seg, kv_seg, scale, softcap, upcast=True,
-                               precision=lax.Precision.HIGHEST)
+                               precision=lax.Precision.HIGHEST, sinks=sinks)
     out = out.astype(q.dtype if out_dtype is None else out_dtype)
     return (out, lse) if return_lse else out

@@ -46,6 +46,8 @@ class Attention(nnx.Module):
         elif cfg.qk_norm:  # per-head RMSNorm of q and k before RoPE (Qwen3)
             self.q_norm = norm_param((dh,), ("head_dim",), cfg)
             self.k_norm = norm_param((dh,), ("head_dim",), cfg)
+        if cfg.attention_sinks:  # gpt-oss: one logit per head in the softmax denominator (a Bias: no decay)
+            self.sinks = zeros_bias((h,), ("heads",), cfg.param_dtype)
         self.qk_norm = cfg.qk_norm
         self.qk_norm_full = cfg.qk_norm and cfg.qk_norm_scope == "full"
         self.eps, self.norm_offset = cfg.norm_eps, cfg.norm_weight_offset
@@ -76,7 +78,7 @@ class Attention(nnx.Module):
         new = cache_entries(k, v, plan)
         out = decode_attention([q], [cache["k"]], [new["k"]], cache["v"], new["v"], positions[:, 0],
                                q.shape[-1] ** -0.5, k_scales=[cache.get("k_scale")], v_scale=cache.get("v_scale"),
-                               softcap=self.softcap)
+                               softcap=self.softcap, sinks=self._sinks())
         return self._output(out), new
 
     def _qkv(self, x: jax.Array, positions: jax.Array, rope_freqs: jax.Array,
@@ -101,6 +103,9 @@ class Attention(nnx.Module):
         v = plan.constrain(v, ("batch", "length", "kv_heads", "head_dim"))
         return q, k, v
 
+    def _sinks(self) -> jax.Array | None:
+        return self.sinks[...] if hasattr(self, "sinks") else None
+
     def _output(self, out: jax.Array) -> jax.Array:
         b, t, heads, dh = out.shape
         return project_attr(self, "nhk,hkd->nd", out.reshape(b * t, heads, dh), "wo").reshape(b, t, -1)
@@ -109,7 +114,8 @@ class Attention(nnx.Module):
                 rope_freqs: jax.Array, plan: ParallelPlan) -> tuple[jax.Array, jax.Array, jax.Array]:
         q, k, v = self._qkv(x, positions, rope_freqs, plan)
         # Plain attention, or context-parallel when the plan's mesh splits the sequence.
-        out = context_attention(q, k, v, segment_ids=segment_ids, impl=self.impl, plan=plan, softcap=self.softcap)
+        out = context_attention(q, k, v, segment_ids=segment_ids, impl=self.impl, plan=plan, softcap=self.softcap,
+                                sinks=self._sinks())
         out = checkpoint_name(out, "attn_out")
         return self._output(out), k, v
 
@@ -123,7 +129,8 @@ def cache_entries(k: jax.Array, v: jax.Array, plan: ParallelPlan = SINGLE_DEVICE
 def decode_attention(qs: Sequence[jax.Array], ks: Sequence[jax.Array], k_news: Sequence[jax.Array],
                      v_cache: jax.Array, v_new: jax.Array, positions: jax.Array, scale: float,
                      k_scales: Sequence[jax.Array | None] | None = None,
-                     v_scale: jax.Array | None = None, softcap: float | None = None) -> jax.Array:
+                     v_scale: jax.Array | None = None, softcap: float | None = None,
+                     sinks: jax.Array | None = None) -> jax.Array:
     """Softmax attention of one query per row over its cached keys plus its own new key.
 
     Scores are sums over parts, q . k = sum_i q_i . k_i, so a key kept in pieces (MLA: latent
@@ -142,6 +149,8 @@ def decode_attention(qs: Sequence[jax.Array], ks: Sequence[jax.Array], k_news: S
     multiply part i's scores, v_scale [B, Hv, S, 1] the probabilities; the int8 values enter the
     products converted, never dequantized as a whole. softcap: scores -> softcap * tanh(scores / softcap)
     after scaling (Gemma 2), as in training.
+
+    sinks [Hq] (gpt-oss attention sinks): each head's logit joins the denominator, with no value.
     """
     b, _, hq, _ = qs[0].shape
     dt = qs[0].dtype
@@ -162,9 +171,13 @@ def decode_attention(qs: Sequence[jax.Array], ks: Sequence[jax.Array], k_news: S
     visible = jnp.arange(s_len)[None, :] < positions[:, None]  # [B, S]
     s_old = jnp.where(visible[:, None, :], s_old, -jnp.inf)
     m = jnp.maximum(jnp.max(s_old, axis=-1), s_new)  # finite: the new key is always visible
+    if sinks is not None:
+        m = jnp.maximum(m, sinks.astype(jnp.float32))
     p_old = jnp.exp(s_old - m[..., None])
     p_new = jnp.exp(s_new - m)
     denom = jnp.sum(p_old, axis=-1) + p_new  # [B, Hq]
+    if sinks is not None:
+        denom = denom + jnp.exp(sinks.astype(jnp.float32) - m)
     pg = p_old.reshape(b, hv, hq // hv, s_len)
     if v_scale is not None:
         pg = pg * v_scale[:, :, None, :, 0]

@@ -95,6 +95,9 @@ class ModelConfig:
     qk_norm: bool = False
     qk_norm_scope: QKNormScope = "head"  # what one q/k RMSNorm spans (with qk_norm)
     qkv_bias: bool = False  # additive biases on the q/k/v projections (Qwen2; HF imports)
+    # gpt-oss attention sinks: a learned logit per query head (param `sinks` [heads], init 0, no
+    # weight decay) joins the softmax denominator with no value. Runs on attention_impl=xla/auto.
+    attention_sinks: bool = False
     logit_softcap: float | None = None  # tanh soft-cap of output logits (Gemma-2)
     # tanh soft-cap of the attention scores before the softmax, cap * tanh(s / cap) (Gemma 2)
     attn_logit_softcap: float | None = None
@@ -215,6 +218,9 @@ class ModelConfig:
         if self.logit_softcap is not None and self.logit_softcap <= 0:
             out.append(("logit_softcap", self.logit_softcap, "> 0 or null"))
         out += self._gemma_problems()
+        if self.attention_sinks and self.attention_impl not in ("xla", "auto"):
+            out.append(("attention_impl", self.attention_impl, "xla or auto with model.attention_sinks=true "
+                        "(no kernel has sinks yet)"))
         if self.qk_norm_scope != "head" and not self.qk_norm:
             out.append(("qk_norm_scope", self.qk_norm_scope, "head unless model.qk_norm=true"))
         if self.moe_num_experts:
@@ -258,6 +264,8 @@ class ModelConfig:
             out.append(("qk_norm", self.qk_norm, "false with attention_type=mla (its latents are normalised)"))
         if self.qkv_bias:
             out.append(("qkv_bias", self.qkv_bias, "false with attention_type=mla"))
+        if self.attention_sinks:
+            out.append(("attention_sinks", self.attention_sinks, "false with attention_type=mla"))
         if self.num_kv_heads not in (None, self.num_heads):
             out.append(("num_kv_heads", self.num_kv_heads,
                         "null with attention_type=mla (K/V come from a shared latent)"))

@@ -137,23 +137,28 @@ def _ring(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | Non
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Array | None,
-              impl: str = "auto", plan: ParallelPlan | None = None, softcap: float | None = None) -> jax.Array:
+              impl: str = "auto", plan: ParallelPlan | None = None, softcap: float | None = None,
+              sinks: jax.Array | None = None) -> jax.Array:
     """Causal attention for [batch, length, heads, head_dim] inputs, context-parallel when the plan's
-    mesh splits the sequence (`plan`: default single device); `softcap`: tanh soft-cap of the scores."""
+    mesh splits the sequence (`plan`: default single device); `softcap`: tanh soft-cap of the scores;
+    `sinks`: [heads] attention-sink logits (XLA partitions them with the heads; not yet the ring)."""
     plan = plan or single_device()
     platform = plan.platform
     if plan.mesh is None:
         return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl, platform=platform,
-                                 softcap=softcap)
+                                 softcap=softcap, sinks=sinks)
     if plan.context_size == 1:
-        resolved = kernels.resolve_impl(impl, q, v, segment_ids=segment_ids, softcap=softcap, platform=platform)
+        resolved = kernels.resolve_impl(impl, q, v, segment_ids=segment_ids, softcap=softcap, platform=platform,
+                                        sinks=sinks)
         if resolved in PER_SHARD_IMPLS and plan.size > 1:
             return _per_shard_kernel(q, k, v, segment_ids, impl, plan, softcap)
         return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl, platform=platform,
-                                 softcap=softcap)
+                                 softcap=softcap, sinks=sinks)
     if plan.context_impl == "allgather":
         k = plan.constrain(k, ("batch", "kv_length", "kv_heads", "head_dim"))
         v = plan.constrain(v, ("batch", "kv_length", "kv_heads", "head_dim"))
         return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl, platform=platform,
-                                 softcap=softcap)
+                                 softcap=softcap, sinks=sinks)
+    if sinks is not None:  # the ring merges per-block lse's: the sink must join once, not per block
+        raise ValueError("attention sinks are not supported by context_impl=ring yet; use context_impl=allgather")
     return _ring(q, k, v, segment_ids, impl, plan, softcap)

@@ -55,6 +55,8 @@ OLMO2 = [*GQA, "model.norm_placement=post", "model.qk_norm=true", "model.qk_norm
 # Gemma 2/3's block: sandwich norms with (1 + w) weights, GeGLU (tanh GELU), sqrt(d) embeddings, attention soft-cap.
 GEMMA = [*GQA, "model.norm_placement=sandwich", "model.norm_weight_offset=1.0", "model.mlp_activation=gelu_tanh",
          "model.embed_scale=true", "model.attn_logit_softcap=1.0", "model.qk_norm=true"]
+# gpt-oss attention sinks (set nonzero by the fixture: their init is 0).
+SINKS = [*GQA, "model.attention_sinks=true"]
 PROMPTS = [[5, 9, 1, 33, 2], [7, 3, 60, 12, 40, 41, 8, 19, 22, 50, 11]]
 
 
@@ -118,6 +120,13 @@ def gemma():
     return make(GEMMA, seed=4)
 
 
+def sinks():
+    cfg, params = make(SINKS, seed=4)
+    attn = params["layers"]["attn"]
+    attn["sinks"][...] = 2 * jax.random.normal(jax.random.key(5), attn["sinks"][...].shape)
+    return cfg, params
+
+
 # ---------------------------------------------------------------- exactness of the cache
 
 
@@ -145,7 +154,7 @@ def test_mla_moe_greedy_with_cache_equals_dropless_recomputation(moe):
         assert row == recompute_greedy(cfg, params, prompt, NEW)
 
 
-@pytest.mark.parametrize("which", ["gqa", "mla", "moe", "olmo2", "gemma"])
+@pytest.mark.parametrize("which", ["gqa", "mla", "moe", "olmo2", "gemma", "sinks"])
 def test_decode_step_logits_equal_training_forward(which, request):
     """One prefill + one decode step by hand: the decode logits (absorbed and explicit for
     MLA) equal the training forward's at that position; prefill logits equal it too."""

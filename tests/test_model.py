@@ -394,6 +394,7 @@ COUNT_CONFIGS = {
     "untied-qknorm-headdim": dict(tie_embeddings=False, qk_norm=True, head_dim=16, num_layers=3),
     "olmo2-post-fullqk-gqa": dict(norm_placement="post", qk_norm=True, qk_norm_scope="full", head_dim=16),
     "gemma-sandwich-qknorm": dict(norm_placement="sandwich", qk_norm=True, norm_weight_offset=1.0),
+    "attention-sinks-gqa": dict(attention_sinks=True),
 }
 
 

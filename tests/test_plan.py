@@ -520,6 +520,18 @@ def _kernels_run(monkeypatch, impl: str, kind: str, lay: Layout, segments: bool 
     return attention_module.resolve_impl(impl, q, q, segment_ids=seg)
 
 
+def test_attention_sinks_are_priced_as_xla_like_the_kernels_run_them(monkeypatch):
+    """gpt-oss sinks run only on xla: `auto` on an H100 plans (and dispatches) the dense path."""
+    cfg = load_config("tiny", [*BASE, *GQA, "mesh.data=8", "model.dtype=bfloat16", "model.attention_sinks=true",
+                                "model.attention_impl=auto"])
+    lay = make_plan(cfg, 8, device_spec("h100")).layout
+    sinks = jax.ShapeDtypeStruct((lay.heads,), jnp.float32)
+    spec = device_spec("h100")
+    monkeypatch.setattr(attention_module, "_platform", lambda: spec.platform)
+    q = jax.ShapeDtypeStruct((lay.rows, lay.seq, lay.heads, lay.model.resolved_head_dim), jnp.bfloat16)
+    assert lay.attention_impl == attention_module.resolve_impl("auto", q, q, sinks=sinks) == "xla"
+
+
 def test_attention_memory_is_priced_as_the_kernels_keep_it(monkeypatch):
     """Mosaic GPU (and every flash kernel) keeps its output and log-sum-exp, not the [rows, heads,
     seq, seq] float32 scores; `auto` is priced as the implementation the kernels pick on that device

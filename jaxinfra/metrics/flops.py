@@ -45,6 +45,7 @@ def _layer_norm_params(cfg: ModelConfig, moe: bool = False) -> int:
         qk = cfg.num_heads + cfg.kv_heads if cfg.qk_norm_scope == "full" else 2  # full: over all heads
         attention = qk * cfg.resolved_head_dim if cfg.qk_norm else 0
         attention += (cfg.num_heads + 2 * cfg.kv_heads) * cfg.resolved_head_dim if cfg.qkv_bias else 0
+        attention += cfg.num_heads if cfg.attention_sinks else 0
     bias = cfg.moe_num_experts if moe and (cfg.moe_bias_update_rate > 0 or cfg.moe_router_bias) else 0
     blocks = 4 if cfg.norm_placement == "sandwich" else 2  # sandwich: input and output norm per sub-layer
     return blocks * cfg.d_model + attention + bias

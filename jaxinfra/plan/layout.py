@@ -146,8 +146,10 @@ class Layout:
         call: causal, the batch's segment ids (always passed in training), no softcap, q and k/v
         in the compute dtype; under context parallelism the local queries against all keys (ring
         attention: against one visiting block, with a (q, kv) segment pair; it runs cuDNN, which
-        returns no log-sum-exp, as `auto`: sharding/ring.py)."""
+        returns no log-sum-exp, as `auto`: sharding/ring.py). Attention sinks run only on xla."""
         m = self.model
+        if m.attention_sinks:  # kernels/attention.py: auto resolves to xla, the config refuses the rest
+            return "xla"
         impl, segments = m.attention_impl, "shared"
         if self.cp > 1 and self.cfg.parallelism.context_impl == "ring":
             impl, segments = ("auto" if impl == "cudnn" else impl), "pair"
