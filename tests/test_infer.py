@@ -120,6 +120,7 @@ def gemma():
     return make(GEMMA, seed=4)
 
 
+@pytest.fixture(scope="module")
 def sinks():
     cfg, params = make(SINKS, seed=4)
     attn = params["layers"]["attn"]
