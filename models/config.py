@@ -35,7 +35,7 @@ AttentionType = Literal[
     "mha",  # multi-head attention with grouped K/V heads: MHA, GQA, MQA (num_kv_heads)
     "mla",  # DeepSeek-V2/V3 multi-head latent attention (models/mla.py)
 ]
-RopeScaling = Literal["llama3", "yarn"]
+RopeScaling = Literal["llama3", "yarn", "linear"]
 RouterScore = Literal["softmax", "sigmoid"]
 NormPlacement = Literal[
     "pre",  # RMSNorm on each sub-layer's input (Llama, Qwen, Mixtral, DeepSeek)
@@ -85,6 +85,17 @@ class ModelConfig:
     rope_yarn_beta_fast: float = 32.0
     rope_yarn_beta_slow: float = 1.0
     rope_yarn_mscale: float = 1.0  # DeepSeek's mscale_all_dim
+    # Sliding-window attention (Mistral, Gemma 2/3, gpt-oss): a sliding layer's query at position i
+    # sees keys j with i - sliding_window < j <= i (itself included, HF's convention); its KV cache
+    # keeps only those slots. None: every layer attends to the whole causal prefix.
+    sliding_window: int | None = None
+    # Which layers slide (with sliding_window): n > 0 makes layer i global (full causal) when
+    # (i + 1) % n == 0, the others sliding (HF Gemma 3's sliding_window_pattern: 6 -> 5 local, 1
+    # global; gpt-oss alternates: 2); 0: every layer slides (Mistral v0.1).
+    sliding_window_pattern: int = 0
+    # RoPE base of the sliding layers, with no frequency scaling (Gemma 3's rope_local_base_freq);
+    # None: the sliding layers rotate like the global ones (rope_theta and its scaling).
+    rope_local_theta: float | None = None
     norm_eps: float = 1e-6
     # Where the blocks' RMSNorms sit. A name, not a flag, so that Gemma's pre + post "sandwich" can
     # join as a third value.
@@ -179,6 +190,13 @@ class ModelConfig:
     def expert_dim(self) -> int:
         return self.moe_mlp_dim if self.moe_mlp_dim is not None else self.mlp_dim
 
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Per layer, its sliding window (tokens it sees, itself included), or None for a global layer."""
+        n, w = self.sliding_window_pattern, self.sliding_window
+        if w is None:
+            return (None,) * self.num_layers
+        return tuple(None if n > 0 and (i + 1) % n == 0 else w for i in range(self.num_layers))
+
     def moe_layer_flags(self) -> tuple[bool, ...]:
         """Per layer, whether it is MoE: the first k dense, then every moe_every-th sparse."""
         if not self.is_moe:
@@ -218,6 +236,7 @@ class ModelConfig:
         if self.logit_softcap is not None and self.logit_softcap <= 0:
             out.append(("logit_softcap", self.logit_softcap, "> 0 or null"))
         out += self._gemma_problems()
+        out += self._window_problems()
         if self.attention_sinks and self.attention_impl not in ("xla", "auto"):
             out.append(("attention_impl", self.attention_impl, "xla or auto with model.attention_sinks=true "
                         "(no kernel has sinks yet)"))
@@ -244,6 +263,21 @@ class ModelConfig:
             out.append(("attn_logit_softcap", cap, "null with attention_impl=cudnn (cuDNN has no soft-cap)"))
         elif cap is not None and self.is_mla:
             out.append(("attn_logit_softcap", cap, "null with attention_type=mla"))
+        return out
+
+    def _window_problems(self) -> list[tuple[str, object, str]]:
+        out: list[tuple[str, object, str]] = []
+        if self.sliding_window is not None and self.sliding_window < 1:
+            out.append(("sliding_window", self.sliding_window, "a positive integer or null"))
+        elif self.sliding_window is not None and self.is_mla:
+            out.append(("sliding_window", self.sliding_window, "null with attention_type=mla"))
+        if self.sliding_window is not None:  # PLACEHOLDER(issue 31 windows): removed when the stack runs windows
+            out.append(("sliding_window", self.sliding_window, "null (sliding windows are not built yet)"))
+        if self.sliding_window_pattern < 0:
+            out.append(("sliding_window_pattern", self.sliding_window_pattern,
+                        "an integer >= 0 (n: every n-th layer global; 0: every layer slides)"))
+        if self.rope_local_theta is not None and not (0 < self.rope_local_theta < math.inf):
+            out.append(("rope_local_theta", self.rope_local_theta, "a finite number > 0 or null"))
         return out
 
     def _mla_problems(self) -> list[tuple[str, object, str]]:

@@ -89,6 +89,8 @@ def rope_frequencies(cfg: ModelConfig) -> jnp.ndarray:
         return freqs
     if cfg.rope_scaling_type == "yarn":
         return _yarn_frequencies(freqs, cfg)
+    if cfg.rope_scaling_type == "linear":  # positions divided by the factor (Gemma 3's global layers)
+        return freqs / cfg.rope_scaling_factor
     factor, orig = cfg.rope_scaling_factor, cfg.rope_original_max_len
     low_wavelen = orig / cfg.rope_low_freq_factor
     high_wavelen = orig / cfg.rope_high_freq_factor
