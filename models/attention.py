@@ -52,6 +52,7 @@ class Attention(nnx.Module):
         self.qk_norm_full = cfg.qk_norm and cfg.qk_norm_scope == "full"
         self.eps, self.norm_offset = cfg.norm_eps, cfg.norm_weight_offset
         self.softcap = cfg.attn_logit_softcap
+        self.q_prescale = cfg.query_prescale
         self.impl = cfg.attention_impl
         prepare_weights(self, quant, self.PROJECTIONS, DTYPES[cfg.dtype], lora, rngs)
 
@@ -98,7 +99,10 @@ class Attention(nnx.Module):
             norm = rms_norm_heads if self.qk_norm_full else rms_norm
             q = norm(q, self.q_norm[...], self.eps, self.norm_offset)
             k = norm(k, self.k_norm[...], self.eps, self.norm_offset)
-        q = plan.constrain(apply_rope(q, positions, rope_freqs), ("batch", "length", "heads", "head_dim"))
+        q = apply_rope(q, positions, rope_freqs)
+        if self.q_prescale != 1.0:  # a softmax scale other than head_dim ** -0.5 (Gemma's query_pre_attn_scalar)
+            q = q * jnp.asarray(self.q_prescale, q.dtype)
+        q = plan.constrain(q, ("batch", "length", "heads", "head_dim"))
         k = plan.constrain(apply_rope(k, positions, rope_freqs), ("batch", "length", "kv_heads", "head_dim"))
         v = plan.constrain(v, ("batch", "length", "kv_heads", "head_dim"))
         return q, k, v

@@ -109,6 +109,9 @@ class ModelConfig:
     # gpt-oss attention sinks: a learned logit per query head (param `sinks` [heads], init 0, no
     # weight decay) joins the softmax denominator with no value. Runs on attention_impl=xla/auto.
     attention_sinks: bool = False
+    # Softmax scale of the attention scores; None: head_dim ** -0.5. Gemma 2/3 use
+    # query_pre_attn_scalar ** -0.5. Applied by scaling q after RoPE (MHA/GQA only).
+    attention_scale: float | None = None
     logit_softcap: float | None = None  # tanh soft-cap of output logits (Gemma-2)
     # tanh soft-cap of the attention scores before the softmax, cap * tanh(s / cap) (Gemma 2)
     attn_logit_softcap: float | None = None
@@ -189,6 +192,14 @@ class ModelConfig:
     @property
     def expert_dim(self) -> int:
         return self.moe_mlp_dim if self.moe_mlp_dim is not None else self.mlp_dim
+
+    @property
+    def query_prescale(self) -> float:
+        """Factor q is multiplied by after RoPE so that the kernels' default head_dim ** -0.5 scale
+        gives the configured softmax scale (1.0: nothing to do)."""
+        if self.attention_scale is None:
+            return 1.0
+        return self.attention_scale * self.resolved_head_dim ** 0.5
 
     def layer_windows(self) -> tuple[int | None, ...]:
         """Per layer, its sliding window (tokens it sees, itself included), or None for a global layer."""
@@ -276,6 +287,10 @@ class ModelConfig:
         if self.sliding_window_pattern < 0:
             out.append(("sliding_window_pattern", self.sliding_window_pattern,
                         "an integer >= 0 (n: every n-th layer global; 0: every layer slides)"))
+        if self.attention_scale is not None and not (0 < self.attention_scale < math.inf):
+            out.append(("attention_scale", self.attention_scale, "a finite number > 0 or null (= head_dim ** -0.5)"))
+        elif self.attention_scale is not None and self.is_mla:
+            out.append(("attention_scale", self.attention_scale, "null with attention_type=mla"))
         if self.rope_local_theta is not None and not (0 < self.rope_local_theta < math.inf):
             out.append(("rope_local_theta", self.rope_local_theta, "a finite number > 0 or null"))
         return out

@@ -237,7 +237,8 @@ def hf_family(cfg: ModelConfig) -> str:
         refuse(f"model.logit_softcap={cfg.logit_softcap} (no supported HF family soft-caps logits)")
     # Gemma's features (norm_placement=sandwich is refused with the norm placements below)
     for key, plain in (("norm_weight_offset", 0.0), ("mlp_activation", "silu"), ("embed_scale", False),
-                       ("attn_logit_softcap", None)):
+                       ("attn_logit_softcap", None), ("attention_scale", None), ("sliding_window", None),
+                       ("rope_local_theta", None), ("attention_sinks", False)):
         if getattr(cfg, key) != plain:
             refuse(f"model.{key}={getattr(cfg, key)!r} (no supported HF family has it)")
     if cfg.norm_placement != "pre" or cfg.qk_norm_scope != "head":
