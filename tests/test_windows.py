@@ -218,3 +218,120 @@ def test_windows_refuse_what_cannot_run_them(overrides, names):
     assert "\n" not in msg and all(n in msg for n in names), msg
     validate(load_config("tiny", ["model.sliding_window=8", "model.sliding_window_pattern=2", "mesh.context=2",
                                   "mesh.data=4", "parallelism.context_impl=allgather"]), device_count=8)
+
+
+# ---------------------------------------------------------------- KV cache (models/cache.py)
+
+# 3 layers, window 6, pattern 2: layers 0 and 2 slide (a period of 2 and a suffix layer), local RoPE base,
+# nonzero sinks; prompts longer and shorter than the window, generation well past it.
+GEN = ["data.source=synthetic", "model.vocab_size=64", "model.d_model=32", "model.num_layers=3", "model.num_heads=4",
+       "model.num_kv_heads=2", "model.head_dim=8", "model.mlp_dim=64", "model.tie_embeddings=false",
+       "model.init_std=0.3", "mesh.data=1", "model.sliding_window=6", "model.sliding_window_pattern=2",
+       "model.rope_local_theta=100", "model.attention_sinks=true"]
+PROMPTS = [[7, 3, 60, 12, 40, 41, 8, 19, 22, 50, 11], [5, 9, 1], [4, 4, 8, 15, 16, 23, 42, 1, 2]]
+NEW = 20
+
+
+@pytest.fixture(scope="module")
+def windowed():
+    from jaxinfra.state import init_params
+
+    cfg = load_config("tiny", GEN)
+    params = init_params(cfg.model, jax.random.key(0))
+    attn = params["layers"]["attn"]
+    attn["sinks"][...] = 2 * jax.random.normal(jax.random.key(5), attn["sinks"][...].shape)
+    return cfg, params
+
+
+def _full_logps(cfg, params, rows: list[list[int]]) -> np.ndarray:
+    """The training forward on each whole row (prompt + generation), right-padded: log-softmax [rows, T, V]."""
+    total = max(map(len, rows))
+    tokens = np.zeros((len(rows), total), np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, :len(r)] = r
+    logits = forward(cfg, params, tokens, None, None)[0]
+    return np.asarray(jax.nn.log_softmax(logits, axis=-1))
+
+
+@pytest.mark.parametrize("kv", ["float", "int8"])
+def test_windowed_generation_equals_full_forward(windowed, kv):
+    """Batched rows of different lengths with ring-buffer caches on the sliding layers (sinks on): float
+    greedy tokens equal the full forward's argmax at every step and every recorded log-prob equals the full
+    forward's (teacher-forced on the generated rows); int8 log-probs within its quantization noise."""
+    from jaxinfra.infer import Generator, inference_model_config
+
+    cfg, params = windowed
+    if kv == "int8":
+        cfg = dataclasses.replace(cfg, quant=dataclasses.replace(cfg.quant, kv_cache="int8"))
+    result = Generator(cfg, params).generate(PROMPTS, max_new_tokens=NEW)
+    rows = [p + t for p, t in zip(PROMPTS, result.tokens)]
+    logps = _full_logps(inference_model_config(cfg.model), params, rows)
+    for i, (prompt, gen) in enumerate(zip(PROMPTS, result.tokens)):
+        assert len(gen) == NEW
+        at = np.arange(len(prompt) - 1, len(prompt) + NEW - 1)
+        want = logps[i, at, gen]
+        if kv == "float":
+            assert gen == list(np.argmax(logps[i, at], axis=-1)), i
+            np.testing.assert_allclose(result.logps[i], want, rtol=1e-4, atol=1e-4)
+        else:
+            # (the same model without windows shows int8 noise up to 0.1 here)
+            np.testing.assert_allclose(result.logps[i], want, atol=0.15)
+
+
+def test_cache_groups_and_bytes_count_windows(windowed):
+    """Sliding layers keep min(window, max_len) slots in their own group; bytes by the exact formula."""
+    from models import cache as kv_cache
+
+    model = windowed[0].model
+    lay = kv_cache.layout(model, 3, 40)
+    assert lay["layers"]["k"][0] == (1, 3, 2, 40, 8) and lay["layers_sliding"]["k"][0] == (2, 3, 2, 6, 8)
+    assert kv_cache.layer_slots(model)["layers"].tolist() == [0, 0, 1]
+    per_layer_slot = 2 * 2 * 8 * 4  # k and v x kv_heads x head_dim x float32
+    assert kv_cache.cache_bytes(model, 3, 40) == 3 * per_layer_slot * (1 * 40 + 2 * 6)
+    assert kv_cache.cache_bytes(model, 3, 4) == 3 * per_layer_slot * 3 * 4  # windows longer than the cache
+    plain = dataclasses.replace(model, sliding_window=None)
+    assert kv_cache.cache_bytes(plain, 3, 40) == 3 * per_layer_slot * 3 * 40 > kv_cache.cache_bytes(model, 3, 40)
+
+
+def test_info_inference_reports_window_aware_cache_bytes(windowed):
+    from jaxinfra.info import inference_lines
+
+    lines = inference_lines(windowed[0], 40)
+    assert lines[0] == (f"kv cache per row of 40 positions: {128 * (40 + 2 * 6):,} bytes (float32); "
+                        f"{128 * 3 * 40:,} without sliding windows")  # 128: k, v x 2 heads x 8 x 4 B
+    assert lines[1:] == ["  layers: 1 layers (global) x 40 slots", "  layers_sliding: 2 layers (window 6) x 6 slots"]
+
+
+# ---------------------------------------------------------------- parity (tests/parity.py)
+
+PARITY_MODEL = ModelConfig(vocab_size=64, d_model=64, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=8,
+                           mlp_dim=128, tie_embeddings=False, sliding_window=8, sliding_window_pattern=2,
+                           rope_local_theta=100.0, attention_sinks=True, norm_placement="sandwich",
+                           norm_weight_offset=1.0, qk_norm=True)
+
+
+@pytest.mark.parametrize("mesh, parallelism", [
+    (dict(fsdp=4, tensor=2), {}),
+    (dict(context=2, fsdp=4), dict(context_impl="allgather")),
+], ids=["fsdp4-tensor2", "context2-fsdp4-allgather"])
+def test_windowed_model_trains_under_parallel_layouts_like_one_device(mesh, parallelism, parity_baseline):
+    """Windows (a local and a global layer), the local RoPE base, sinks and sandwich norms: the same
+    losses and parameters on 8 devices as on one (to 1e-5)."""
+    from parity import assert_matches, run_steps
+
+    batches, make = parity_baseline["batches"], parity_baseline["make"]
+    split = run_steps(make(mesh, **parallelism), jax.devices(), batches)
+    assert_matches(split, parity_baseline["one"], "windows-" + "-".join(f"{k}{v}" for k, v in mesh.items()))
+
+
+@pytest.fixture(scope="module")
+def parity_baseline():
+    from parity import packed_batches, parity_config, run_steps
+
+    from jaxinfra.config import OptimizerConfig
+
+    def make(mesh, **parallelism):
+        return parity_config(PARITY_MODEL, OptimizerConfig(lr=1e-2, eps=1e-5), mesh, batch=8, seq=32, **parallelism)
+
+    batches = packed_batches(8, 32, PARITY_MODEL.vocab_size, 3)
+    return {"batches": batches, "make": make, "one": run_steps(make({}), jax.devices()[:1], batches)}
