@@ -334,3 +334,15 @@ def parity_baseline():
 
     batches = packed_batches(8, 32, PARITY_MODEL.vocab_size, 2)
     return {"batches": batches, "make": make, "one": run_steps(make({}), jax.devices()[:1], batches)}
+
+
+@pytest.mark.slow  # the pipeline runs the same period function as the scan (test_pipeline covers its schedules)
+def test_windowed_periods_train_under_the_pipeline_like_one_device(parity_baseline):
+    """4 layers of pattern 2: two periods (local, global) as the two pipeline layers over mesh.stage=2."""
+    from parity import assert_matches, run_steps
+
+    model = dataclasses.replace(PARITY_MODEL, num_layers=4)
+    make = lambda mesh: dataclasses.replace(parity_baseline["make"](mesh), model=model)  # noqa: E731
+    one = run_steps(make({}), jax.devices()[:1], parity_baseline["batches"])
+    split = run_steps(make(dict(stage=2, data=4)), jax.devices(), parity_baseline["batches"])
+    assert_matches(split, one, "windows-stage2")
