@@ -275,6 +275,18 @@ def test_windowed_generation_equals_full_forward(windowed, kv):
             np.testing.assert_allclose(result.logps[i], want, atol=0.15)
 
 
+@pytest.mark.slow  # the sharded cache groups are pinned by the same logical names as the unsharded run checks
+def test_sharded_windowed_decode_equals_unsharded(windowed):
+    from jaxinfra.infer import Generator
+
+    cfg, params = windowed
+    sharded = Generator(load_config("tiny", [*GEN, "mesh.tensor=2", "mesh.fsdp=2"]), params)
+    assert sharded.mesh.size == 4
+    prompts = [*PROMPTS, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9]]
+    assert sharded.generate(prompts, max_new_tokens=NEW).tokens == Generator(cfg, params).generate(
+        prompts, max_new_tokens=NEW).tokens
+
+
 def test_cache_groups_and_bytes_count_windows(windowed):
     """Sliding layers keep min(window, max_len) slots in their own group; bytes by the exact formula."""
     from models import cache as kv_cache
