@@ -406,3 +406,14 @@ def test_windowed_periods_train_under_the_pipeline_like_one_device(parity_baseli
     one = run_steps(make({}), jax.devices()[:1], parity_baseline["batches"])
     split = run_steps(make(dict(stage=2, data=4)), jax.devices(), parity_baseline["batches"])
     assert_matches(split, one, "windows-stage2")
+
+
+def test_flops_count_a_sliding_layer_at_min_t_w_keys():
+    """Model FLOPs (MFU): 3 of WIN's 4 layers slide over 8 keys of 32; causal, their band averages 8 - 64 / 64."""
+    from jaxinfra.metrics import flops_per_token
+
+    per_key = 3 * 2 * WIN.num_heads * 2 * WIN.resolved_head_dim  # training x (scores + values) per key and layer
+    plain = dataclasses.replace(WIN, sliding_window=None)
+    assert flops_per_token(plain, 32) - flops_per_token(WIN, 32) == per_key * 3 * (32 - 8)
+    assert flops_per_token(plain, 32, causal=True) - flops_per_token(WIN, 32, causal=True) == per_key * 3 * (16 - 7)
+    assert flops_per_token(WIN, 8) == flops_per_token(plain, 8)  # windows as long as the sequence change nothing
