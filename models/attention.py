@@ -77,7 +77,8 @@ class Attention(nnx.Module):
         x [B, 1, d]; positions [B, 1] (also the token's cache slot: slots below it are the
         row's earlier tokens); cache {"k", "v"} [B, kv_heads, S, head_dim]. Returns the
         output [B, 1, d] and the token's own entries {"k", "v"} [B, kv_heads, 1, head_dim]
-        (the caller writes them at `positions`). `absorb` only matters for MLA."""
+        (the caller writes them at `positions`). `absorb` only matters for MLA. `window`: a sliding
+        layer's, whose cache is a ring buffer of S slots (slot positions % S; `visible_slots`)."""
         q, k, v = self._qkv(x, positions, rope_freqs, plan)
         new = cache_entries(k, v, plan)
         out = decode_attention([q], [cache["k"]], [new["k"]], cache["v"], new["v"], positions[:, 0],
