@@ -496,9 +496,6 @@ def validate_mesh(cfg: Config, device_count: int | None) -> None:
     cp = sizes["context"]
     if cp > 1:
         need = 2 * cp if cfg.parallelism.context_impl == "ring" and cfg.parallelism.load_balance else cp
-        if m.attention_sinks and cfg.parallelism.context_impl == "ring":
-            raise ConfigError("model.attention_sinks=true with mesh.context > 1 needs parallelism.context_impl="
-                              "allgather (the ring has no sinks yet)")
         if cfg.train.seq_len % need:
             raise ConfigError(f"train.seq_len={cfg.train.seq_len} is not divisible by {need} "
                               f"({'2 x ' if need != cp else ''}mesh.context={cp})")

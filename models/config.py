@@ -248,9 +248,9 @@ class ModelConfig:
             out.append(("logit_softcap", self.logit_softcap, "> 0 or null"))
         out += self._gemma_problems()
         out += self._window_problems()
-        if self.attention_sinks and self.attention_impl not in ("xla", "auto"):
-            out.append(("attention_impl", self.attention_impl, "xla or auto with model.attention_sinks=true "
-                        "(no kernel has sinks yet)"))
+        if self.attention_sinks and self.attention_impl == "cudnn":
+            out.append(("attention_impl", self.attention_impl, "not cudnn with model.attention_sinks=true (sinks "
+                        "join the log-sum-exp, which cudnn does not return)"))
         if self.qk_norm_scope != "head" and not self.qk_norm:
             out.append(("qk_norm_scope", self.qk_norm_scope, "head unless model.qk_norm=true"))
         if self.moe_num_experts:
