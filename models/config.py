@@ -107,7 +107,7 @@ class ModelConfig:
     qk_norm_scope: QKNormScope = "head"  # what one q/k RMSNorm spans (with qk_norm)
     qkv_bias: bool = False  # additive biases on the q/k/v projections (Qwen2; HF imports)
     # gpt-oss attention sinks: a learned logit per query head (param `sinks` [heads], init 0, no
-    # weight decay) joins the softmax denominator with no value. Runs on attention_impl=xla/auto.
+    # weight decay) joins the softmax denominator with no value. Every attention_impl but cudnn.
     attention_sinks: bool = False
     # Softmax scale of the attention scores; None: head_dim ** -0.5. Gemma 2/3 use
     # query_pre_attn_scalar ** -0.5. Applied by scaling q after RoPE (MHA/GQA only).
