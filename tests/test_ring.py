@@ -56,6 +56,27 @@ def test_ring_with_sinks_matches_reference(impl: str, balanced: bool, mesh_sizes
     check_ring(impl, balanced, mesh_sizes, sinks=jnp.asarray([0.5, -1.0, 2.5, 8.0], jnp.float32))
 
 
+def test_per_shard_kernel_with_sinks_matches_reference():
+    """Without context parallelism a Pallas kernel runs per (batch, heads) shard (sharding/context.py), here
+    heads split over tensor=2 and batch over data=2; the sinks join its (out, lse) outside the shard_map."""
+    q, k, v, seg = _inputs()
+    sinks = jnp.asarray([0.5, -1.0, 2.5, 8.0], jnp.float32)
+    cot = jnp.asarray(np.random.default_rng(1).standard_normal((B, T, H, D)), jnp.float32)
+    want, want_grads = _loss_and_grads(
+        lambda s, q, k, v, sk: kernels.reference_attention(q, k, v, causal=True, segment_ids=s, sinks=sk),
+        seg, cot, q, k, v, sinks)
+    plan = plan_for(make_mesh(MeshConfig(data=2, tensor=2), jax.devices()[:4]), rules_for())
+
+    def sharded(s, q, k, v, sk):
+        return context.attention(q, k, v, segment_ids=s, impl="pallas_mosaic_tpu", plan=plan, sinks=sk)
+
+    assert "shard_map" in str(jax.make_jaxpr(sharded)(seg, q, k, v, sinks))
+    got, got_grads = _loss_and_grads(sharded, seg, cot, q, k, v, sinks)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    for name, g, w in zip(("q", "k", "v", "sinks"), got_grads, want_grads):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5, err_msg=name)
+
+
 def check_ring(impl: str, balanced: bool, mesh_sizes: dict, sinks: jax.Array | None = None) -> None:
     q, k, v, seg = _inputs()
     cot = jnp.asarray(np.random.default_rng(1).standard_normal((B, T, H, D)), jnp.float32)
