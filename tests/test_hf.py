@@ -393,7 +393,8 @@ def test_missing_tensors_and_unhonoured_fields_are_named_before_any_data_is_read
                           ({"query_pre_attn_scalar": 144}, "query_pre_attn_scalar=144"),
                           ({"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
                           ({"layer_types": ["sliding_attention", "full_attention"]}, "layer_types=['sliding"),
-                          ({"layer_types": ["chunked_attention"] * 2}, "layer_types=['chunked")]:
+                          ({"layer_types": ["chunked_attention"] * 2}, "layer_types=['chunked"),
+                          ({"rope_parameters": {"full_attention": {"rope_theta": 5e5}}}, "rope_parameters={'full")]:
         with pytest.raises(HFError, match=re.escape(f"qwen3: config.json {needle}")):
             from_hf({**qwen3, **extra})
     # What the mapped model does compute passes: the default scale, full layers, no window in effect.

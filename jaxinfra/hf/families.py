@@ -126,8 +126,12 @@ def _layer_types_match(types: Any, cfg: ModelConfig) -> bool:
 def _rope_per_layer_type(hf: dict[str, Any], cfg: ModelConfig) -> bool:
     """transformers 5's per-layer-type rope_parameters ({"full_attention": {...}, "sliding_attention": {...}}):
     the global layers' base is rope_theta, the sliding layers' the local base (or rope_theta, unscaled)."""
-    params = hf.get("rope_parameters") or {}
+    params = hf.get("rope_parameters")
+    if not isinstance(params, dict):
+        return True  # _rope reads (or refuses) the one-type forms
     full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+    if not isinstance(full, dict) or not isinstance(local, dict):
+        return False
     if "rope_theta" in full and float(full["rope_theta"]) != cfg.rope_theta:
         return False
     if "rope_theta" in local and _window_in_effect(hf) is not None:
