@@ -178,6 +178,8 @@ NUMERICS = {
     "mla192-128-segments-window": Case(hq=2, dqk=192, dv=128, window=(40, 0), segments=True),
     "softcap-window-both-tq-ne-tkv": Case(t=128, tkv=192, hq=1, causal=False, window=(30, 20), softcap=5.0),
     "sinks-gqa2-segments-window": Case(hq=4, hkv=2, window=(40, 0), segments=True, sinks=True),
+    "sinks-mla192-128-full-window-tq-ne-tkv": Case(t=128, tkv=192, dqk=192, dv=128, causal=False, window=(30, 20),
+                                                   sinks=True),
 }
 
 
