@@ -496,9 +496,6 @@ def validate_mesh(cfg: Config, device_count: int | None) -> None:
     cp = sizes["context"]
     if cp > 1:
         need = 2 * cp if cfg.parallelism.context_impl == "ring" and cfg.parallelism.load_balance else cp
-        if m.attention_sinks and cfg.parallelism.context_impl == "ring":
-            raise ConfigError("model.attention_sinks=true with mesh.context > 1 needs parallelism.context_impl="
-                              "allgather (the ring has no sinks yet)")
         if m.sliding_window is not None and cfg.parallelism.context_impl == "ring" and cfg.parallelism.load_balance:
             raise ConfigError(f"model.sliding_window={m.sliding_window} with parallelism.context_impl=ring needs "
                               "parallelism.load_balance=false (or context_impl=allgather)")

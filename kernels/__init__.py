@@ -22,7 +22,8 @@ from typing import Any
 from kernels.block_sizes import BlockSizes
 from kernels.config import IMPLEMENTATIONS
 
-_ENTRY = ("attention", "attention_with_lse", "reference_attention", "resolve_impl", "validate_attention_args")
+_ENTRY = ("apply_sinks", "attention", "attention_with_lse", "reference_attention", "resolve_impl",
+          "validate_attention_args")
 __all__ = ["IMPLEMENTATIONS", "BlockSizes", *_ENTRY]
 
 

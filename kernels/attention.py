@@ -37,8 +37,11 @@ Implementations (`impl`):
 
 Attention sinks (``sinks``, [Hq] float logits, gpt-oss): one learned logit per query head
 joins the softmax denominator with no value, so a row's weights may sum to < 1; the lse
-includes it. Only ``xla`` (the dense jnp path, differentiable by autodiff) runs them for now:
-``auto`` resolves to ``xla`` and the other implementations refuse them.
+includes it. ``xla`` runs them in its dense jnp path; the Pallas kernels run without them and
+`apply_sinks` folds them into their (out, lse) afterwards, in float32 (differentiable through the
+kernels' custom VJP, which takes an lse cotangent); ``cudnn`` returns no lse and refuses them
+(``auto`` then chooses as without sinks, never cuDNN). A row with no visible key: output 0, lse =
+its sink, finite gradients.
 """
 
 from __future__ import annotations
@@ -61,8 +64,8 @@ from kernels.logs import log_once
 from kernels.masks import Band, dense_mask, make_band, may_have_empty_rows
 from kernels.reference import dense_attention, reference_attention
 
-__all__ = ["IMPLEMENTATIONS", "AttentionImpl", "attention", "attention_with_lse", "reference_attention", "resolve_impl",
-           "validate_attention_args"]
+__all__ = ["IMPLEMENTATIONS", "AttentionImpl", "apply_sinks", "attention", "attention_with_lse", "reference_attention",
+           "resolve_impl", "validate_attention_args"]
 
 
 logger = logging.getLogger(__name__)
@@ -170,17 +173,19 @@ def _target(platform: str) -> facts.Target:
     return facts.Target(platform, _device_kind(), _compute_capability())
 
 
-def _call(q, v, band: Band, q_seg, kv_seg, softcap, need_lse: bool) -> facts.Call:
+def _call(q, v, band: Band, q_seg, kv_seg, softcap, need_lse: bool, has_sinks: bool = False) -> facts.Call:
     segments = "none" if q_seg is None and kv_seg is None else "shared" if q_seg is kv_seg else "pair"
-    return facts.Call(jnp.dtype(q.dtype).name, q.shape[-1], v.shape[-1], band, segments, softcap, need_lse)
+    return facts.Call(jnp.dtype(q.dtype).name, q.shape[-1], v.shape[-1], band, segments, softcap, need_lse,
+                      has_sinks)
 
 
 def _pallas_unsupported(q: jax.Array, v: jax.Array) -> str | None:
     return facts.pallas_unsupported(q.shape[-1], v.shape[-1])
 
 
-def _cudnn_unsupported(q, v, band: Band, q_seg, kv_seg, softcap, need_lse: bool, platform: str) -> str | None:
-    return facts.cudnn_unsupported(_target(platform), _call(q, v, band, q_seg, kv_seg, softcap, need_lse))
+def _cudnn_unsupported(q, v, band: Band, q_seg, kv_seg, softcap, need_lse: bool, platform: str,
+                       has_sinks: bool = False) -> str | None:
+    return facts.cudnn_unsupported(_target(platform), _call(q, v, band, q_seg, kv_seg, softcap, need_lse, has_sinks))
 
 
 def _resolve(impl: str, q, v, band: Band, q_seg, kv_seg, softcap, need_lse: bool, platform: str,
@@ -188,13 +193,8 @@ def _resolve(impl: str, q, v, band: Band, q_seg, kv_seg, softcap, need_lse: bool
     """kernels/facts.py decides (the planner asks it the same question); fallbacks log once here."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"attention: impl={impl!r}; choose one of {IMPLEMENTATIONS}")
-    if has_sinks:  # only the dense jnp path has sinks yet: refuse rather than drop them
-        if impl == "auto":
-            log_once(logger, _logged, "attention: sinks run on impl='xla' (no kernel has them yet)")
-            return "xla"
-        if impl != "xla":
-            raise ValueError(f"attention: impl={impl!r} does not support attention sinks yet; use impl='xla'")
-    chosen, note = facts.resolve(impl, _target(platform), _call(q, v, band, q_seg, kv_seg, softcap, need_lse))
+    call = _call(q, v, band, q_seg, kv_seg, softcap, need_lse, has_sinks)
+    chosen, note = facts.resolve(impl, _target(platform), call)
     if note is not None:
         log_once(logger, _logged, note)
     return chosen
@@ -279,12 +279,29 @@ def _attention(q, k, v, *, causal, segment_ids, window, scale, softcap, impl, bl
     if impl == "xla":
         return _xla(q, k, v, band, q_seg, kv_seg, bool(causal), scale, softcap, need_lse, sinks)
     if impl == "cudnn":
-        reason = _cudnn_unsupported(q, v, band, q_seg, kv_seg, softcap, need_lse, platform)
+        reason = _cudnn_unsupported(q, v, band, q_seg, kv_seg, softcap, need_lse, platform, sinks is not None)
         if reason is not None:
             raise ValueError(f"attention: impl='cudnn' does not support this call: {reason}")
         return _cudnn(q, k, v, band, scale, q_seg), None
     params = _flash_params(impl, q, v, band, scale, softcap, block_sizes, platform)
-    return flash_attention(params, q, k, v, q_seg, kv_seg)
+    out, lse = flash_attention(params, q, k, v, q_seg, kv_seg)
+    return (out, lse) if sinks is None else apply_sinks(out, lse, sinks)
+
+
+def apply_sinks(out: jax.Array, lse: jax.Array, sinks: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(out, lse) of attention without sinks -> with them: out [B, Tq, Hq, d_v], lse [B, Hq, Tq] float32
+    (-inf for rows with no visible key), sinks [Hq]. Returns out in its dtype and the float32 lse.
+
+    With the sink the denominator grows from exp(lse) to exp(lse) + exp(sink), so every weight, hence
+    out, shrinks by sigmoid(lse - sink) = exp(lse - logaddexp(lse, sink)), and the lse becomes
+    logaddexp(lse, sink). Done in float32 outside the kernels, so one place serves every Pallas kernel
+    and the ring's merged blocks; the gradients of q, k, v flow through out and lse (the kernels'
+    custom VJP takes an lse cotangent), the sink's through this formula. A row that sees no key
+    (lse -inf) gets weight sigmoid(-inf) = 0 and lse = sink, with zero, finite gradients."""
+    sink = sinks.astype(jnp.float32)[None, :, None]  # [1, Hq, 1] against lse [B, Hq, Tq]
+    keep = jax.nn.sigmoid(lse - sink)  # logistic: its derivative s (1 - s) is 0 at -inf, not NaN
+    scaled = out.astype(jnp.float32) * jnp.swapaxes(keep, 1, 2)[..., None]
+    return scaled.astype(out.dtype), jnp.logaddexp(lse, sink)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, segment_ids: SegmentIds = None,
@@ -296,7 +313,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, 
     scale: multiplies q.k (default d_qk ** -0.5); softcap: logits -> softcap * tanh(logits / softcap)
     after scaling (Gemma-2); block_sizes: override the table in `kernels/block_sizes.py`
     (Pallas impls only; for sweeps); platform: "cpu" / "gpu" / "tpu" of the devices it runs on
-    (a parallel plan's; default: jax's default backend); sinks: [Hq] attention-sink logits (xla only)."""
+    (a parallel plan's; default: jax's default backend); sinks: [Hq] attention-sink logits (every
+    implementation but cudnn)."""
     out, _ = _attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window, scale=scale,
                         softcap=softcap, impl=impl, block_sizes=block_sizes, need_lse=False, platform=platform,
                         sinks=sinks)
@@ -313,7 +331,8 @@ def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool
     ``out = sum_c exp(lse_c - lse) out_c`` with ``lse = logsumexp_c lse_c`` (sharding/context.py's
     ring attention calls this per K/V block and merges the blocks so). Differentiable in both
     outputs. `impl="cudnn"` is not available here. With `sinks` the lse includes the sink term
-    (so chunks of one row cannot be merged this way: the sink would count once per chunk)."""
+    (so chunks of one row cannot be merged this way: the sink would count once per chunk; merge
+    them without sinks, then `apply_sinks` once, as the ring does)."""
     return _attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window, scale=scale,
                       softcap=softcap, impl=impl, block_sizes=block_sizes, need_lse=True, platform=platform,
                       sinks=sinks)

@@ -70,6 +70,7 @@ class Call:
     segments: Segments = "none"
     softcap: float | None = None
     need_lse: bool = False
+    sinks: bool = False  # attention sinks: applied to the kernel's (out, lse), so the lse is needed
 
 
 def pallas_unsupported(d_qk: int, d_v: int) -> str | None:
@@ -89,6 +90,8 @@ def cudnn_unsupported(target: Target, call: Call) -> str | None:
         return f"cudnn needs a GPU (platform is {target.platform})"
     if call.need_lse:
         return "cudnn does not return the log-sum-exp here"
+    if call.sinks:
+        return "attention sinks need the log-sum-exp, which cudnn does not return"
     if call.softcap is not None:
         return "cudnn has no softcap"
     if call.segments == "pair":

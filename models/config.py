@@ -107,7 +107,7 @@ class ModelConfig:
     qk_norm_scope: QKNormScope = "head"  # what one q/k RMSNorm spans (with qk_norm)
     qkv_bias: bool = False  # additive biases on the q/k/v projections (Qwen2; HF imports)
     # gpt-oss attention sinks: a learned logit per query head (param `sinks` [heads], init 0, no
-    # weight decay) joins the softmax denominator with no value. Runs on attention_impl=xla/auto.
+    # weight decay) joins the softmax denominator with no value. Every attention_impl but cudnn.
     attention_sinks: bool = False
     # Softmax scale of the attention scores; None: head_dim ** -0.5. Gemma 2/3 use
     # query_pre_attn_scalar ** -0.5. Applied by scaling q after RoPE (MHA/GQA only).
@@ -261,9 +261,9 @@ class ModelConfig:
             out.append(("logit_softcap", self.logit_softcap, "> 0 or null"))
         out += self._gemma_problems()
         out += self._window_problems()
-        if self.attention_sinks and self.attention_impl not in ("xla", "auto"):
-            out.append(("attention_impl", self.attention_impl, "xla or auto with model.attention_sinks=true "
-                        "(no kernel has sinks yet)"))
+        if self.attention_sinks and self.attention_impl == "cudnn":
+            out.append(("attention_impl", self.attention_impl, "not cudnn with model.attention_sinks=true (sinks "
+                        "join the log-sum-exp, which cudnn does not return)"))
         if self.qk_norm_scope != "head" and not self.qk_norm:
             out.append(("qk_norm_scope", self.qk_norm_scope, "head unless model.qk_norm=true"))
         if self.moe_num_experts:

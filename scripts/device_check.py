@@ -61,6 +61,7 @@ class NumericsCase:
     window: tuple[int | None, int | None] | None = None
     softcap: float | None = None
     segments: str = "none"  # pair: (q, kv) ids with query rows that see no key; packed: one array, runs
+    sinks: bool = False  # gpt-oss attention sinks, one logit per query head (cudnn refuses them)
 
 
 def numerics_cases(dry: bool) -> list[NumericsCase]:
@@ -73,6 +74,8 @@ def numerics_cases(dry: bool) -> list[NumericsCase]:
         NumericsCase("MLA 192/128", 1, t, t, 4, 4, 192, 128, "bfloat16"),
         NumericsCase("segments+window", 2, t, t, 4, 1, 128, 128, "bfloat16", window=(t // 3, 0), segments="pair"),
         NumericsCase("softcap D96 f32", 1, t, t, 2, 2, 96, 96, "float32", softcap=20.0),
+        NumericsCase("sinks+segments+window", 2, t, t, 8, 2, 128, 128, "bfloat16", window=(t // 3, 0),
+                     segments="pair", sinks=True),
     ]
 
 
@@ -99,7 +102,8 @@ def _inputs(case: NumericsCase):
 
 
 def _run(case: NumericsCase, impl: str, q, k, v, do, seg):
-    kw = dict(causal=case.causal, window=case.window, softcap=case.softcap, segment_ids=seg)
+    sinks = jnp.linspace(0.0, 8.0, case.hq, dtype=jnp.float32) if case.sinks else None  # ~log(T): a real share
+    kw = dict(causal=case.causal, window=case.window, softcap=case.softcap, segment_ids=seg, sinks=sinks)
 
     def fwd(q, k, v):
         if impl == "reference":

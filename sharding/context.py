@@ -19,7 +19,8 @@ Two exact variants, chosen by `parallelism.context_impl`:
   residuals at a time: with a flash kernel no scores at all and memory O(T / n) per
   device (the all-gather's is O(T); `benchmarks/ring_memory.py`), with `xla` one
   chunk pair's scores. The shard_map is manual over the
-  (batch, heads) axes too, so a custom kernel runs on its shard.
+  (batch, heads) axes too, so a custom kernel runs on its shard. Attention sinks join once,
+  after the merge, from the ring's merged (out, lse) (`kernels.apply_sinks`).
 
 Causal load balancing (ring): the sequence is cut into 2n chunks and device i
 holds chunks i and 2n-1-i, so every device has the same amount of visible
@@ -68,9 +69,9 @@ def _token_index(device: jax.Array, local_len: int, ring: int, balanced: bool) -
 
 def _ring_attention_local(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array, *, ring: int,
                           balanced: bool, scale: float, impl: str = "auto", platform: str | None = None,
-                          softcap: float | None = None, window: int | None = None) -> jax.Array:
+                          softcap: float | None = None, window: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Per-device body: local q [B, Tl, H, D] against every K/V block of the ring, one
-    `kernels.attention_with_lse` call per ring step (`sharding/ring.py`)."""
+    `kernels.attention_with_lse` call per ring step (`sharding/ring.py`) -> (out, lse [B, H, Tl])."""
     return ring_attention_local(q, k, v, seg, axis=CONTEXT, ring=ring, balanced=balanced, scale=scale, impl=impl,
                                 platform=platform, softcap=softcap, window=window)
 
@@ -95,12 +96,13 @@ def _kernel_axes(q: jax.Array, k: jax.Array, plan: ParallelPlan) -> tuple[object
 
 
 def _per_shard_kernel(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, impl: str,
-                      plan: ParallelPlan, softcap: float | None = None,
+                      plan: ParallelPlan, softcap: float | None = None, sinks: jax.Array | None = None,
                       window: tuple[int, int] | None = None) -> jax.Array:
     """Run a custom kernel (Pallas, cuDNN) on each device's (batch, heads) shard.
 
     XLA cannot partition a custom kernel, so without this it would gather the full batch
-    onto every device. Heads are split as `_kernel_axes` says.
+    onto every device. Heads are split as `_kernel_axes` says. Sinks join outside, in XLA, from the
+    kernel's (out, lse), as on one device (`kernels.apply_sinks`).
     """
     mesh, platform = plan.mesh, plan.platform
     batch, heads, used = _kernel_axes(q, k, plan)
@@ -108,23 +110,29 @@ def _per_shard_kernel(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
     seg_spec = P(batch, None)
     if not used:
         return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl, platform=platform,
-                                 softcap=softcap, window=window)
+                                 softcap=softcap, sinks=sinks, window=window)
     args, specs = (q, k, v), (spec, spec, spec)
     if segment_ids is not None:
         args, specs = (*args, segment_ids), (*specs, seg_spec)
+    if sinks is None:
+        kernel, out_specs = kernels.attention, spec
+    else:
+        kernel, out_specs = kernels.attention_with_lse, (spec, P(batch, heads, None))
     body = jax.shard_map(
-        lambda q, k, v, *s: kernels.attention(q, k, v, causal=True, segment_ids=s[0] if s else None, impl=impl,
-                                              platform=platform, softcap=softcap, window=window),
-        mesh=mesh, axis_names=used, in_specs=specs, out_specs=spec,
+        lambda q, k, v, *s: kernel(q, k, v, causal=True, segment_ids=s[0] if s else None, impl=impl,
+                                   platform=platform, softcap=softcap, window=window),
+        mesh=mesh, axis_names=used, in_specs=specs, out_specs=out_specs,
         check_vma=False)  # custom-call outputs carry no varying-axes annotation
-    return body(*args)
+    return body(*args) if sinks is None else kernels.apply_sinks(*body(*args), sinks)[0]
 
 
 def _ring(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, impl: str,
-          plan: ParallelPlan, softcap: float | None = None, window: int | None = None) -> jax.Array:
+          plan: ParallelPlan, softcap: float | None = None, sinks: jax.Array | None = None,
+          window: int | None = None) -> jax.Array:
     """Ring attention (`sharding/ring.py`) in a shard_map manual over `context` and over the
-    (batch, heads) axes a custom kernel must run split over (`_kernel_axes`, as `_per_shard_kernel`)."""
-    kernels.validate_attention_args(q, k, v, segment_ids)
+    (batch, heads) axes a custom kernel must run split over (`_kernel_axes`, as `_per_shard_kernel`).
+    Sinks join the merged (out, lse) once, outside the shard_map (elementwise: XLA partitions it)."""
+    kernels.validate_attention_args(q, k, v, segment_ids, sinks=sinks)
     if segment_ids is None:
         segment_ids = jnp.ones(q.shape[:2], jnp.int32)
     batch, heads, used = _kernel_axes(q, k, plan)
@@ -133,9 +141,11 @@ def _ring(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | Non
         lambda q, k, v, s: _ring_attention_local(q, k, v, s, ring=plan.context_size, balanced=plan.load_balance,
                                                  scale=q.shape[-1] ** -0.5, impl=impl, platform=plan.platform,
                                                  softcap=softcap, window=window),
-        mesh=plan.mesh, axis_names={CONTEXT, *used}, in_specs=(spec, spec, spec, seg_spec), out_specs=spec,
+        mesh=plan.mesh, axis_names={CONTEXT, *used}, in_specs=(spec, spec, spec, seg_spec),
+        out_specs=(spec, P(batch, heads, CONTEXT)),
         check_vma=False)  # custom-call outputs carry no varying-axes annotation
-    return body(q, k, v, segment_ids)
+    out, lse = body(q, k, v, segment_ids)
+    return out if sinks is None else kernels.apply_sinks(out, lse, sinks)[0]
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Array | None,
@@ -143,9 +153,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Arra
               sinks: jax.Array | None = None, window: int | None = None) -> jax.Array:
     """Causal attention for [batch, length, heads, head_dim] inputs, context-parallel when the plan's
     mesh splits the sequence (`plan`: default single device); `softcap`: tanh soft-cap of the scores;
-    `sinks`: [heads] attention-sink logits (XLA partitions them with the heads; not yet the ring);
-    `window`: a sliding window, query i sees keys i - window < j <= i (the kernels' (window - 1, 0);
-    GSPMD's global computation under allgather; the ring without load balancing)."""
+    `sinks`: [heads] attention-sink logits (XLA partitions them with the heads; the ring and the
+    per-shard kernels add them to their (out, lse)); `window`: a sliding window, query i sees keys
+    i - window < j <= i (the kernels' (window - 1, 0); GSPMD's global computation under allgather;
+    the ring without load balancing)."""
     plan = plan or single_device()
     platform = plan.platform
     band = None if window is None else (window - 1, 0)
@@ -156,7 +167,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Arra
         resolved = kernels.resolve_impl(impl, q, v, segment_ids=segment_ids, softcap=softcap, platform=platform,
                                         sinks=sinks, window=band)
         if resolved in PER_SHARD_IMPLS and plan.size > 1:
-            return _per_shard_kernel(q, k, v, segment_ids, impl, plan, softcap, band)
+            return _per_shard_kernel(q, k, v, segment_ids, impl, plan, softcap, sinks, band)
         return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl, platform=platform,
                                  softcap=softcap, sinks=sinks, window=band)
     if plan.context_impl == "allgather":
@@ -164,9 +175,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Arra
         v = plan.constrain(v, ("batch", "kv_length", "kv_heads", "head_dim"))
         return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl, platform=platform,
                                  softcap=softcap, sinks=sinks, window=band)
-    if sinks is not None:  # the ring merges per-block lse's: the sink must join once, not per block
-        raise ValueError("attention sinks are not supported by context_impl=ring yet; use context_impl=allgather")
     if window is not None and plan.load_balance:  # a balanced block's index distance is not the token distance
         raise ValueError("sliding windows with context_impl=ring need parallelism.load_balance=false "
                          "(or context_impl=allgather)")
-    return _ring(q, k, v, segment_ids, impl, plan, softcap, window)
+    return _ring(q, k, v, segment_ids, impl, plan, softcap, sinks, window)

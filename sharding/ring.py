@@ -33,11 +33,13 @@ The device index is traced, so a later step is a `lax.cond` between the two pair
 with ``w_t = exp(lse_t - m)`` for any m: m is the running max (0 while still -inf), so weights
 are <= 1, a piece with lse -inf weighs exactly 0 and a row with nothing visible ends 0 / 1 = 0.
 
-**Gradients** (`_ring` is a custom VJP; the forward keeps only q, k, v, the ids, the merged out
-and its lse L): the backward sends K/V around the ring again, the other way round, with their
+**Gradients** (`_ring` is a custom VJP of (out, L); the forward keeps only q, k, v, the ids, the
+merged out and its lse L): the backward sends K/V around the ring again, the other way round, with their
 float32 gradients travelling beside them; each step recomputes its piece (out_t, lse_t) and
 backpropagates through `attention_with_lse` with the cotangents of the merge, ``d out_t = w_t dO`` and
-``d lse_t = w_t (out_t - out) . dO`` where ``w_t = exp(lse_t - L)``. The kernels' VJP takes
+``d lse_t = w_t ((out_t - out) . dO + dL)`` where ``w_t = exp(lse_t - L)`` (dL: the cotangent of the
+returned lse, as ``dL/d lse_t = w_t``; attention sinks use it: `kernels.apply_sinks` joins them
+once, after the merge, in sharding/context.py). The kernels' VJP takes
 the lse cotangent (it enters through delta = rowsum(out_t d out_t) - d lse_t, here
 w_t rowsum(out dO): the global softmax's delta, `kernels/flash.py`), so the result is the
 exact gradient of the merged attention. Everything per step (the piece's residuals) lives
@@ -203,40 +205,42 @@ def _ring_forward(cfg: RingConfig, q: jax.Array, k: jax.Array, v: jax.Array,
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(cfg: RingConfig, q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array) -> jax.Array:
-    return _ring_forward(cfg, q, k, v, seg)[0].astype(q.dtype)
+def _ring(cfg: RingConfig, q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array) -> tuple[jax.Array, jax.Array]:
+    out, lse = _ring_forward(cfg, q, k, v, seg)
+    return out.astype(q.dtype), lse
 
 
 def _ring_fwd(cfg: RingConfig, q: jax.Array, k: jax.Array, v: jax.Array,
-              seg: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+              seg: jax.Array) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, ...]]:
     out, lse = _ring_forward(cfg, q, k, v, seg)
-    return out.astype(q.dtype), (q, k, v, seg, out, lse)
+    return (out.astype(q.dtype), lse), (q, k, v, seg, out, lse)
 
 
 def _pair_grads(cfg: RingConfig, pair: Pair, grads: Grads, q: jax.Array, k: jax.Array, v: jax.Array,
-                q_seg: jax.Array, kv_seg: jax.Array, out: jax.Array, norm: jax.Array, d_out: jax.Array) -> Grads:
-    """Recompute one piece and add its gradients: cotangents d out_t = w dO, d lse_t = w (out_t - out) . dO."""
+                q_seg: jax.Array, kv_seg: jax.Array, out: jax.Array, norm: jax.Array, d_out: jax.Array,
+                d_norm: jax.Array) -> Grads:
+    """Recompute one piece and add its gradients: cotangents d out_t = w dO, d lse_t = w ((out_t - out) . dO + dL)."""
     rows, cols = slice(pair.q0, pair.q1), slice(pair.k0, pair.k1)
     (out_t, lse_t), piece_vjp = jax.vjp(
         lambda q_, k_, v_: _kernel(cfg, pair, q_, k_, v_, q_seg[:, rows], kv_seg[:, cols]),
         q[:, rows], k[:, cols], v[:, cols])
     weight = jnp.exp(lse_t - norm[:, rows])  # this piece's share of each row: 0 where it saw nothing
     d_o = d_out[:, rows]
-    d_lse = weight * jnp.sum((out_t.astype(jnp.float32) - out[:, rows]) * d_o, axis=-1)
+    d_lse = weight * (jnp.sum((out_t.astype(jnp.float32) - out[:, rows]) * d_o, axis=-1) + d_norm[:, rows])
     dq, dk, dv = piece_vjp(((weight[..., None] * d_o).astype(out_t.dtype), d_lse))
     return (grads[0].at[:, rows].add(dq.astype(jnp.float32)), grads[1].at[:, cols].add(dk.astype(jnp.float32)),
             grads[2].at[:, cols].add(dv.astype(jnp.float32)))
 
 
 def _ring_bwd(cfg: RingConfig, residuals: tuple[jax.Array, ...],
-              d_out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, None]:
+              cotangents: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array, None]:
     """K/V go around the ring again, their float32 gradients travelling with them. The other way
     round: the same ppermutes as the forward's would be merged with them by XLA's CSE, which
     then keeps every visiting block alive from the forward to the backward (all-gather memory
     for K/V); an optimization barrier did not stop that on XLA:CPU."""
     q, k, v, seg, out, lse = residuals
     me = jax.lax.axis_index(cfg.axis)
-    d_out = d_out.astype(jnp.float32)
+    d_out, d_lse = (x.astype(jnp.float32) for x in cotangents)
     norm = jnp.where(jnp.isneginf(lse), jnp.inf, lse)  # rows that saw nothing: every weight 0
     grads = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     kv = (k, v, seg)
@@ -247,7 +251,7 @@ def _ring_bwd(cfg: RingConfig, residuals: tuple[jax.Array, ...],
 
         def branch(pair: Pair | None, grads=grads, kv=kv) -> Grads:
             return grads if pair is None else _pair_grads(cfg, pair, grads, q, kv[0], kv[1], seg, kv[2], out, norm,
-                                                          d_out)
+                                                          d_out, d_lse)
         grads = _choose(cfg, step, me, q.shape[1], branch, back=True)
     dk, dv = _rotate(cfg, grads[1:], back=True)  # the last holder of block j is device j + 1: one step home
     return grads[0].astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
@@ -258,11 +262,14 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 def ring_attention_local(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array, *, axis: str, ring: int,
                          balanced: bool, scale: float, impl: str, platform: str | None = None,
-                         softcap: float | None = None, window: int | None = None) -> jax.Array:
-    """Per-device body: local q [B, Tl, H, D] against every K/V block of the ring -> [B, Tl, H, Dv]."""
+                         softcap: float | None = None, window: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """Per-device body: local q [B, Tl, H, D] against every K/V block of the ring -> (out [B, Tl, H, Dv],
+    lse [B, H, Tl] float32, -inf for rows that see nothing: the layout of `kernels.attention_with_lse`),
+    differentiable in both."""
     if balanced and q.shape[1] % 2:
         raise ValueError(f"ring attention: balanced local length {q.shape[1]} must be even (two chunks)")
     if balanced and window is not None:  # a local block of two far-apart chunks: index distance is not position
         raise ValueError("ring attention: sliding windows need parallelism.load_balance=false")
     cfg = RingConfig(axis, ring, balanced, float(scale), ring_impl(impl), platform, softcap, window)
-    return _ring(cfg, q, k, v, seg)
+    out, lse = _ring(cfg, q, k, v, seg)
+    return out, jnp.swapaxes(lse, 1, 2)

@@ -110,15 +110,16 @@ def test_olmo2_7b_parameter_count_and_block():
 
 
 @pytest.mark.parametrize("overrides, names", [
-    (["model.attention_impl=pallas_triton"], ("model.attention_impl", "pallas_triton", "attention_sinks")),
+    (["model.attention_impl=cudnn"], ("model.attention_impl", "cudnn", "attention_sinks")),
     (["model.attention_type=mla", "model.num_kv_heads=null"], ("model.attention_sinks", "mla")),
-    (["mesh.context=2", "mesh.data=4", "parallelism.context_impl=ring"], ("model.attention_sinks", "context_impl")),
 ])
 def test_attention_sinks_refuse_what_cannot_run_them(overrides, names):
-    """Sinks run on the xla path only for now (no kernel, no ring): say so before compiling."""
+    """Sinks run everywhere but cuDNN (no log-sum-exp) and MLA: say so before compiling."""
     msg = _error(["model.attention_sinks=true", *overrides], device_count=8)
     assert all(n in msg for n in names), msg
-    validate(load_config("tiny", ["model.attention_sinks=true", "mesh.context=2", "mesh.data=4"]), device_count=8)
+    for ok in (["mesh.context=2", "mesh.data=4"], ["mesh.context=2", "mesh.data=4", "parallelism.context_impl=ring"],
+               ["model.attention_impl=pallas_triton"], ["model.attention_impl=pallas_mosaic_tpu"]):
+        validate(load_config("tiny", ["model.attention_sinks=true", *ok]), device_count=8)
 
 
 def test_heads_not_dividing_d_model_names_num_heads():

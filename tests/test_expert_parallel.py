@@ -106,3 +106,55 @@ def test_batch_must_divide_over_expert_too():
     cfg = dataclasses.replace(make_cfg("capacity", dict(expert=8)), train=TrainConfig(batch_size=4, seq_len=SEQ))
     with pytest.raises(ConfigError, match=r"mesh.data x mesh.fsdp x mesh.expert = 8"):
         build_runtime(cfg, jax.devices())
+
+
+# ---------------------------------------------------------------- the imported Qwen3-MoE family
+
+def _qwen3_moe_model() -> ModelConfig:
+    """The model `jaxinfra hf import` builds from the tiny Qwen3-MoE fixture's config.json (4 experts, top-2,
+    softmax router without top-k renormalisation, per-head QK-norm, GQA 8/2, head_dim 16), with every
+    layer MoE as in Qwen3-30B-A3B (the fixture keeps layer 0 dense: mlp_only_layers=[0])."""
+    import json
+    import pathlib
+
+    from jaxinfra.hf.families import from_hf
+
+    hf = json.loads((pathlib.Path(__file__).parent / "fixtures/hf/qwen3_moe/config.json").read_text())
+    family, model = from_hf({**hf, "mlp_only_layers": []})
+    assert family == "qwen3_moe" and model.moe_first_dense_layers == 0 and model.moe_every == 1
+    assert (model.qk_norm, model.qk_norm_scope, model.moe_norm_top_k, model.moe_num_experts) == (True, "head", False, 4)
+    return model
+
+
+# The default run: the expert exchange and ring attention in one layout (one compile); the slow run each alone.
+QWEN3_MOE_LAYOUTS = {"expert4-context2-ring": (dict(expert=4, context=2), dict(context_impl="ring"))}
+QWEN3_MOE_SLOW_LAYOUTS = {
+    "expert4-fsdp2": (dict(expert=4, fsdp=2), {}),
+    "context2-fsdp4-ring": (dict(context=2, fsdp=4), dict(context_impl="ring")),
+    "fsdp4-tensor2": (dict(fsdp=4, tensor=2), {}),
+}
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_baseline():
+    model = _qwen3_moe_model()
+    batches = packed_batches(BATCH, SEQ, model.vocab_size, STEPS)
+    return model, batches, run_steps(parity_config(model, OPT, {}, batch=BATCH, seq=SEQ), jax.devices()[:1], batches)
+
+
+def _check_qwen3_moe(baseline, name: str, layouts: dict) -> None:
+    model, batches, base = baseline
+    mesh, parallelism = layouts[name]
+    cfg = parity_config(model, OPT, mesh, batch=BATCH, seq=SEQ, **parallelism)
+    _check(run_steps(cfg, jax.devices(), batches), base, f"qwen3_moe {name}")
+
+
+@pytest.mark.parametrize("name", list(QWEN3_MOE_LAYOUTS))
+def test_qwen3_moe_trains_under_parity_layouts(qwen3_moe_baseline, name):
+    _check_qwen3_moe(qwen3_moe_baseline, name, QWEN3_MOE_LAYOUTS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(QWEN3_MOE_SLOW_LAYOUTS))
+def test_qwen3_moe_trains_under_more_layouts(qwen3_moe_baseline, name):
+    _check_qwen3_moe(qwen3_moe_baseline, name, QWEN3_MOE_SLOW_LAYOUTS)

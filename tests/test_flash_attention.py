@@ -57,6 +57,7 @@ class Case:
     softcap: float | None = None
     segments: str = "none"  # none | shared (one array) | pair (q ids, kv ids; some q rows see no key)
     blocks: BlockSizes = SMALL
+    sinks: bool = False  # gpt-oss attention sinks, one float32 logit per query head (dsinks compared too)
 
     @property
     def d_v(self) -> int:
@@ -68,7 +69,7 @@ class Case:
         late_rows_see_nothing = (self.window is not None and self.window[0] is not None
                                  and self.tq - 1 - self.window[0] >= self.tkv)  # jax.nn averages those
         return (self.softcap is None and self.d_v == self.dqk and self.segments != "pair"
-                and not late_rows_see_nothing)
+                and not late_rows_see_nothing and not self.sinks)
 
     @property
     def lse_in_loss(self) -> bool:
@@ -107,27 +108,31 @@ def _inputs(case: Case, seed: int = 0):
     v = jnp.asarray(rng.standard_normal((case.b, case.tkv, case.hkv, case.d_v)), dt)
     w_out = jnp.asarray(rng.standard_normal((case.b, case.tq, case.hq, case.d_v)), jnp.float32)
     w_lse = jnp.asarray(rng.standard_normal((case.b, case.hq, case.tq)), jnp.float32)
-    return q, k, v, _segments(case), w_out, w_lse
+    # Sinks near a row's lse (log of ~T visible keys) take a real share of the softmax; the last
+    # head's is large (its rows are mostly sink: outputs ~0, the sigmoid saturates).
+    sinks = jnp.asarray(np.r_[2.0 + 1.5 * rng.standard_normal(case.hq - 1), 12.0], jnp.float32) if case.sinks else None
+    return q, k, v, _segments(case), w_out, w_lse, sinks
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _run(case: Case, impl: str, q, k, v, seg, w_out, w_lse):
-    """(out, lse, (dq, dk, dv)) of one implementation; the loss reads both out and lse."""
+def _run(case: Case, impl: str, q, k, v, seg, w_out, w_lse, sinks=None):
+    """(out, lse, (dq, dk, dv[, dsinks])) of one implementation; the loss reads both out and lse."""
     kw = dict(causal=case.causal, segment_ids=seg, window=case.window, softcap=case.softcap)
 
-    def forward(q, k, v):
+    def forward(q, k, v, sinks):
         if impl == "reference":
-            return reference_attention(q, k, v, return_lse=True, out_dtype=jnp.float32, **kw)
-        return attention_with_lse(q, k, v, impl=impl, block_sizes=case.blocks, **kw)
+            return reference_attention(q, k, v, return_lse=True, out_dtype=jnp.float32, sinks=sinks, **kw)
+        return attention_with_lse(q, k, v, impl=impl, block_sizes=case.blocks, sinks=sinks, **kw)
 
-    def loss(q, k, v):
-        out, lse = forward(q, k, v)
+    def loss(q, k, v, sinks):
+        out, lse = forward(q, k, v, sinks)
         total = jnp.sum(out.astype(jnp.float32) * w_out)
         if case.lse_in_loss:
             total = total + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * w_lse)
         return total
 
-    (out, lse), grads = forward(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    argnums = (0, 1, 2) if sinks is None else (0, 1, 2, 3)
+    (out, lse), grads = forward(q, k, v, sinks), jax.grad(loss, argnums=argnums)(q, k, v, sinks)
     return out, lse, grads
 
 
@@ -178,9 +183,9 @@ def _visible_rows(case: Case, seg) -> np.ndarray:
 
 
 def check(case: Case, impl: str) -> None:
-    q, k, v, seg, w_out, w_lse = _inputs(case)
-    out, lse, grads = jax.device_get(_run(case, impl, q, k, v, seg, w_out, w_lse))
-    ref_out, ref_lse, ref_grads = jax.device_get(_run(case, "reference", q, k, v, seg, w_out, w_lse))
+    q, k, v, seg, w_out, w_lse, sinks = args = _inputs(case)
+    out, lse, grads = jax.device_get(_run(case, impl, *args))
+    ref_out, ref_lse, ref_grads = jax.device_get(_run(case, "reference", *args))
     fwd_tol, grad_tol = _tolerances(case)
 
     assert out.shape == (case.b, case.tq, case.hq, case.d_v) and out.dtype == jnp.dtype(case.dtype)
@@ -189,14 +194,15 @@ def check(case: Case, impl: str) -> None:
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse), err_msg="lse -inf rows")
     finite = np.isfinite(ref_lse)
     np.testing.assert_allclose(lse[finite], ref_lse[finite], **fwd_tol, err_msg="lse")
-    for name, g, r in zip("qkv", grads, ref_grads):
-        assert g.dtype == jnp.dtype(case.dtype), name
+    for name, g, r in zip(("q", "k", "v", "sinks"), grads, ref_grads):
+        assert g.dtype == (jnp.float32 if name == "sinks" else jnp.dtype(case.dtype)), name
         assert np.all(np.isfinite(g.astype(np.float32))), f"d{name} not finite"
         np.testing.assert_allclose(g.astype(np.float32), r, **grad_tol, err_msg=f"d{name}")
 
-    # Rows with no visible key: exactly 0 out, -inf lse (the documented convention).
+    # Rows with no visible key: exactly 0 out, lse -inf (the documented convention), or the sink.
     empty = ~_visible_rows(case, seg)
-    assert np.all(out[empty] == 0) and np.all(np.isneginf(lse.transpose(0, 2, 1)[empty]))
+    empty_lse = np.broadcast_to(-np.inf if sinks is None else np.asarray(sinks), lse.transpose(0, 2, 1).shape)
+    assert np.all(out[empty] == 0) and np.array_equal(lse.transpose(0, 2, 1)[empty], empty_lse[empty])
     if case.segments == "pair":
         assert empty.any(), "the pair case must contain a query row with no visible key"
 
@@ -222,6 +228,9 @@ FAST = {
                                            softcap=5.0, segments="shared"),
     # bfloat16, GQA 4.
     "bf16-causal-gqa4": Case(b=1, hq=8, hkv=2, dtype="bfloat16"),
+    # Attention sinks (applied to the kernel's out and lse, kernels.apply_sinks): GQA 2, causal left
+    # window, (q, kv) segment ids with rows that see no key (out 0, lse = the sink); dsinks too.
+    "sinks-gqa2-window-pair-segments-empty-rows": Case(tq=24, tkv=40, window=(9, 0), segments="pair", sinks=True),
 }
 XLA_FAST = ("mla-mqa-pair-segments-empty-rows", "window-softcap-shared-segments")  # its fallback paths
 
@@ -320,6 +329,23 @@ def test_grid_head_dims(impl, dims, dtype):
 @pytest.mark.parametrize("mask", list(MASKS))
 def test_grid_masks(impl, mask):
     check(Case(b=2, hq=4, hkv=2, **MASKS[mask]), impl)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", PALLAS)
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_grid_masks_with_sinks(impl, mask):
+    """Every mask of the grid with attention sinks (the default run keeps one such case per kernel)."""
+    check(Case(b=2, hq=4, hkv=2, sinks=True, **MASKS[mask]), impl)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", PALLAS)
+@pytest.mark.parametrize("gqa", list(GQA))
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_grid_gqa_with_sinks(impl, gqa, causal):
+    hq, hkv = GQA[gqa]
+    check(Case(b=1, tq=40, tkv=40, hq=hq, hkv=hkv, causal=causal, sinks=True), impl)
 
 
 # ---------------------------------------------------------------- the model on every implementation

@@ -8,6 +8,7 @@ import functools
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -328,6 +329,8 @@ def test_unsupported_architecture_exits_2_with_one_line(tmp_path):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "GPTNeoXForCausalLM" in lines[0] and "LlamaForCausalLM" in lines[0], proc.stderr
+    from jaxinfra.hf.families import ARCHITECTURES
+    assert all(arch in lines[0] for arch in ARCHITECTURES.values()), lines[0]  # every family, new ones too
 
 
 def _fixture_with(tmp_path: pathlib.Path, name: str, drop: str | None = None, add: str | None = None,
@@ -360,6 +363,42 @@ def test_unexpected_tensor_and_unsupported_feature_exit_2(tmp_path, capsys):
     shutil.rmtree(src)
     src = _fixture_with(tmp_path, "qwen2", config={"use_sliding_window": True, "sliding_window": 64})
     assert "use_sliding_window" in _one_line_error(capsys, ["hf", "import", str(src), str(tmp_path / "out2")])
+
+
+def test_missing_tensors_and_unhonoured_fields_are_named_before_any_data_is_read(tmp_path, capsys):
+    """Generic for every family (jaxinfra/hf/importer.py check_complete, safetensors_io's index check,
+    families.check_honoured): the first missing tensor in model order with how many more; a shard the index
+    names that is not there; a config.json field the mapped model would not compute, with its value."""
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "hf"
+    shutil.copytree(FIXTURES / "llama", src)
+    files = SafetensorsDir(src)
+    gone = [k for k in files.where if k.startswith("model.layers.1.")] + ["lm_head.weight"]
+    save_file({k: files.read(k) for k in files.where if k not in gone}, src / "model.safetensors")
+    err = _one_line_error(capsys, ["hf", "import", str(src), str(tmp_path / "out")])
+    assert "missing tensor model.layers.1." in err and f"and {len(gone) - 1} more in" in err, err
+    weight_map = {k: "model.safetensors" for k in files.where}
+    weight_map["lm_head.weight"] = "model-00002-of-00002.safetensors"
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    err = _one_line_error(capsys, ["hf", "import", str(src), str(tmp_path / "out")])
+    assert "missing tensor lm_head.weight" in err and "puts it in model-00002-of-00002.safetensors" in err, err
+    shutil.rmtree(src)
+    src = _fixture_with(tmp_path, "llama", config={"attn_logit_softcapping": 50.0})
+    err = _one_line_error(capsys, ["hf", "import", str(src), str(tmp_path / "out")])
+    assert "llama: config.json attn_logit_softcapping=50.0 is not supported" in err, err
+    qwen3 = json.loads((FIXTURES / "qwen3" / "config.json").read_text())
+    for extra, needle in [({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+                          ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+                          ({"query_pre_attn_scalar": 144}, "query_pre_attn_scalar=144"),
+                          ({"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
+                          ({"layer_types": ["sliding_attention", "full_attention"]}, "layer_types=['sliding"),
+                          ({"layer_types": ["chunked_attention"] * 2}, "layer_types=['chunked"),
+                          ({"rope_parameters": {"full_attention": {"rope_theta": 5e5}}}, "rope_parameters={'full")]:
+        with pytest.raises(HFError, match=re.escape(f"qwen3: config.json {needle}")):
+            from_hf({**qwen3, **extra})
+    # What the mapped model does compute passes: the default scale, full layers, no window in effect.
+    assert from_hf({**qwen3, "query_pre_attn_scalar": 24, "partial_rotary_factor": 1.0, "sliding_window": 4096})
 
 
 def test_ignored_tensors_are_accepted(tmp_path):

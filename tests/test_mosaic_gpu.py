@@ -133,6 +133,21 @@ def test_auto_dispatch_follows_the_measured_table(monkeypatch, fresh_log):
     assert kernels.resolve_impl("auto", q, q) == "pallas_triton"
 
 
+def test_sinks_are_applied_to_the_kernels_out_and_lse(monkeypatch):
+    """With sinks the Mosaic GPU kernel runs as without them and `kernels.apply_sinks` rescales its
+    (out, lse) (recorded, not run; the interpreted numerics with sinks are in the slow grid below)."""
+    out = jnp.asarray(np.random.default_rng(0).standard_normal((1, 128, 2, 64)), jnp.bfloat16)
+    lse = jnp.asarray(np.r_[np.linspace(-2.0, 6.0, 127), -np.inf], jnp.float32)[None, None].repeat(2, axis=1)
+    monkeypatch.setattr(attention_module, "flash_attention", lambda params, *a: (out, lse))
+    sinks = jnp.asarray([1.0, -3.0], jnp.float32)
+    got, got_lse = attention_with_lse(out, out, out, impl="pallas_mosaic_gpu", sinks=sinks)
+    keep = 1 / (1 + np.exp(np.asarray(sinks)[:, None] - np.asarray(lse[0])))  # [H, T]
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(out, np.float32) * keep.T[None, :, :, None],
+                               rtol=1e-2, atol=1e-3)
+    np.testing.assert_allclose(got_lse[0], np.logaddexp(np.asarray(lse[0]), np.asarray(sinks)[:, None]), rtol=1e-6)
+    assert np.all(np.asarray(got)[:, -1] == 0) and np.array_equal(got_lse[0, :, -1], sinks)  # a row with no key
+
+
 def test_bad_shapes_raise_before_any_kernel(monkeypatch):
     monkeypatch.setattr(attention_module, "flash_attention", lambda *a: pytest.fail("a kernel ran"))
     with pytest.raises(ValueError, match=r"q heads 4 .*k/v heads 3"):
@@ -154,6 +169,7 @@ class Case:
     window: tuple[int | None, int | None] | None = None
     softcap: float | None = None
     segments: bool = False
+    sinks: bool = False  # gpt-oss attention sinks (kernels.apply_sinks on the kernel's out and lse)
 
 
 NUMERICS = {
@@ -161,6 +177,9 @@ NUMERICS = {
     "full-mha-d128-len200-pad": Case(t=200, hq=1, dqk=128, dv=128, causal=False),
     "mla192-128-segments-window": Case(hq=2, dqk=192, dv=128, window=(40, 0), segments=True),
     "softcap-window-both-tq-ne-tkv": Case(t=128, tkv=192, hq=1, causal=False, window=(30, 20), softcap=5.0),
+    "sinks-gqa2-segments-window": Case(hq=4, hkv=2, window=(40, 0), segments=True, sinks=True),
+    "sinks-mla192-128-full-window-tq-ne-tkv": Case(t=128, tkv=192, dqk=192, dv=128, causal=False, window=(30, 20),
+                                                   sinks=True),
 }
 
 
@@ -176,24 +195,25 @@ def _inputs(case: Case):
         ids = np.r_[[1] * 40, [2] * 50, [3] * 20, [0] * (case.t - 110)]
         ids[5] = 9
         seg = (jnp.asarray(ids[None], jnp.int32), jnp.asarray(np.where(ids == 9, 1, ids)[None], jnp.int32))
-    return q, k, v, w, seg
+    sinks = jnp.asarray(np.r_[2.0 + rng.standard_normal(case.hq - 1), 10.0], jnp.float32) if case.sinks else None
+    return q, k, v, w, seg, sinks
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _run(case: Case, impl: str, q, k, v, w, seg):
+def _run(case: Case, impl: str, q, k, v, w, seg, sinks=None):
     kw = dict(causal=case.causal, window=case.window, softcap=case.softcap, segment_ids=seg)
 
-    def fwd(q, k, v):
+    def fwd(q, k, v, sinks):
         if impl == "reference":
-            return reference_attention(q, k, v, return_lse=True, out_dtype=jnp.float32, **kw)
-        return attention_with_lse(q, k, v, impl=impl, **kw)
+            return reference_attention(q, k, v, return_lse=True, out_dtype=jnp.float32, sinks=sinks, **kw)
+        return attention_with_lse(q, k, v, impl=impl, sinks=sinks, **kw)
 
-    def loss(q, k, v):
-        out, lse = fwd(q, k, v)
+    def loss(q, k, v, sinks):
+        out, lse = fwd(q, k, v, sinks)
         return jnp.sum(out.astype(jnp.float32) * w) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
 
-    out, lse = fwd(q, k, v)
-    return out, lse, jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    out, lse = fwd(q, k, v, sinks)
+    return out, lse, jax.grad(loss, argnums=(0, 1, 2) if sinks is None else (0, 1, 2, 3))(q, k, v, sinks)
 
 
 @pytest.mark.slow
@@ -211,9 +231,11 @@ def test_interpreted_kernel_matches_the_reference_and_is_deterministic(name):
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref[1]))
     finite = np.isfinite(ref[1])
     np.testing.assert_allclose(lse[finite], ref[1][finite], rtol=1e-3, atol=1e-3, err_msg="lse")
-    if case.segments:
-        assert np.isneginf(lse[0, :, 5]).all() and np.all(np.asarray(out)[0, 5] == 0)  # a row that sees no key
-    for n, g, r in zip("qkv", grads, ref[2]):
+    if case.segments:  # a row that sees no key: out 0, lse -inf (or the sink)
+        empty_lse = lse[0, :, 5] if case.sinks else np.isneginf(lse[0, :, 5])
+        want = np.asarray(args[5]) if case.sinks else True
+        assert np.array_equal(empty_lse, np.broadcast_to(want, empty_lse.shape)) and np.all(np.asarray(out)[0, 5] == 0)
+    for n, g, r in zip(("q", "k", "v", "sinks"), grads, ref[2]):
         g = np.asarray(g, np.float32)
         assert np.isfinite(g).all(), n
         np.testing.assert_allclose(g, r, rtol=2e-2, atol=2e-2 * max(1.0, float(np.abs(r).max())), err_msg=f"d{n}")

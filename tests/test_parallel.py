@@ -170,16 +170,30 @@ def test_gemma_block_trains_under_context2_ring_like_one_device():
     assert_matches(split, one, "gemma-context2-fsdp4-ring")
 
 
-def test_attention_sinks_train_under_fsdp4_tensor2_like_one_device():
+SINKS = dataclasses.replace(MODEL, attention_sinks=True)
+
+
+@pytest.fixture(scope="module")
+def sinks_baseline():
+    return run(dataclasses.replace(make_cfg({}), model=SINKS), jax.devices()[:1])
+
+
+def test_attention_sinks_train_under_fsdp4_tensor2_like_one_device(sinks_baseline):
     """gpt-oss attention sinks (a [heads] logit per layer, split with the heads on `tensor`) train
     under fsdp=4 x tensor=2 as on one device; they learn, and take no weight decay."""
     from jaxinfra.optim import decay_mask
 
-    sinks = dataclasses.replace(MODEL, attention_sinks=True)
-    one = run(dataclasses.replace(make_cfg({}), model=sinks), jax.devices()[:1])
-    split = run(dataclasses.replace(make_cfg(dict(fsdp=4, tensor=2)), model=sinks), jax.devices())
+    one = sinks_baseline
+    split = run(dataclasses.replace(make_cfg(dict(fsdp=4, tensor=2)), model=SINKS), jax.devices())
     assert_matches(split, one, "sinks-fsdp4-tensor2")
     learned = np.asarray(one["params"]["layers"]["attn"]["sinks"][...])
     assert learned.shape == (MODEL.num_layers, MODEL.num_heads) and np.abs(learned).min() > 0
     mask = decay_mask(one["state"].params, OPT)
     assert mask["layers"]["attn"]["sinks"] is False
+
+
+def test_attention_sinks_train_under_context2_ring_like_one_device(sinks_baseline):
+    """Sinks under ring attention (context=2 x fsdp=4, balanced): they join once, after the ring's merge."""
+    mesh, parallelism = LAYOUTS["context2-fsdp4-ring"]
+    split = run(dataclasses.replace(make_cfg(mesh, **parallelism), model=SINKS), jax.devices())
+    assert_matches(split, sinks_baseline, "sinks-context2-fsdp4-ring")

@@ -520,8 +520,9 @@ def _kernels_run(monkeypatch, impl: str, kind: str, lay: Layout, segments: bool 
     return attention_module.resolve_impl(impl, q, q, segment_ids=seg)
 
 
-def test_attention_sinks_are_priced_as_xla_like_the_kernels_run_them(monkeypatch):
-    """gpt-oss sinks run only on xla: `auto` on an H100 plans (and dispatches) the dense path."""
+def test_attention_sinks_are_priced_as_the_kernels_run_them(monkeypatch):
+    """gpt-oss sinks: `auto` on an H100 plans (and dispatches) Triton as without sinks; on an H200 in bf16
+    D64 (cuDNN's measured row) Triton too, since cuDNN returns no log-sum-exp for the sinks."""
     cfg = load_config("tiny", [*BASE, *GQA, "mesh.data=8", "model.dtype=bfloat16", "model.attention_sinks=true",
                                 "model.attention_impl=auto"])
     lay = make_plan(cfg, 8, device_spec("h100")).layout
@@ -529,7 +530,11 @@ def test_attention_sinks_are_priced_as_xla_like_the_kernels_run_them(monkeypatch
     spec = device_spec("h100")
     monkeypatch.setattr(attention_module, "_platform", lambda: spec.platform)
     q = jax.ShapeDtypeStruct((lay.rows, lay.seq, lay.heads, lay.model.resolved_head_dim), jnp.bfloat16)
-    assert lay.attention_impl == attention_module.resolve_impl("auto", q, q, sinks=sinks) == "xla"
+    assert lay.attention_impl == attention_module.resolve_impl("auto", q, q, sinks=sinks) == "pallas_triton"
+    call = kernel_facts.Call("bfloat16", 64, 64, kernels_band(lay))
+    h200 = device_spec("h200").kernel_target
+    assert kernel_facts.resolve("auto", h200, call)[0] == "cudnn"
+    assert kernel_facts.resolve("auto", h200, dataclasses.replace(call, sinks=True))[0] == "pallas_triton"
 
 
 def test_attention_memory_is_priced_as_the_kernels_keep_it(monkeypatch):

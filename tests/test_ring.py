@@ -31,11 +31,12 @@ def _inputs(seed: int = 0) -> tuple[jax.Array, ...]:
     return q, k, v, jnp.asarray(seg)
 
 
-def _loss_and_grads(fn, q, k, v, seg, cot):
-    def loss(q, k, v):
-        out = fn(q, k, v, seg)
+def _loss_and_grads(fn, seg, cot, *args):
+    """fn(seg, *args) and the gradients of sum(out * cot) with respect to every one of `args`."""
+    def loss(*args):
+        out = fn(seg, *args)
         return jnp.sum(out * cot), out
-    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args))), has_aux=True))(*args)
     return out, grads
 
 
@@ -44,22 +45,63 @@ def _loss_and_grads(fn, q, k, v, seg, cot):
     ("pallas_triton", False, dict(data=2, context=2)),
     ("cudnn", True, dict(context=RING))])  # no lse from cuDNN: the ring runs `auto` (xla on CPU)
 def test_ring_matches_reference(impl: str, balanced: bool, mesh_sizes: dict):
+    check_ring(impl, balanced, mesh_sizes)
+
+
+@pytest.mark.parametrize("impl,balanced,mesh_sizes", [
+    pytest.param("xla", True, dict(context=RING), marks=pytest.mark.slow),
+    ("pallas_triton", False, dict(data=2, context=2))])
+def test_ring_with_sinks_matches_reference(impl: str, balanced: bool, mesh_sizes: dict):
+    """gpt-oss sinks join once, after the ring's merge (kernels.apply_sinks on the merged lse, whose
+    cotangent the ring's VJP carries): out and the gradients of q, k, v and the sinks equal 1 device's.
+    The default run keeps the Pallas, unbalanced context=2 case (a balanced context=2 ring with sinks trains
+    in tests/test_parallel.py); the slow run adds xla on a balanced context=4 ring."""
+    check_ring(impl, balanced, mesh_sizes, sinks=jnp.asarray([0.5, -1.0, 2.5, 8.0], jnp.float32))
+
+
+def test_per_shard_kernel_with_sinks_matches_reference():
+    """Without context parallelism a Pallas kernel runs per (batch, heads) shard (sharding/context.py), here
+    heads split over tensor=2 and batch over data=2; the sinks join its (out, lse) outside the shard_map."""
     q, k, v, seg = _inputs()
+    sinks = jnp.asarray([0.5, -1.0, 2.5, 8.0], jnp.float32)
     cot = jnp.asarray(np.random.default_rng(1).standard_normal((B, T, H, D)), jnp.float32)
     want, want_grads = _loss_and_grads(
-        lambda q, k, v, s: kernels.reference_attention(q, k, v, causal=True, segment_ids=s), q, k, v, seg, cot)
+        lambda s, q, k, v, sk: kernels.reference_attention(q, k, v, causal=True, segment_ids=s, sinks=sk),
+        seg, cot, q, k, v, sinks)
+    plan = plan_for(make_mesh(MeshConfig(data=2, tensor=2), jax.devices()[:4]), rules_for())
+
+    def sharded(s, q, k, v, sk):
+        return context.attention(q, k, v, segment_ids=s, impl="pallas_mosaic_tpu", plan=plan, sinks=sk)
+
+    assert "shard_map" in str(jax.make_jaxpr(sharded)(seg, q, k, v, sinks))
+    got, got_grads = _loss_and_grads(sharded, seg, cot, q, k, v, sinks)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    for name, g, w in zip(("q", "k", "v", "sinks"), got_grads, want_grads):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5, err_msg=name)
+
+
+def check_ring(impl: str, balanced: bool, mesh_sizes: dict, sinks: jax.Array | None = None) -> None:
+    q, k, v, seg = _inputs()
+    cot = jnp.asarray(np.random.default_rng(1).standard_normal((B, T, H, D)), jnp.float32)
+    args = (q, k, v) if sinks is None else (q, k, v, sinks)  # the differentiated ones
+    want, want_grads = _loss_and_grads(
+        lambda s, q, k, v, *sk: kernels.reference_attention(q, k, v, causal=True, segment_ids=s,
+                                                            sinks=sk[0] if sk else None), seg, cot, *args)
     order = context.balanced_order(T, mesh_sizes["context"]) if balanced else np.arange(T)
     back = np.argsort(order)
     mesh = make_mesh(MeshConfig(**{"data": 1, **mesh_sizes}), jax.devices()[:RING])
     rules = rules_for(context_impl="ring", load_balance=balanced)
 
-    def ring(q, k, v, s):
-        return context.attention(q, k, v, segment_ids=s, impl=impl, plan=plan_for(mesh, rules))
+    def ring(s, q, k, v, *sk):
+        return context.attention(q, k, v, segment_ids=s, impl=impl, plan=plan_for(mesh, rules),
+                                 sinks=sk[0] if sk else None)
 
-    got, got_grads = _loss_and_grads(ring, q[:, order], k[:, order], v[:, order], seg[:, order], cot[:, order])
+    got, got_grads = _loss_and_grads(ring, seg[:, order], cot[:, order], q[:, order], k[:, order], v[:, order],
+                                     *args[3:])
     np.testing.assert_allclose(np.asarray(got)[:, back], np.asarray(want), rtol=2e-5, atol=2e-5)
-    for name, g, w in zip("qkv", got_grads, want_grads):
-        np.testing.assert_allclose(np.asarray(g)[:, back], np.asarray(w), rtol=2e-5, atol=2e-5, err_msg=name)
+    for name, g, w in zip(("q", "k", "v", "sinks"), got_grads, want_grads):
+        g = np.asarray(g) if name == "sinks" else np.asarray(g)[:, back]
+        np.testing.assert_allclose(g, np.asarray(w), rtol=2e-5, atol=2e-5, err_msg=name)
 
 
 def test_ring_bfloat16_close_to_float32_reference():
@@ -68,15 +110,15 @@ def test_ring_bfloat16_close_to_float32_reference():
     cot = jnp.asarray(np.random.default_rng(1).standard_normal((B, T, H, D)), jnp.float32)
     q16, k16, v16 = (x.astype(jnp.bfloat16) for x in (q, k, v))
     want, want_grads = _loss_and_grads(
-        lambda q, k, v, s: kernels.reference_attention(q, k, v, causal=True, segment_ids=s, out_dtype=jnp.float32),
-        *(x.astype(jnp.float32) for x in (q16, k16, v16)), seg, cot)
+        lambda s, q, k, v: kernels.reference_attention(q, k, v, causal=True, segment_ids=s, out_dtype=jnp.float32),
+        seg, cot, *(x.astype(jnp.float32) for x in (q16, k16, v16)))
     mesh = make_mesh(MeshConfig(data=1, context=RING), jax.devices()[:RING])
 
-    def ring(q, k, v, s):
+    def ring(s, q, k, v):
         plan = plan_for(mesh, rules_for(context_impl="ring", load_balance=False))
         return context.attention(q, k, v, segment_ids=s, impl="xla", plan=plan)
 
-    got, got_grads = _loss_and_grads(ring, q16, k16, v16, seg, cot)
+    got, got_grads = _loss_and_grads(ring, seg, cot, q16, k16, v16)
     assert got.dtype == jnp.bfloat16 and got_grads[1].dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=3e-2)
     for name, g, w in zip("qkv", got_grads, want_grads):

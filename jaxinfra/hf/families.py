@@ -9,6 +9,7 @@ or refuses.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -88,13 +89,86 @@ def from_hf(hf: dict[str, Any]) -> tuple[str, ModelConfig]:
     """(family, ModelConfig) for an HF config.json dict."""
     family = family_of(hf)
     try:
-        return family, _model_config(hf, family)
+        cfg = _model_config(hf, family)
+        check_honoured(hf, family, cfg)
+        return family, cfg
     except KeyError as e:
         raise HFError(f"{family}: config.json has no {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
         if isinstance(e, HFError):
             raise
         raise HFError(f"{family}: config.json has a value of the wrong type ({e})") from None
+
+
+# ---------------------------------------------------------------- fields every family must honour
+
+
+def _window_in_effect(hf: dict[str, Any]) -> Any:
+    """HF's sliding window where some layer uses it (Mistral: whenever set; Qwen2/3: with use_sliding_window;
+    Gemma 2/3, gpt-oss: on the layer_types that say sliding_attention), else None."""
+    window, types = hf.get("sliding_window"), hf.get("layer_types")
+    if window is None or hf.get("use_sliding_window") is False:
+        return None
+    if isinstance(types, list) and "sliding_attention" not in types:
+        return None
+    return window
+
+
+def _layer_types_match(types: Any, cfg: ModelConfig) -> bool:
+    """layer_types (one of full_attention / sliding_attention per layer) says what cfg.layer_windows() does."""
+    if not isinstance(types, list) or len(types) != cfg.num_layers:
+        return False
+    if not set(types) <= {"full_attention", "sliding_attention"}:
+        return False
+    return [t == "sliding_attention" for t in types] == [w is not None for w in cfg.layer_windows()]
+
+
+def _rope_per_layer_type(hf: dict[str, Any], cfg: ModelConfig) -> bool:
+    """transformers 5's per-layer-type rope_parameters ({"full_attention": {...}, "sliding_attention": {...}}):
+    the global layers' base is rope_theta, the sliding layers' the local base (or rope_theta, unscaled)."""
+    params = hf.get("rope_parameters")
+    if not isinstance(params, dict):
+        return True  # _rope reads (or refuses) the one-type forms
+    full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+    if not isinstance(full, dict) or not isinstance(local, dict):
+        return False
+    if "rope_theta" in full and float(full["rope_theta"]) != cfg.rope_theta:
+        return False
+    if "rope_theta" in local and _window_in_effect(hf) is not None:
+        if local.get("rope_type", "default") != "default":
+            return False
+        theta = cfg.rope_local_theta
+        if theta is None:
+            return cfg.rope_scaling_factor is None and float(local["rope_theta"]) == cfg.rope_theta
+        return float(local["rope_theta"]) == theta
+    return True
+
+
+def check_honoured(hf: dict[str, Any], family: str, cfg: ModelConfig) -> None:
+    """config.json fields that change what a model computes, whatever its family, checked against the mapped
+    config: a family that maps a field passes, one that does not refuses it naming the field and its value
+    (rather than import a model that computes something else). Absent and null fields pass."""
+    scale = cfg.attention_scale if cfg.attention_scale is not None else cfg.resolved_head_dim ** -0.5
+    window = _window_in_effect(hf)
+    local = hf.get("rope_local_base_freq")
+    checks: tuple[tuple[str, Any, Callable[[Any], bool]], ...] = (
+        ("attn_logit_softcapping", hf.get("attn_logit_softcapping"), lambda v: cfg.attn_logit_softcap == v),
+        ("final_logit_softcapping", hf.get("final_logit_softcapping"), lambda v: cfg.logit_softcap == v),
+        ("sliding_window", window, lambda v: cfg.sliding_window == v),
+        ("layer_types", hf.get("layer_types"), lambda v: _layer_types_match(v, cfg)),
+        ("rope_parameters", hf.get("rope_parameters"), lambda v: _rope_per_layer_type(hf, cfg)),
+        ("rope_local_base_freq", None if window is None else local,
+         lambda v: (cfg.rope_local_theta or (cfg.rope_theta if cfg.rope_scaling_factor is None else None)) == v),
+        ("query_pre_attn_scalar", hf.get("query_pre_attn_scalar"),
+         lambda v: v > 0 and math.isclose(scale, float(v) ** -0.5, rel_tol=1e-6)),
+        ("partial_rotary_factor", hf.get("partial_rotary_factor"), lambda v: v == 1),
+        ("use_bidirectional_attention", hf.get("use_bidirectional_attention"), lambda v: v is False),
+    )
+    for key, value, honoured in checks:
+        if value is not None and not honoured(value):
+            shown = repr(value) if len(repr(value)) <= 120 else repr(value)[:117] + "..."
+            raise HFError(f"{family}: config.json {key}={shown} is not supported (the model it maps to "
+                          f"would not compute it)")
 
 
 def _model_config(hf: dict[str, Any], family: str) -> ModelConfig:

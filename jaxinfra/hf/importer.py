@@ -18,6 +18,7 @@ import dataclasses
 import itertools
 import json
 import pathlib
+import re
 import resource
 import time
 from collections.abc import Sequence
@@ -110,6 +111,7 @@ def load_params(cfg: Config, family: str, interleaved: bool, files: SafetensorsD
     from jaxinfra.state import abstract_params, sharding_rules
     from sharding.mesh import make_mesh
 
+    check_complete(files, cfg.model, family, interleaved)
     mesh = make_mesh(cfg.mesh, list(devices) if devices is not None else jax.devices())
     abstract = abstract_params(cfg.model, mesh, sharding_rules(cfg.parallelism), lora=cfg.lora)
     by_path = {r.path: r for r in rules(cfg.model, family, interleaved)}
@@ -134,6 +136,27 @@ def load_params(cfg: Config, family: str, interleaved: bool, files: SafetensorsD
         return var.replace(values["/".join(str(k.key) for k in path)])
 
     return jax.tree_util.tree_map_with_path(fill, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def check_complete(files: SafetensorsDir, cfg: ModelConfig, family: str, interleaved: bool) -> None:
+    """Every HF tensor the family's rules read is there, checked by name before any data is read: the first
+    missing one in model order (embeddings, layer by layer, final norm, head) is named, with how many more."""
+    missing, blocks_seen = [], False  # (layer, name): -1 before the layers, a large number after them
+    for rule in rules(cfg, family, interleaved):
+        blocks_seen = blocks_seen or bool(rule.lead)
+        for index in itertools.product(*(range(n) for n in rule.lead)):
+            for name in rule.names(*index):
+                if not files.has(name):
+                    layer = _LAYER.search(name)
+                    where = int(layer.group(1)) if layer else index[0] if index else 1 << 30 if blocks_seen else -1
+                    missing.append((where, name))
+    missing = [name for _, name in sorted(missing, key=lambda x: x[0])]  # stable: rule order within a layer
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise HFError(f"missing tensor {missing[0]}{more} in {files.describe()}")
 
 
 def check_unused(files: SafetensorsDir, cfg: ModelConfig, family: str) -> None:

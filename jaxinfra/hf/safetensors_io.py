@@ -51,25 +51,48 @@ class SafetensorsDir:
                 for key in st.keys():
                     self.where[key] = f
         self.used: set[str] = set()
+        if only is None:
+            self._check_index()
+
+    def _check_index(self) -> None:
+        """A sharded checkpoint whose index names a shard file that is not here: say which, before any tensor
+        is read (each of its tensors would otherwise be reported missing, one at a time)."""
+        index = self.directory / "model.safetensors.index.json"
+        if not index.is_file():
+            return
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        except (json.JSONDecodeError, AttributeError) as e:
+            raise HFError(f"{index}: not a safetensors index ({e})") from None
+        for name, file in weight_map.items():
+            if isinstance(file, str) and not (self.directory / file).is_file():
+                raise HFError(f"missing tensor {name} in {self.describe()}: {index.name} puts it in {file}, "
+                              f"which is not in {self.directory}")
 
     def describe(self) -> str:
         return f"{self.directory} ({', '.join(self.files)})"
 
     def read(self, name: str) -> np.ndarray:
         """One tensor (or a fused tensor's slice standing in for it), as a numpy array."""
-        if name in self.where:
-            self.used.add(name)
-            return self._get(name, None)
-        renamed = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral as transformers 5.x names it in memory
-        if renamed != name and renamed in self.where:
-            self.used.add(renamed)
-            return self._get(renamed, None)
-        fused = self._fused(name)
-        if fused is None:
+        found = self._locate(name)
+        if found is None:
             raise HFError(f"missing tensor {name} in {self.describe()}")
-        key, index = fused
+        key, index = found
         self.used.add(key)
         return self._get(key, index)
+
+    def has(self, name: str) -> bool:
+        """Whether `read(name)` finds the tensor (reads no data)."""
+        return self._locate(name) is not None
+
+    def _locate(self, name: str) -> tuple[str, tuple | None] | None:
+        """(the stored tensor, the index of the slice standing for `name` or None), or None when absent."""
+        if name in self.where:
+            return name, None
+        renamed = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral as transformers 5.x names it in memory
+        if renamed != name and renamed in self.where:
+            return renamed, None
+        return self._fused(name)
 
     def _fused(self, name: str) -> tuple[str, tuple] | None:
         m = _PER_EXPERT.match(name)

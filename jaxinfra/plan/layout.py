@@ -146,16 +146,16 @@ class Layout:
         call: causal, the batch's segment ids (always passed in training), no softcap, q and k/v
         in the compute dtype; under context parallelism the local queries against all keys (ring
         attention: against one visiting block, with a (q, kv) segment pair; it runs cuDNN, which
-        returns no log-sum-exp, as `auto`: sharding/ring.py). Attention sinks run only on xla."""
+        returns no log-sum-exp, as `auto`: sharding/ring.py). Attention sinks: as without them, but never
+        cuDNN (they need the log-sum-exp)."""
         m = self.model
-        if m.attention_sinks:  # kernels/attention.py: auto resolves to xla, the config refuses the rest
-            return "xla"
         impl, segments = m.attention_impl, "shared"
         if self.cp > 1 and self.cfg.parallelism.context_impl == "ring":
             impl, segments = ("auto" if impl == "cudnn" else impl), "pair"
         d_qk, d_v = ((m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim) if m.is_mla
                      else (m.resolved_head_dim, m.resolved_head_dim))
-        call = kernel_facts.Call(m.dtype, d_qk, d_v, make_band(True, None, self.seq, self.kv_seq), segments)
+        call = kernel_facts.Call(m.dtype, d_qk, d_v, make_band(True, None, self.seq, self.kv_seq), segments,
+                                 sinks=m.attention_sinks)
         return kernel_facts.resolve(impl, self.target or kernel_facts.Target(self.backend), call)[0]
 
     @property
