@@ -102,7 +102,12 @@ def _rules_for_block(cfg: ModelConfig, stack: str, hf_layers: list[int], family:
     def add(path: str, hf: str, conv: tuple[Convert, Split]) -> None:
         rules.append(Rule(f"{stack}/{path}", (n,), lambda i, hf=hf: [f"{pre(i)}.{hf}"], *conv))
 
-    if cfg.norm_placement == "post":  # OLMo 2: HF's post_attention_layernorm is then after attention
+    if cfg.norm_placement == "sandwich":  # Gemma 2/3: post_attention_layernorm is after attention here too
+        add("attn_norm/scale", "input_layernorm.weight", vector())
+        add("attn_post_norm/scale", "post_attention_layernorm.weight", vector())
+        add("mlp_norm/scale", "pre_feedforward_layernorm.weight", vector())
+        add("mlp_post_norm/scale", "post_feedforward_layernorm.weight", vector())
+    elif cfg.norm_placement == "post":  # OLMo 2: HF's post_attention_layernorm is then after attention
         add("attn_post_norm/scale", "post_attention_layernorm.weight", vector())
         add("mlp_post_norm/scale", "post_feedforward_layernorm.weight", vector())
     else:
