@@ -395,6 +395,9 @@ def _gemma_family(cfg: ModelConfig, refuse: Callable[[str], None]) -> str:
         refuse("model.norm_placement=sandwich with MLA or MoE (Gemma 2/3 have neither)")
     if cfg.rope_scaling_factor is not None and cfg.rope_scaling_type != "linear":
         refuse(f"model.rope_scaling_type={cfg.rope_scaling_type} with Gemma's sandwich norms (Gemma: linear)")
+    if _pre_attn_scalar(cfg) is None:
+        refuse(f"model.attention_scale={cfg.attention_scale} (Gemma's query_pre_attn_scalar = attention_scale ** -2 "
+               f"= {cfg.attention_scale ** -2:.6g} must be an integer)")
     if not cfg.qk_norm:
         if cfg.rope_local_theta is not None:
             refuse(f"model.rope_local_theta={cfg.rope_local_theta} without qk_norm (Gemma 2 has one RoPE base)")
@@ -405,16 +408,23 @@ def _gemma_family(cfg: ModelConfig, refuse: Callable[[str], None]) -> str:
     return "gemma3_text"
 
 
+def _pre_attn_scalar(cfg: ModelConfig) -> int | None:
+    """HF Gemma's query_pre_attn_scalar for our softmax scale (transformers 5 types it int); None if not one."""
+    if cfg.attention_scale is None:
+        return cfg.resolved_head_dim
+    scalar = cfg.attention_scale ** -2
+    return round(scalar) if abs(scalar - round(scalar)) <= 1e-9 * scalar else None
+
+
 def _gemma_hf(cfg: ModelConfig, family: str) -> dict[str, Any]:
     """Gemma's keys: transformers 5's (rope_parameters, per layer type for Gemma 3; layer_types), and for
     Gemma 3 also 4.x's rope_scaling and rope_local_base_freq, which 5.x folds into rope_parameters."""
     full: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling_factor is not None:
         full.update(rope_type="linear", factor=cfg.rope_scaling_factor)
-    scalar = cfg.attention_scale ** -2 if cfg.attention_scale is not None else cfg.resolved_head_dim
     out: dict[str, Any] = dict(
         hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
-        query_pre_attn_scalar=round(scalar) if abs(scalar - round(scalar)) <= 1e-9 * scalar else scalar,
+        query_pre_attn_scalar=_pre_attn_scalar(cfg),
         # HF builds a sliding mask even with no sliding layer, so the window needs a value then too.
         sliding_window=cfg.sliding_window or 4096,
         layer_types=[LAYER_TYPES[w is None] for w in cfg.layer_windows()],
