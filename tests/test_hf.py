@@ -152,7 +152,7 @@ def test_fused_expert_tensors_are_read_too(imported, tmp_path):
 # ---------------------------------------------------------------- export
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "gemma2"])  # gemma2: gemma3's path, a compile less
 def test_jaxinfra_eval_on_import_gives_the_transformers_loss(imported, name, tmp_path, capsys):
     """`jaxinfra eval OUT --tokens FILE.npy` (the CLI, in process) on the imported run directory."""
     ref = reference(name)
