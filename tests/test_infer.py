@@ -131,6 +131,7 @@ def sinks():
 # ---------------------------------------------------------------- exactness of the cache
 
 
+@pytest.mark.slow  # ~9 s cold; tests/test_windows.py's windowed generation (ring-buffer caches) runs by default
 def test_imported_gemma3_greedy_with_cache_equals_recomputation(tmp_path_factory):
     """Gemma 3 as `hf import` builds it from the transformers fixture (window 8, every 3rd layer global with its
     own RoPE): greedy decoding with the KV cache, 32 new tokens well past the window, equals recomputation."""
