@@ -7,7 +7,7 @@ with head_dim 16 != d/heads, 4 experts top-2 without renormalisation, layer 0 de
 OLMo 2 (post-sub-layer norms, QK-norm over the whole q / k projections, GQA, head_dim != d_model / heads),
 Gemma 3 (text: sandwich norms with (1 + w) weights, QK-norm, GeGLU, scaled embeddings, sliding and global layers
 with their own RoPE, linear scaling on the global ones) and Gemma 2 (the same block without QK-norm, one RoPE,
-attention and logit soft-caps).
+attention and logit soft-caps); `gemma3_mm` is Gemma3ForConditionalGeneration around the gemma3 decoder.
 
 Run with the fixture venv (torch + transformers; the test suite itself never imports them):
 
@@ -187,6 +187,38 @@ def build(name: str, cfg: transformers.PretrainedConfig, seed: int) -> None:
     assert err == 0.0, f"{name}: reload changed logits (rel err {err})"
 
 
+def build_gemma3_mm(seed: int = 34) -> None:
+    """`gemma3_mm`: Gemma3ForConditionalGeneration (image + text) whose text decoder is the `gemma3` fixture's
+    model, weight for weight, beside a tiny random SigLIP tower and projector. Scored on text alone it gives the
+    gemma3 fixture's logits exactly; save_pretrained names its tensors as the Hub does (`language_model.model.*`,
+    `vision_tower.*`, `multi_modal_projector.*`)."""
+    text = transformers.AutoModelForCausalLM.from_pretrained(OUT / "gemma3", attn_implementation="eager").float()
+    vision = transformers.SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    cfg = transformers.Gemma3Config(text_config=text.config.to_dict(), vision_config=vision.to_dict(),
+                                    mm_tokens_per_image=1, torch_dtype="float32")
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration._from_config(cfg, attn_implementation="eager").float().eval()
+    randomize(model, seed)
+    model.model.language_model.load_state_dict(text.model.state_dict())
+    ref = dict(np.load(OUT / "gemma3" / "reference.npz"))
+    with torch.no_grad():
+        out = model(torch.from_numpy(ref["tokens"]).long(), output_hidden_states=True)
+    logits = out.logits.float().numpy()
+    assert _rel_err(logits, ref["logits"]) == 0.0, "the wrapper scores its text decoder differently"
+    out_dir = OUT / "gemma3_mm"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.glob("*"):
+        old.unlink()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    np.savez(out_dir / "reference.npz", tokens=ref["tokens"], logits=logits, loss=ref["loss"],
+             hidden_states=np.stack([h.float().numpy() for h in out.hidden_states]))
+    from safetensors import safe_open
+    with safe_open(out_dir / "model.safetensors", "np") as f:
+        keys = sorted(f.keys())
+    print(f"gemma3_mm: {len(keys)} tensors, e.g. {keys[0]}, {keys[-1]}")
+
+
 def _rel_err(got: np.ndarray, ref: np.ndarray) -> float:
     return float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
 
@@ -225,6 +257,8 @@ def main() -> int:
     for i, (name, cfg) in enumerate(configs().items()):
         if not args.only or name in args.only:
             build(name, cfg, seed=SEEDS.get(name, i + 1))
+    if not args.only or "gemma3_mm" in args.only:  # after gemma3: it wraps that fixture's decoder
+        build_gemma3_mm()
     return 0
 
 

@@ -696,7 +696,7 @@ def test_gemma3_maps_its_block_windows_and_ropes():
     (dict(rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e6}}),
      "rope_type='yarn'"),
     (dict(architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3"),
-     "unsupported architecture Gemma3ForConditionalGeneration .*save its text decoder as Gemma3ForCausalLM"),
+     "Gemma3ForConditionalGeneration: config.json has no text_config"),
 ])
 def test_gemma_bad_input_is_refused_by_name(changes, match):
     with pytest.raises(HFError, match=match):
@@ -719,6 +719,30 @@ def test_gemma_export_picks_the_family_or_refuses():
                            (dict(rope_scaling_type="llama3"), "rope_scaling_type=llama3")):
         with pytest.raises(HFError, match=match):
             hf_family(dataclasses.replace(cfg, **changes))
+
+
+def test_gemma3_image_text_checkpoint_imports_its_text_decoder(imported, tmp_path):
+    """Gemma3ForConditionalGeneration (tests/fixtures/hf/gemma3_mm: the gemma3 fixture's decoder beside a tiny
+    SigLIP tower, saved under the Hub's names `language_model.model.*`, and again under transformers 5's in-memory
+    `model.language_model.*`): the text decoder imports to the gemma3 fixture's params bit for bit, the image
+    side's tensors ignored."""
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "v5"
+    shutil.copytree(FIXTURES / "gemma3_mm", src)
+    files = SafetensorsDir(src)
+    hub = ("language_model.model.", "vision_tower.", "multi_modal_projector.")
+    v5 = {next((f"model.{p.split('.')[0]}.{k[len(p):]}" for p in hub if k.startswith(p)), k): files.read(k)
+          for k in files.where}
+    assert "model.language_model.layers.0.self_attn.q_proj.weight" in v5
+    save_file(v5, src / "model.safetensors")
+    _, want = restored(imported["gemma3"])
+    for name, hf_dir in (("hub", FIXTURES / "gemma3_mm"), ("v5", src)):
+        out = tmp_path / f"import-{name}"
+        report = import_hf(hf_dir, out, devices=one_device())
+        assert report["family"] == "gemma3_text" and report["params"] == param_counts(restored(out)[0])["total"]
+        for x, y in zip(jax.tree.leaves(restored(out)[1]), jax.tree.leaves(want), strict=True):
+            assert np.array_equal(np.asarray(x), np.asarray(y)), name
 
 
 def test_gemma3_27b_hub_config_imports_as_the_preset():

@@ -35,12 +35,23 @@ ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
 }
 GEMMA = ("gemma2", "gemma3_text")
-# Multimodal wrappers whose text decoder we do import, once saved as its own causal LM.
-_WRAPPERS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# Image + text models whose text decoder we import (its config is their text_config; its tensors are
+# renamed by SafetensorsDir.read and the vision tower's are ignored): the decoder's architecture.
+WRAPPERS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# transformers' config defaults, for keys a Gemma config.json leaves out (the Hub's Gemma 3 text_config
+# holds only what differs from them): head_dim is 256 there, not hidden_size / heads.
+_GEMMA_DEFAULTS = {
+    "gemma3_text": dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
+                        tie_word_embeddings=True),
+    "gemma2": dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                   num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
+                   tie_word_embeddings=True),
+}
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 HF_LATENT_NORM_EPS = 1e-6  # DeepseekV2/V3RMSNorm's default, which q_a_layernorm and kv_a_layernorm keep
 _BY_ARCH = {v: k for k, v in ARCHITECTURES.items()}
-SUPPORTED = ", ".join(sorted(ARCHITECTURES.values()))
+SUPPORTED = ", ".join(sorted([*ARCHITECTURES.values(), *WRAPPERS]))
 
 
 def family_of(hf: dict[str, Any]) -> str:
@@ -50,9 +61,6 @@ def family_of(hf: dict[str, Any]) -> str:
     for arch in archs:
         if arch in _BY_ARCH:
             return _BY_ARCH[arch]
-        if arch in _WRAPPERS:  # its tensors live under model.language_model.* beside a vision tower
-            raise HFError(f"unsupported architecture {arch} (image + text); save its text decoder as "
-                          f"{_WRAPPERS[arch]} (model_type {model_type}'s text_config) and import that")
     if not archs and model_type in ARCHITECTURES:
         return model_type
     name = ", ".join(archs) or f"model_type={model_type!r}"
@@ -92,9 +100,25 @@ def _refuse(hf: dict[str, Any], family: str, key: str, ok: Any, why: str) -> Non
         raise HFError(f"{family}: config.json {key}={value!r} is not supported ({why})")
 
 
+def text_decoder_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """An image + text model's config (WRAPPERS) -> its text decoder's own config.json; others as they are."""
+    arch = next((a for a in hf.get("architectures") or [] if a in WRAPPERS), None)
+    if arch is None:
+        return hf
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise HFError(f"{arch}: config.json has no text_config")
+    family = _BY_ARCH[WRAPPERS[arch]]
+    return {"tie_word_embeddings": hf.get("tie_word_embeddings", True), **text,
+            "architectures": [WRAPPERS[arch]], "model_type": family}
+
+
 def from_hf(hf: dict[str, Any]) -> tuple[str, ModelConfig]:
-    """(family, ModelConfig) for an HF config.json dict."""
+    """(family, ModelConfig) for an HF config.json dict (an image + text model's: its text decoder's)."""
+    hf = text_decoder_config(hf)
     family = family_of(hf)
+    if family in GEMMA:
+        hf = {**_GEMMA_DEFAULTS[family], **hf}
     try:
         return family, _model_config(hf, family)
     except KeyError as e:
