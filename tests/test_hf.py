@@ -764,3 +764,12 @@ def test_gemma3_27b_hub_config_imports_as_the_preset():
     assert {k: (v, getattr(cfg, k)) for k, v in dataclasses.asdict(preset).items()
             if k not in {"scan_layers", "remat_policy", "dtype"} and getattr(cfg, k) != v} == {}
     assert sum(w is None for w in cfg.layer_windows()) == 10  # layers 6, 12, ..., 60 (1-based) are global
+    # The released checkpoint is image + text; its config.json's text_config holds only what differs from
+    # transformers' Gemma3TextConfig defaults.
+    released = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+                "text_config": {"head_dim": 128, "hidden_size": 5376, "intermediate_size": 21504,
+                                "model_type": "gemma3_text", "num_attention_heads": 32, "num_hidden_layers": 62,
+                                "num_key_value_heads": 16, "query_pre_attn_scalar": 168,
+                                "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024},
+                "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152}}
+    assert from_hf(released) == (family, cfg)
