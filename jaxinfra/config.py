@@ -499,9 +499,9 @@ def validate_mesh(cfg: Config, device_count: int | None) -> None:
         if m.attention_sinks and cfg.parallelism.context_impl == "ring":
             raise ConfigError("model.attention_sinks=true with mesh.context > 1 needs parallelism.context_impl="
                               "allgather (the ring has no sinks yet)")
-        if m.sliding_window is not None and cfg.parallelism.context_impl == "ring":
-            raise ConfigError(f"model.sliding_window={m.sliding_window} with mesh.context > 1 needs "
-                              "parallelism.context_impl=allgather (the ring has no windows)")
+        if m.sliding_window is not None and cfg.parallelism.context_impl == "ring" and cfg.parallelism.load_balance:
+            raise ConfigError(f"model.sliding_window={m.sliding_window} with parallelism.context_impl=ring needs "
+                              "parallelism.load_balance=false (or context_impl=allgather)")
         if cfg.train.seq_len % need:
             raise ConfigError(f"train.seq_len={cfg.train.seq_len} is not divisible by {need} "
                               f"({'2 x ' if need != cp else ''}mesh.context={cp})")

@@ -1,20 +1,25 @@
 """The layer stack: which layers a model has (its schedule) and the one runner that applies them.
 
-The schedule is computed once from the `ModelConfig`: per layer, its kind (dense or MoE) and its
-slot in its stacked parameter group (`layers` for dense blocks, `moe_layers` for MoE blocks),
-plus the shape of the order they run in:
+The schedule is computed once from the `ModelConfig`: per layer a `LayerSpec`, its kind (dense or
+MoE), its slot in its stacked parameter group (`layers` for dense blocks, `moe_layers` for MoE
+blocks), its sliding window (None: a global layer) and its RoPE table ("global", or "local" for
+sliding layers with model.rope_local_theta), plus the shape of the order they run in:
 
     prefix     leading dense layers (`moe_first_dense_layers`), run before the periods and
-               outside a pipeline
-    period     the repeating unit: (moe_every - 1) dense blocks then one MoE block; one dense
-               block for a dense model
+               outside a pipeline (scanned when they all run alike, else unrolled)
+    period     the repeating unit of specs after the prefix: lcm(moe_every, sliding_window_pattern)
+               layers (`ModelConfig.layer_period`), e.g. (moe_every - 1) dense blocks then one MoE
+               block; one dense block for a plain dense model; a period may hold several blocks of
+               each kind, whose stacks are then reshaped [periods, per period, ...]
     periods    how many times it repeats (the pipeline's layers)
+    suffix     the layers left after the last whole period (Gemma 3 27B: 62 = 10 x 6 + 2), unrolled
 
 One runner serves every caller: training (under the config's remat policy), prefill, decode (per
 layer inputs `xs`: that layer's cache slice) and the pipeline, whose per-layer function is the
 same period function (`run_pipelined` -> `sharding.pipeline.apply_layers`). A layer function is
-`fn(block, h, x) -> (h, y)`: x is the layer's slice of `xs` (None: nothing), or the pipeline's
-per-row side inputs; the y's come back stacked per group, in that group's order.
+`fn(block, h, x, spec) -> (h, y)`: x is the layer's slice of `xs` (None: nothing), or the pipeline's
+per-row side inputs, and spec its (static) LayerSpec; the y's come back stacked per group, in that
+group's order.
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ class LayerSpec:
 class LayerSchedule:
     layers: tuple[LayerSpec, ...]
     prefix: int  # leading dense layers, outside the periods
-    period: int  # layers per period (model.layer_period(): MoE period x window pattern)
+    period: int  # layers per period (model.layer_period(): lcm of the MoE period and the window pattern)
 
     def count(self, kind: Kind) -> int:
         return sum(spec.kind == kind for spec in self.layers)

@@ -19,7 +19,9 @@ prefix, then one scan over the periods, each step running its dense blocks and i
 block. Per-layer router statistics come out of that scan as stacked outputs.
 
 Which stacks exist and the order their layers run in is the model's layer schedule, and one
-runner applies it for training, inference and the pipeline (models/stack.py). Inference
+runner applies it for training, inference and the pipeline (models/stack.py). Sliding-window
+layers (Gemma 2/3, gpt-oss) are a property of a layer's schedule entry: its window and its RoPE
+table (`rope_tables`: the global one, and rope_local_theta's for sliding layers when set). Inference
 (jaxinfra/infer/, docs/inference.md) runs the same blocks through it: `prefill` is the forward
 that also returns each layer's KV-cache entries, `decode` runs one token per row with the
 layer scan over (layer params, layer cache).

@@ -13,7 +13,8 @@ Two exact variants, chosen by `parallelism.context_impl`:
   log-sum-exp trick (Liu et al. 2023, "Ring Attention"). Per step the visibility
   between the local and the visiting chunks is full, causal-diagonal or none, so
   each step is one kernel call on a static rectangle, chosen by a `lax.cond` on the
-  device index (`sharding/ring.py`). Its custom VJP sends K/V around the ring again
+  device index (`sharding/ring.py`); sliding windows clip each rectangle to its band (unbalanced
+  rings only). Its custom VJP sends K/V around the ring again
   with their gradients, recomputing each step's piece, so a device holds one block's
   residuals at a time: with a flash kernel no scores at all and memory O(T / n) per
   device (the all-gather's is O(T); `benchmarks/ring_memory.py`), with `xla` one
@@ -67,11 +68,11 @@ def _token_index(device: jax.Array, local_len: int, ring: int, balanced: bool) -
 
 def _ring_attention_local(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array, *, ring: int,
                           balanced: bool, scale: float, impl: str = "auto", platform: str | None = None,
-                          softcap: float | None = None) -> jax.Array:
+                          softcap: float | None = None, window: int | None = None) -> jax.Array:
     """Per-device body: local q [B, Tl, H, D] against every K/V block of the ring, one
     `kernels.attention_with_lse` call per ring step (`sharding/ring.py`)."""
     return ring_attention_local(q, k, v, seg, axis=CONTEXT, ring=ring, balanced=balanced, scale=scale, impl=impl,
-                                platform=platform, softcap=softcap)
+                                platform=platform, softcap=softcap, window=window)
 
 
 # Custom kernels XLA cannot partition (cuDNN's packed layout: its per-row segment tables are
@@ -120,7 +121,7 @@ def _per_shard_kernel(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
 
 
 def _ring(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, impl: str,
-          plan: ParallelPlan, softcap: float | None = None) -> jax.Array:
+          plan: ParallelPlan, softcap: float | None = None, window: int | None = None) -> jax.Array:
     """Ring attention (`sharding/ring.py`) in a shard_map manual over `context` and over the
     (batch, heads) axes a custom kernel must run split over (`_kernel_axes`, as `_per_shard_kernel`)."""
     kernels.validate_attention_args(q, k, v, segment_ids)
@@ -131,7 +132,7 @@ def _ring(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | Non
     body = jax.shard_map(
         lambda q, k, v, s: _ring_attention_local(q, k, v, s, ring=plan.context_size, balanced=plan.load_balance,
                                                  scale=q.shape[-1] ** -0.5, impl=impl, platform=plan.platform,
-                                                 softcap=softcap),
+                                                 softcap=softcap, window=window),
         mesh=plan.mesh, axis_names={CONTEXT, *used}, in_specs=(spec, spec, spec, seg_spec), out_specs=spec,
         check_vma=False)  # custom-call outputs carry no varying-axes annotation
     return body(q, k, v, segment_ids)
@@ -144,7 +145,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Arra
     mesh splits the sequence (`plan`: default single device); `softcap`: tanh soft-cap of the scores;
     `sinks`: [heads] attention-sink logits (XLA partitions them with the heads; not yet the ring);
     `window`: a sliding window, query i sees keys i - window < j <= i (the kernels' (window - 1, 0);
-    GSPMD's global computation under allgather; not the ring)."""
+    GSPMD's global computation under allgather; the ring without load balancing)."""
     plan = plan or single_device()
     platform = plan.platform
     band = None if window is None else (window - 1, 0)
@@ -165,6 +166,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Arra
                                  softcap=softcap, sinks=sinks, window=band)
     if sinks is not None:  # the ring merges per-block lse's: the sink must join once, not per block
         raise ValueError("attention sinks are not supported by context_impl=ring yet; use context_impl=allgather")
-    if window is not None:  # each ring step's visible band would depend on the (traced) device pair
-        raise ValueError("sliding windows are not supported by context_impl=ring; use context_impl=allgather")
-    return _ring(q, k, v, segment_ids, impl, plan, softcap)
+    if window is not None and plan.load_balance:  # a balanced block's index distance is not the token distance
+        raise ValueError("sliding windows with context_impl=ring need parallelism.load_balance=false "
+                         "(or context_impl=allgather)")
+    return _ring(q, k, v, segment_ids, impl, plan, softcap, window)

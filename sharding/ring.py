@@ -17,6 +17,14 @@ Pallas, auto) on a contiguous (q rows, kv rows) rectangle with a static mask (a 
   chunk of the block (full, Tl x c); ``source > me`` -> only the second local chunk sees
   anything, and it sees the whole block (full, c x Tl). Both are Tl x c of work: balanced.
 
+Sliding windows (window W, unbalanced rings only: with load balancing a local block's index
+distance is not the token distance): step t's earlier block starts d = t Tl positions before the
+local one, so its visible part is a static rectangle, keys [k0, Tl) with k0 = max(0, d - W + 1),
+under the kernels' band (W - 1 - e, e), e = d - k0 (in the backward, step t holds block me + t, an
+earlier one only when that wraps: d = (n - t) Tl); a step whose block is all outside the window
+calls no kernel (K/V still travel). Windows balance the ring's work themselves (every query sees at
+most W keys), though a model's global layers run unbalanced then.
+
 The device index is traced, so a later step is a `lax.cond` between the two pairs' kernel calls
 (static shapes each). Segment ids go to the kernel as a (q, kv) pair, so packed sequences
 (and GQA, which the kernels take natively) work unchanged.
@@ -80,6 +88,7 @@ class RingConfig:
     impl: str
     platform: str | None = None  # the plan's devices (None: the default backend), for kernel dispatch
     softcap: float | None = None  # tanh soft-cap of the scores (Gemma 2), in every ring step
+    window: int | None = None  # sliding window (keys seen, itself included); unbalanced rings only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,23 +100,40 @@ class Pair:
     k0: int
     k1: int
     causal: bool = False
+    window: tuple[int, int] | None = None  # the kernels' (left, right) band on the rectangle's own indices
 
 
-def _pairs(cfg: RingConfig, step: int, tl: int) -> tuple[Pair | None, ...]:
-    """Step 0: (the causal diagonal,); later steps: (the pair if source < me, if source > me)."""
+def _pairs(cfg: RingConfig, step: int, tl: int, back: bool = False) -> tuple[Pair | None, ...]:
+    """Step 0: (the causal diagonal,); later steps: (the pair if source < me, if source > me).
+    `back`: the backward's order, where step t holds the block of device me + t (so an earlier one
+    is (ring - t) blocks back)."""
     if step == 0:
-        return (Pair(0, tl, 0, tl, causal=True),)
+        return (Pair(0, tl, 0, tl, causal=True, window=None if cfg.window is None else (cfg.window - 1, 0)),)
+    if cfg.window is not None:
+        return _window_pair(cfg.window, ((cfg.ring - step) if back else step) * tl, tl), None
     if not cfg.balanced:
         return Pair(0, tl, 0, tl), None
     c = tl // 2
     return Pair(0, tl, 0, c), Pair(c, tl, 0, tl)
 
 
+def _window_pair(window: int, d: int, tl: int) -> Pair | None:
+    """The visible rectangle of an earlier block whose tokens start `d` positions before the local ones
+    (unbalanced ring): query x sees key y when 0 <= d + x - y <= window - 1. Keys before k0 are out of
+    every query's window; on the rest the band is (left, right) = (window - 1 - e, e), e = d - k0.
+    None when the whole block is out of the window (no kernel call)."""
+    k0 = max(0, d - (window - 1))
+    if k0 >= tl:
+        return None
+    e = d - k0
+    return Pair(0, tl, k0, tl, window=(window - 1 - e, e))
+
+
 def _choose(cfg: RingConfig, step: int, me: jax.Array, tl: int, branch: Callable[[Pair | None], T], *,
             back: bool = False) -> T:
     """`branch(pair)` for this step's pair, chosen by the traced device index where it varies."""
-    options = _pairs(cfg, step, tl)
-    if len(options) == 1:
+    options = _pairs(cfg, step, tl, back)
+    if len(options) == 1 or all(pair is None for pair in options):
         return branch(options[0])
     source = (me + step if back else me - step) % cfg.ring  # whose block this device holds now
     return jax.lax.cond(source < me, lambda: branch(options[0]), lambda: branch(options[1]))
@@ -117,7 +143,8 @@ def _kernel(cfg: RingConfig, pair: Pair, q: jax.Array, k: jax.Array, v: jax.Arra
             kv_seg: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(out [B, Tq, H, Dv], lse [B, Tq, H]) of already-sliced rows and keys."""
     out, lse = kernels.attention_with_lse(q, k, v, causal=pair.causal, segment_ids=(q_seg, kv_seg), scale=cfg.scale,
-                                          impl=cfg.impl, platform=cfg.platform, softcap=cfg.softcap)
+                                          impl=cfg.impl, platform=cfg.platform, softcap=cfg.softcap,
+                                          window=pair.window)
     return out, jnp.swapaxes(lse, 1, 2)
 
 
@@ -231,8 +258,11 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 def ring_attention_local(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array, *, axis: str, ring: int,
                          balanced: bool, scale: float, impl: str, platform: str | None = None,
-                         softcap: float | None = None) -> jax.Array:
+                         softcap: float | None = None, window: int | None = None) -> jax.Array:
     """Per-device body: local q [B, Tl, H, D] against every K/V block of the ring -> [B, Tl, H, Dv]."""
     if balanced and q.shape[1] % 2:
         raise ValueError(f"ring attention: balanced local length {q.shape[1]} must be even (two chunks)")
-    return _ring(RingConfig(axis, ring, balanced, float(scale), ring_impl(impl), platform, softcap), q, k, v, seg)
+    if balanced and window is not None:  # a local block of two far-apart chunks: index distance is not position
+        raise ValueError("ring attention: sliding windows need parallelism.load_balance=false")
+    cfg = RingConfig(axis, ring, balanced, float(scale), ring_impl(impl), platform, softcap, window)
+    return _ring(cfg, q, k, v, seg)

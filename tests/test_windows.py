@@ -207,7 +207,7 @@ def test_moe_windows_prefix_periods_and_suffix_match_layer_by_layer(scan):
 
 
 @pytest.mark.parametrize("overrides, names", [
-    (["mesh.context=2", "mesh.data=4", "parallelism.context_impl=ring"], ("model.sliding_window", "context_impl")),
+    (["mesh.context=2", "mesh.data=4", "parallelism.context_impl=ring"], ("model.sliding_window", "load_balance")),
     (["mesh.stage=2", "mesh.data=4", "model.num_layers=5"], ("model.num_layers=5", "sliding_window_pattern=2")),
     (["model.attention_type=mla", "model.num_kv_heads=null"], ("model.sliding_window", "mla")),
 ])
@@ -217,8 +217,43 @@ def test_windows_refuse_what_cannot_run_them(overrides, names):
                  device_count=8)
     msg = str(info.value)
     assert "\n" not in msg and all(n in msg for n in names), msg
-    validate(load_config("tiny", ["model.sliding_window=8", "model.sliding_window_pattern=2", "mesh.context=2",
-                                  "mesh.data=4", "parallelism.context_impl=allgather"]), device_count=8)
+    for impl in (["parallelism.context_impl=allgather"], ["parallelism.context_impl=ring", "parallelism.load_balance=false"]):
+        validate(load_config("tiny", ["model.sliding_window=8", "model.sliding_window_pattern=2", "mesh.context=2",
+                                      "mesh.data=4", *impl]), device_count=8)
+
+
+# ---------------------------------------------------------------- ring attention (sharding/ring.py)
+
+
+@pytest.mark.parametrize("window, impl", [(12, "xla"), pytest.param(5, "xla", marks=pytest.mark.slow),
+                                          pytest.param(12, "pallas_triton", marks=pytest.mark.slow)])
+def test_ring_with_windows_matches_reference(window, impl):
+    """Unbalanced ring over 4 devices (8 tokens each), packed segments: window 12 sees the previous block
+    under a band, the one before through a clipped rectangle, and skips the third; window 5 only the
+    previous block's tail. Forward and gradients equal the 1-device reference."""
+    import kernels
+    from sharding import context
+    from sharding.mesh import MeshConfig, make_mesh
+    from sharding.plan import plan_for
+    from sharding.rules import rules_for
+
+    rng = np.random.default_rng(0)
+    q, k, v, cot = (jnp.asarray(rng.standard_normal((2, 32, h, 8)), jnp.float32) for h in (4, 2, 2, 4))
+    seg = jnp.asarray(np.r_[[1] * 13 + [2] * 14 + [0] * 5, [1] * 32].reshape(2, 32).astype(np.int32))
+    mesh = make_mesh(MeshConfig(data=1, context=4), jax.devices()[:4])
+    plan = plan_for(mesh, rules_for(context_impl="ring", load_balance=False))
+
+    def loss_and_grads(fn):
+        loss = lambda q, k, v: (jnp.sum(fn(q, k, v) * cot), fn(q, k, v))  # noqa: E731
+        (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+        return [out, *grads]
+
+    want = loss_and_grads(lambda q, k, v: kernels.reference_attention(q, k, v, segment_ids=seg,
+                                                                      window=(window - 1, 0)))
+    got = loss_and_grads(lambda q, k, v: context.attention(q, k, v, segment_ids=seg, impl=impl, plan=plan,
+                                                           window=window))
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5, err_msg=name)
 
 
 # ---------------------------------------------------------------- KV cache (models/cache.py)
@@ -273,6 +308,18 @@ def test_windowed_generation_equals_full_forward(windowed, kv):
         else:
             # (the same model without windows shows int8 noise up to 0.1 here)
             np.testing.assert_allclose(result.logps[i], want, atol=0.15)
+
+
+@pytest.mark.slow  # the sharded cache groups are pinned by the same logical names as the unsharded run checks
+def test_sharded_windowed_decode_equals_unsharded(windowed):
+    from jaxinfra.infer import Generator
+
+    cfg, params = windowed
+    sharded = Generator(load_config("tiny", [*GEN, "mesh.tensor=2", "mesh.fsdp=2"]), params)
+    assert sharded.mesh.size == 4
+    prompts = [*PROMPTS, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9]]
+    assert sharded.generate(prompts, max_new_tokens=NEW).tokens == Generator(cfg, params).generate(
+        prompts, max_new_tokens=NEW).tokens
 
 
 def test_cache_groups_and_bytes_count_windows(windowed):
@@ -334,3 +381,28 @@ def parity_baseline():
 
     batches = packed_batches(8, 32, PARITY_MODEL.vocab_size, 2)
     return {"batches": batches, "make": make, "one": run_steps(make({}), jax.devices()[:1], batches)}
+
+
+@pytest.mark.slow  # the ring's windowed attention is checked against the reference above
+def test_windowed_model_trains_under_an_unbalanced_ring_like_one_device(parity_baseline):
+    """The ring has no sinks: the parity model without them, context=2 x fsdp=4, load_balance=false."""
+    from parity import assert_matches, run_steps
+
+    model = dataclasses.replace(PARITY_MODEL, attention_sinks=False)
+    make = lambda mesh, **p: dataclasses.replace(parity_baseline["make"](mesh, **p), model=model)  # noqa: E731
+    one = run_steps(make({}), jax.devices()[:1], parity_baseline["batches"])
+    split = run_steps(make(dict(context=2, fsdp=4), context_impl="ring", load_balance=False), jax.devices(),
+                      parity_baseline["batches"])
+    assert_matches(split, one, "windows-context2-fsdp4-ring")
+
+
+@pytest.mark.slow  # the pipeline runs the same period function as the scan (test_pipeline covers its schedules)
+def test_windowed_periods_train_under_the_pipeline_like_one_device(parity_baseline):
+    """4 layers of pattern 2: two periods (local, global) as the two pipeline layers over mesh.stage=2."""
+    from parity import assert_matches, run_steps
+
+    model = dataclasses.replace(PARITY_MODEL, num_layers=4)
+    make = lambda mesh: dataclasses.replace(parity_baseline["make"](mesh), model=model)  # noqa: E731
+    one = run_steps(make({}), jax.devices()[:1], parity_baseline["batches"])
+    split = run_steps(make(dict(stage=2, data=4)), jax.devices(), parity_baseline["batches"])
+    assert_matches(split, one, "windows-stage2")
