@@ -205,7 +205,9 @@ def _imported_gemma3() -> ModelConfig:
 # (summation noise through Adam's lr / eps, see tests/parity.py); a real error moves parameters by ~lr = 1e-2.
 GEMMA3_LAYOUTS = {"context2-fsdp2-tensor2-allgather": (dict(context=2, fsdp=2, tensor=2), dict(context_impl="allgather")),
                   "fsdp4-tensor2": (dict(fsdp=4, tensor=2), {}),
-                  "context2-fsdp4-allgather": LAYOUTS["context2-fsdp4-allgather"]}
+                  "context2-fsdp4-allgather": LAYOUTS["context2-fsdp4-allgather"],
+                  "context2-fsdp4-ring-unbalanced": (dict(context=2, fsdp=4), dict(context_impl="ring",
+                                                                                  load_balance=False))}
 
 
 # Slow (~17 s of compiles cold): the default run covers the pieces, tests/test_windows.py training windows, the
@@ -215,7 +217,8 @@ GEMMA3_LAYOUTS = {"context2-fsdp2-tensor2-allgather": (dict(context=2, fsdp=2, t
 @pytest.mark.parametrize("name", list(GEMMA3_LAYOUTS))
 def test_imported_gemma3_trains_under_tensor_and_context_splits_like_one_device(name):
     """The imported Gemma 3 config trains as on one device with its heads split over `tensor` and its sequence over
-    `context` (allgather: the ring refuses windows): fsdp=4 x tensor=2, context=2 x fsdp=4, and both at once."""
+    `context` (allgather, and the ring without load balancing, the one that runs windows): fsdp=4 x tensor=2,
+    context=2 x fsdp=4, and both at once."""
     gemma3 = _imported_gemma3()
     mesh, parallelism = GEMMA3_LAYOUTS[name]
     one = _gemma3_baseline(gemma3)
