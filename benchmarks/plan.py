@@ -202,7 +202,7 @@ def search_table(preset: str, top: int, steps: int) -> None:
           f"top {len(ranked)}; load {os.getloadavg()[0]:.1f}")
 
 
-PRESETS = ("llama3-8b", "deepseek-v3", "mixtral-8x7b", "qwen3-30b-a3b", "olmo2-7b")
+PRESETS = ("llama3-8b", "deepseek-v3", "mixtral-8x7b", "qwen3-30b-a3b", "olmo2-7b", "gemma3-27b")
 # On accelerators the presets would run a flash kernel and a chunked loss: XLA attention keeps
 # [rows, heads, seq, seq] float32 scores per layer, and whole-sequence logits are ~10 GiB per row.
 # `auto` is what the kernels pick on each device kind (kernels/facts.py: Triton on H100, Mosaic on TPU).

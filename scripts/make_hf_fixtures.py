@@ -4,7 +4,10 @@ Families: Llama (GQA, untied), Qwen2 (q/k/v bias), Qwen3 (QK-norm, tied), Mixtra
 DeepSeek-V3 (MLA with q_lora_rank, YaRN, sigmoid MoE with bias, groups, shared expert, first layer dense),
 DeepSeek-V2 (MLA without q_lora_rank, softmax greedy MoE, 2 shared experts), Qwen3-MoE (QK-norm, GQA 8/2
 with head_dim 16 != d/heads, 4 experts top-2 without renormalisation, layer 0 dense via mlp_only_layers, untied) and
-OLMo 2 (post-sub-layer norms, QK-norm over the whole q / k projections, GQA, head_dim != d_model / heads).
+OLMo 2 (post-sub-layer norms, QK-norm over the whole q / k projections, GQA, head_dim != d_model / heads),
+Gemma 3 (text: sandwich norms with (1 + w) weights, QK-norm, GeGLU, scaled embeddings, sliding and global layers
+with their own RoPE, linear scaling on the global ones) and Gemma 2 (the same block without QK-norm, one RoPE,
+attention and logit soft-caps); `gemma3_mm` is Gemma3ForConditionalGeneration around the gemma3 decoder.
 
 Run with the fixture venv (torch + transformers; the test suite itself never imports them):
 
@@ -12,9 +15,9 @@ Run with the fixture venv (torch + transformers; the test suite itself never imp
     /work/venv/hf/bin/python scripts/make_hf_fixtures.py --check-export EXPORT_DIR --reference tests/fixtures/hf/llama
 
 Each fixture dir holds what `save_pretrained(safe_serialization=True)` writes (config.json,
-model.safetensors) plus `reference.npz`: `tokens` [2, 16] int32, `logits` [2, 16, vocab]
-float32 and `loss`, the mean next-token cross-entropy over all 2 * 15 predictions computed in
-float32 from those logits (HF's `labels=` convention: logits[:, :-1] predict tokens[:, 1:]), and
+model.safetensors) plus `reference.npz`: `tokens` [2, 16] int32 ([2, 32] for the Gemma ones: longer than
+their window), `logits` [2, 16, vocab] float32 and `loss`, the mean next-token cross-entropy over all
+predictions computed in float32 from those logits (HF's `labels=` convention: logits[:, :-1] predict tokens[:, 1:]), and
 `hidden_states` [layers + 1, 2, 16, hidden] float32 (`output_hidden_states=True`: the embeddings, each
 layer's output, the last one final-normed) for `jaxinfra hf check`'s first-diverging-layer report.
 `--add-hidden-states` adds that array to existing fixtures' reference.npz, leaving the other arrays and
@@ -89,10 +92,28 @@ def configs() -> dict[str, transformers.PretrainedConfig]:
         "olmo2": transformers.Olmo2Config(**common, num_key_value_heads=2, head_dim=24, intermediate_size=96,
                                           tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=500000.0,
                                           pad_token_id=1, eos_token_id=2),
+        # Gemma 3 (text): 6 layers, every 3rd global (layer_types), a window of 8 over 32 tokens, the global
+        # layers' RoPE linearly scaled x4 on base 5e4, the sliding ones' base 1e4; GQA 4/2 with head_dim 16 !=
+        # 48 / 4 and query_pre_attn_scalar 24 != head_dim; tied.
+        "gemma3": transformers.Gemma3TextConfig(
+            **{**common, "hidden_size": 48, "num_hidden_layers": 6}, num_key_value_heads=2, head_dim=16,
+            intermediate_size=96, query_pre_attn_scalar=24, sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 50000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+            tie_word_embeddings=True, rms_norm_eps=1e-6),
+        # Gemma 2: 4 layers alternating sliding (window 8 over 32 tokens) and global, soft-caps low enough
+        # (attention 4, logits 6) that tanh bends the scores; untied; query_pre_attn_scalar 12 != head_dim 16.
+        "gemma2": transformers.Gemma2Config(
+            **{**common, "hidden_size": 32, "num_hidden_layers": 4}, num_key_value_heads=1, head_dim=16,
+            intermediate_size=64, query_pre_attn_scalar=12, sliding_window=8, attn_logit_softcapping=4.0,
+            final_logit_softcapping=6.0, tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=10000.0),
     }
 
 # Seeds by name for families added later, so that fixtures keep their seed whatever the dict order.
-SEEDS = {"qwen3_moe": 31, "olmo2": 7}
+SEEDS = {"qwen3_moe": 31, "olmo2": 7, "gemma3": 33, "gemma2": 22}
+# Sequence lengths other than SEQ: the Gemma fixtures' sequences are longer than their sliding window.
+SEQS = {"gemma3": 32, "gemma2": 32}
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:
@@ -141,7 +162,7 @@ def build(name: str, cfg: transformers.PretrainedConfig, seed: int) -> None:
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
     randomize(model, seed)
-    tokens = np.random.default_rng(seed).integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32)
+    tokens = np.random.default_rng(seed).integers(0, VOCAB, (BATCH, SEQS.get(name, SEQ))).astype(np.int32)
     logits, loss = reference(model, tokens)
     with torch.no_grad():  # HF's own loss (labels shifted inside) agrees with ours
         hf_loss = float(model(torch.from_numpy(tokens).long(), labels=torch.from_numpy(tokens).long()).loss)
@@ -164,6 +185,38 @@ def build(name: str, cfg: transformers.PretrainedConfig, seed: int) -> None:
     again = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").float().eval()
     err = _rel_err(reference(again, tokens)[0], logits)
     assert err == 0.0, f"{name}: reload changed logits (rel err {err})"
+
+
+def build_gemma3_mm(seed: int = 34) -> None:
+    """`gemma3_mm`: Gemma3ForConditionalGeneration (image + text) whose text decoder is the `gemma3` fixture's
+    model, weight for weight, beside a tiny random SigLIP tower and projector. Scored on text alone it gives the
+    gemma3 fixture's logits exactly; save_pretrained names its tensors as the Hub does (`language_model.model.*`,
+    `vision_tower.*`, `multi_modal_projector.*`)."""
+    text = transformers.AutoModelForCausalLM.from_pretrained(OUT / "gemma3", attn_implementation="eager").float()
+    vision = transformers.SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    cfg = transformers.Gemma3Config(text_config=text.config.to_dict(), vision_config=vision.to_dict(),
+                                    mm_tokens_per_image=1, torch_dtype="float32")
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration._from_config(cfg, attn_implementation="eager").float().eval()
+    randomize(model, seed)
+    model.model.language_model.load_state_dict(text.model.state_dict())
+    ref = dict(np.load(OUT / "gemma3" / "reference.npz"))
+    with torch.no_grad():
+        out = model(torch.from_numpy(ref["tokens"]).long(), output_hidden_states=True)
+    logits = out.logits.float().numpy()
+    assert _rel_err(logits, ref["logits"]) == 0.0, "the wrapper scores its text decoder differently"
+    out_dir = OUT / "gemma3_mm"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.glob("*"):
+        old.unlink()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    np.savez(out_dir / "reference.npz", tokens=ref["tokens"], logits=logits, loss=ref["loss"],
+             hidden_states=np.stack([h.float().numpy() for h in out.hidden_states]))
+    from safetensors import safe_open
+    with safe_open(out_dir / "model.safetensors", "np") as f:
+        keys = sorted(f.keys())
+    print(f"gemma3_mm: {len(keys)} tensors, e.g. {keys[0]}, {keys[-1]}")
 
 
 def _rel_err(got: np.ndarray, ref: np.ndarray) -> float:
@@ -204,6 +257,8 @@ def main() -> int:
     for i, (name, cfg) in enumerate(configs().items()):
         if not args.only or name in args.only:
             build(name, cfg, seed=SEEDS.get(name, i + 1))
+    if not args.only or "gemma3_mm" in args.only:  # after gemma3: it wraps that fixture's decoder
+        build_gemma3_mm()
     return 0
 
 

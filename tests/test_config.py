@@ -109,6 +109,16 @@ def test_olmo2_7b_parameter_count_and_block():
     assert "model.qk_norm_scope" in _error(["model.qk_norm=false"], source="olmo2-7b")
 
 
+def test_gemma3_27b_parameter_count_and_block():
+    """Gemma 3 27B's text decoder: 27.0e9 parameters counted from its shapes (a tied 262208 x 5376 table, four
+    norms a layer, per-head QK-norm); 10 global layers of 62 (every 6th), the rest a 1024-token window."""
+    m = load_config("gemma3-27b").model
+    assert param_counts(m)["total"] == 27_009_346_304
+    assert (m.num_layers, m.d_model, m.num_heads, m.kv_heads, m.resolved_head_dim, m.mlp_dim, m.vocab_size) == (
+        62, 5376, 32, 16, 128, 21504, 262208)
+    assert m.layer_windows().count(None) == 10 and m.attention_scale == 168 ** -0.5
+
+
 @pytest.mark.parametrize("overrides, names", [
     (["model.attention_impl=cudnn"], ("model.attention_impl", "cudnn", "attention_sinks")),
     (["model.attention_type=mla", "model.num_kv_heads=null"], ("model.attention_sinks", "mla")),

@@ -35,7 +35,8 @@ from models.layers import apply_rope
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = REPO_ROOT / "tests" / "fixtures" / "hf"
-NAMES = ["llama", "qwen2", "qwen3", "mixtral", "deepseek_v3", "deepseek_v2", "qwen3_moe", "olmo2"]
+NAMES = ["llama", "qwen2", "qwen3", "mixtral", "deepseek_v3", "deepseek_v2", "qwen3_moe", "olmo2", "gemma3", "gemma2"]
+FAMILY = {"gemma3": "gemma3_text"}  # fixture name -> family (HF's model_type) where they differ
 
 
 def reference(name: str) -> dict[str, np.ndarray]:
@@ -84,7 +85,7 @@ def imported(tmp_path_factory) -> dict[str, pathlib.Path]:
     out = {}
     for name in NAMES:
         report = import_hf(FIXTURES / name, root / name, devices=one_device())
-        assert report["family"] == name and report["peak_rss_bytes"] > 0 and report["bytes_on_disk"] > 0
+        assert report["family"] == FAMILY.get(name, name) and report["peak_rss_bytes"] > 0 and report["bytes_on_disk"] > 0
         # The analytic count (metrics) knows the new parameters (q/k/v biases, a fixed router bias).
         assert param_counts(load_config(str(root / name / "config.yaml")).model)["total"] == report["params"]
         out[name] = root / name
@@ -152,7 +153,7 @@ def test_fused_expert_tensors_are_read_too(imported, tmp_path):
 # ---------------------------------------------------------------- export
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "gemma2"])  # gemma2: gemma3's path, a compile less
 def test_jaxinfra_eval_on_import_gives_the_transformers_loss(imported, name, tmp_path, capsys):
     """`jaxinfra eval OUT --tokens FILE.npy` (the CLI, in process) on the imported run directory."""
     ref = reference(name)
@@ -193,7 +194,8 @@ def test_export_shards_and_bfloat16(imported, tmp_path):
     assert files.read("model.layers.1.mlp.gate.e_score_correction_bias").dtype == np.float32  # as HF keeps it
 
 
-@pytest.mark.parametrize("preset", ["llama3-8b", "mixtral-8x7b", "deepseek-v3", "tiny", "qwen3-30b-a3b", "olmo2-7b"])
+@pytest.mark.parametrize("preset", ["llama3-8b", "mixtral-8x7b", "deepseek-v3", "tiny", "qwen3-30b-a3b", "olmo2-7b",
+                                    "gemma3-27b"])
 def test_preset_configs_map_to_hf_and_back(preset):
     """to_hf then from_hf gives back every field that changes the function (llama3 rope scaling, YaRN, MoE)."""
     from jaxinfra.hf.families import to_hf
@@ -684,8 +686,129 @@ def test_tokenizer_files_round_trip_and_runs_use_them(tmp_path, capsys):
     assert rows[0] == rows[1] and rows[0]["tokens"] == (len(ids) // 9) * 8
 
 
-def test_export_refuses_gemma_features_until_a_gemma_family_exists():
+def test_export_refuses_gemma_features_outside_a_gemma_block():
     for key, value in (("norm_weight_offset", 1.0), ("mlp_activation", "gelu_tanh"), ("embed_scale", True),
-                       ("attn_logit_softcap", 50.0), ("norm_placement", "sandwich")):
+                       ("attn_logit_softcap", 50.0), ("norm_placement", "sandwich"), ("logit_softcap", 30.0)):
         with pytest.raises(HFError, match=key):
             hf_family(dataclasses.replace(ModelConfig(), **{key: value}))
+
+
+# ---------------------------------------------------------------- Gemma 3 / Gemma 2
+
+
+def _gemma_hf(name: str, **changes) -> dict:
+    return {**json.loads((FIXTURES / name / "config.json").read_text()), **changes}
+
+
+def test_gemma3_maps_its_block_windows_and_ropes():
+    """The Gemma 3 fixture's config: sandwich (1 + w) norms, GeGLU, scaled embeddings, QK-norm, softmax scale
+    24 ** -0.5, every 3rd layer global with linear x4 RoPE on base 5e4, the others a window of 8 on base 1e4;
+    transformers 4.x's keys for the same model (rope_theta + rope_scaling + rope_local_base_freq,
+    sliding_window_pattern, no layer_types) map to the same config."""
+    family, cfg = from_hf(_gemma_hf("gemma3"))
+    assert family == "gemma3_text" and hf_family(cfg) == "gemma3_text"
+    assert (cfg.norm_placement, cfg.norm_weight_offset, cfg.mlp_activation, cfg.embed_scale, cfg.qk_norm) == (
+        "sandwich", 1.0, "gelu_tanh", True, True)
+    assert cfg.attention_scale == 24 ** -0.5 and cfg.layer_windows() == (8, 8, None) * 2
+    assert (cfg.rope_theta, cfg.rope_scaling_type, cfg.rope_scaling_factor, cfg.rope_local_theta) == (
+        5e4, "linear", 4.0, 1e4)
+    legacy = _gemma_hf("gemma3", rope_parameters=None, rope_theta=5e4, rope_local_base_freq=1e4,
+                       rope_scaling={"rope_type": "linear", "factor": 4.0}, sliding_window_pattern=3)
+    del legacy["layer_types"]
+    assert from_hf(legacy) == (family, cfg)
+    gemma2 = _gemma_hf("gemma2")
+    del gemma2["attn_logit_softcapping"], gemma2["final_logit_softcapping"]  # transformers' defaults: 50, 30
+    family, cfg = from_hf(gemma2)
+    assert family == "gemma2" and hf_family(cfg) == "gemma2" and not cfg.qk_norm and cfg.rope_local_theta is None
+    assert (cfg.attn_logit_softcap, cfg.logit_softcap, cfg.layer_windows()) == (50.0, 30.0, (8, None) * 2)
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(layer_types=["full_attention", "sliding_attention"] * 3), r"layer_types=\['full_attention'"),
+    (dict(layer_types=["sliding_attention"] * 5), "layer_types="),
+    (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0 is not supported"),
+    (dict(hidden_activation="gelu"), "hidden_activation='gelu'"),
+    (dict(use_bidirectional_attention=True), "use_bidirectional_attention=True"),
+    (dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                           "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}),
+     "rope_parameters.sliding_attention="),
+    (dict(rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e6}}),
+     "rope_type='yarn'"),
+    (dict(architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3"),
+     "Gemma3ForConditionalGeneration: config.json has no text_config"),
+])
+def test_gemma_bad_input_is_refused_by_name(changes, match):
+    with pytest.raises(HFError, match=match):
+        from_hf(_gemma_hf("gemma3", **changes))
+
+
+def test_gemma_layer_types_we_cannot_hold_exit_2_with_one_line(tmp_path, capsys):
+    src = _fixture_with(tmp_path, "gemma3", config={"layer_types": ["full_attention"] + ["sliding_attention"] * 5})
+    err = _one_line_error(capsys, ["hf", "import", str(src), str(tmp_path / "out")])
+    assert "gemma3_text: config.json layer_types=['full_attention', 'sliding_attention'" in err
+
+
+def test_gemma_export_picks_the_family_or_refuses():
+    cfg = from_hf(_gemma_hf("gemma3"))[1]
+    assert hf_family(dataclasses.replace(cfg, qk_norm=False, rope_local_theta=None)) == "gemma2"
+    for changes, match in ((dict(attn_logit_softcap=50.0), "attn_logit_softcap=50.0 with qk_norm"),
+                           (dict(attention_scale=0.3), "query_pre_attn_scalar .* must be an integer"),
+                           (dict(qk_norm=False), "rope_local_theta=10000.0 without qk_norm"),
+                           (dict(norm_weight_offset=0.0), "sandwich with model.norm_weight_offset=0.0"),
+                           (dict(rope_scaling_type="llama3"), "rope_scaling_type=llama3")):
+        with pytest.raises(HFError, match=match):
+            hf_family(dataclasses.replace(cfg, **changes))
+
+
+def test_gemma3_image_text_checkpoint_imports_its_text_decoder(imported, tmp_path):
+    """Gemma3ForConditionalGeneration (tests/fixtures/hf/gemma3_mm: the gemma3 fixture's decoder beside a tiny
+    SigLIP tower, saved under the Hub's names `language_model.model.*`, and again under transformers 5's in-memory
+    `model.language_model.*`): the text decoder imports to the gemma3 fixture's params bit for bit, the image
+    side's tensors ignored."""
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "v5"
+    shutil.copytree(FIXTURES / "gemma3_mm", src)
+    files = SafetensorsDir(src)
+    hub = ("language_model.model.", "vision_tower.", "multi_modal_projector.")
+    v5 = {next((f"model.{p.split('.')[0]}.{k[len(p):]}" for p in hub if k.startswith(p)), k): files.read(k)
+          for k in files.where}
+    assert "model.language_model.layers.0.self_attn.q_proj.weight" in v5
+    save_file(v5, src / "model.safetensors")
+    _, want = restored(imported["gemma3"])
+    for name, hf_dir in (("hub", FIXTURES / "gemma3_mm"), ("v5", src)):
+        out = tmp_path / f"import-{name}"
+        report = import_hf(hf_dir, out, devices=one_device())
+        assert report["family"] == "gemma3_text" and report["params"] == param_counts(restored(out)[0])["total"]
+        for x, y in zip(jax.tree.leaves(restored(out)[1]), jax.tree.leaves(want), strict=True):
+            assert np.array_equal(np.asarray(x), np.asarray(y)), name
+
+
+def test_gemma3_27b_hub_config_imports_as_the_preset():
+    """google/gemma-3-27b's text_config as transformers 4.x saved it (rope_scaling linear x8 on the global
+    layers, rope_local_base_freq, sliding_window_pattern 6, query_pre_attn_scalar 168): the gemma3-27b preset."""
+    hub = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "attention_bias": False,
+           "attention_dropout": 0.0, "attn_logit_softcapping": None, "bos_token_id": 2, "eos_token_id": 1,
+           "final_logit_softcapping": None, "head_dim": 128, "hidden_activation": "gelu_pytorch_tanh",
+           "hidden_size": 5376, "initializer_range": 0.02, "intermediate_size": 21504,
+           "max_position_embeddings": 131072, "num_attention_heads": 32, "num_hidden_layers": 62,
+           "num_key_value_heads": 16, "pad_token_id": 0, "query_pre_attn_scalar": 168, "rms_norm_eps": 1e-06,
+           "rope_local_base_freq": 10000.0, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+           "rope_theta": 1000000.0, "sliding_window": 1024, "sliding_window_pattern": 6,
+           "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0", "use_cache": True,
+           "vocab_size": 262208}
+    family, cfg = from_hf(hub)
+    preset = load_config("gemma3-27b").model
+    assert family == "gemma3_text"
+    assert {k: (v, getattr(cfg, k)) for k, v in dataclasses.asdict(preset).items()
+            if k not in {"scan_layers", "remat_policy", "dtype"} and getattr(cfg, k) != v} == {}
+    assert sum(w is None for w in cfg.layer_windows()) == 10  # layers 6, 12, ..., 60 (1-based) are global
+    # The released checkpoint is image + text; its config.json's text_config holds only what differs from
+    # transformers' Gemma3TextConfig defaults.
+    released = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+                "text_config": {"head_dim": 128, "hidden_size": 5376, "intermediate_size": 21504,
+                                "model_type": "gemma3_text", "num_attention_heads": 32, "num_hidden_layers": 62,
+                                "num_key_value_heads": 16, "query_pre_attn_scalar": 168,
+                                "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024},
+                "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152}}
+    assert from_hf(released) == (family, cfg)

@@ -131,6 +131,22 @@ def sinks():
 # ---------------------------------------------------------------- exactness of the cache
 
 
+@pytest.mark.slow  # ~9 s cold; tests/test_windows.py's windowed generation (ring-buffer caches) runs by default
+def test_imported_gemma3_greedy_with_cache_equals_recomputation(tmp_path_factory):
+    """Gemma 3 as `hf import` builds it from the transformers fixture (window 8, every 3rd layer global with its
+    own RoPE): greedy decoding with the KV cache, 32 new tokens well past the window, equals recomputation."""
+    from jaxinfra.hf.importer import import_hf
+
+    out = tmp_path_factory.mktemp("gemma3") / "run"
+    import_hf(pathlib.Path(__file__).parent / "fixtures" / "hf" / "gemma3", out, devices=jax.devices()[:1])
+    cfg, params = load_model(out, ["mesh.data=1"], devices=jax.devices()[:1])
+    assert cfg.model.layer_windows() == (8, 8, None) * 2
+    got = Generator(cfg, params).generate(PROMPTS, max_new_tokens=NEW).tokens
+    for prompt, row in zip(PROMPTS, got):
+        assert row == recompute_greedy(cfg, params, prompt, NEW)
+    assert len(set(got[1])) > 4
+
+
 def test_gqa_greedy_with_cache_equals_recomputation(gqa):
     cfg, params, gen = gqa
     got = gen.generate(PROMPTS, max_new_tokens=NEW).tokens

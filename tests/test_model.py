@@ -517,7 +517,7 @@ def _np_attention(x, p, cfg, caps):
             for a, n in ((q, "q_norm"), (k, "k_norm")))
     group = cfg.num_heads // cfg.kv_heads
     k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
-    s = np.einsum("bqhk,bshk->bhqs", q, k) / np.sqrt(cfg.resolved_head_dim)
+    s = np.einsum("bqhk,bshk->bhqs", q, k) * (cfg.attention_scale or cfg.resolved_head_dim ** -0.5)
     caps.append(np.abs(s).max())
     s = cfg.attn_logit_softcap * np.tanh(s / cfg.attn_logit_softcap)
     s = np.where(np.tril(np.ones(s.shape[-2:], bool)), s, -np.inf)
@@ -550,6 +550,15 @@ def test_gemma_features_match_numpy_reference():
     want = _np_gemma_logits(GEMMA, params, tokens, caps)
     assert max(caps) > 2 * GEMMA.attn_logit_softcap  # the attention cap is active
     np.testing.assert_allclose(logits(GEMMA, params, tokens), want, rtol=2e-5, atol=2e-5)
+
+
+def test_attention_scale_is_the_softmax_scale():
+    """model.attention_scale (Gemma's query_pre_attn_scalar ** -0.5) multiplies q . k in the softmax: the numpy
+    decoder with that explicit scale, which differs from the head_dim ** -0.5 default's."""
+    cfg, params, tokens = dataclasses.replace(GEMMA, attention_scale=0.2), params_for(GEMMA), _tokens()
+    want = _np_gemma_logits(cfg, params, tokens, [])
+    assert np.abs(want - _np_gemma_logits(GEMMA, params, tokens, [])).max() > 1e-2
+    np.testing.assert_allclose(logits(cfg, params, tokens), want, rtol=2e-5, atol=2e-5)
 
 
 def test_norm_weight_offset_init_is_the_same_function():

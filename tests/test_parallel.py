@@ -8,6 +8,7 @@ final parameters. Also: memory per device under fsdp / zero1, bad layouts.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -197,3 +198,48 @@ def test_attention_sinks_train_under_context2_ring_like_one_device(sinks_baselin
     mesh, parallelism = LAYOUTS["context2-fsdp4-ring"]
     split = run(dataclasses.replace(make_cfg(mesh, **parallelism), model=SINKS), jax.devices())
     assert_matches(split, sinks_baseline, "sinks-context2-fsdp4-ring")
+
+
+def _imported_gemma3() -> ModelConfig:
+    """The Gemma 3 fixture's config as `hf import` maps it (tests/fixtures/hf/gemma3: every 3rd layer global with
+    linear-scaled RoPE, the others a window of 8 < SEQ with their own RoPE base; QK-norm, sandwich (1 + w) norms,
+    GeGLU, softmax scale 24 ** -0.5, GQA 4/2 heads of 16), cut to its first 3 layers (one period)."""
+    import json
+    import pathlib
+
+    from jaxinfra.hf.families import from_hf
+
+    hf = json.loads((pathlib.Path(__file__).parent / "fixtures" / "hf" / "gemma3" / "config.json").read_text())
+    gemma3 = dataclasses.replace(from_hf(hf)[1], num_layers=3)
+    assert gemma3.layer_windows() == (8, 8, None) and SEQ > 8
+    return gemma3
+
+
+# Parameters to 5e-5: under fsdp4 x tensor2 one of w_gate's entries, whose gradient is ~0, lands 2.3e-5 off
+# (summation noise through Adam's lr / eps, see tests/parity.py); a real error moves parameters by ~lr = 1e-2.
+GEMMA3_LAYOUTS = {"context2-fsdp2-tensor2-allgather": (dict(context=2, fsdp=2, tensor=2), dict(context_impl="allgather")),
+                  "fsdp4-tensor2": (dict(fsdp=4, tensor=2), {}),
+                  "context2-fsdp4-allgather": LAYOUTS["context2-fsdp4-allgather"],
+                  "context2-fsdp4-ring-unbalanced": (dict(context=2, fsdp=4), dict(context_impl="ring",
+                                                                                  load_balance=False))}
+
+
+# Slow (~17 s of compiles cold): the default run covers the pieces, tests/test_windows.py training windows, the
+# local RoPE base, sandwich (1 + w) norms and QK-norm under context2 x fsdp4, and the Gemma block test above
+# GeGLU, sqrt(d) embeddings and the soft-cap under the context ring (attention_scale is a multiply of q).
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(GEMMA3_LAYOUTS))
+def test_imported_gemma3_trains_under_tensor_and_context_splits_like_one_device(name):
+    """The imported Gemma 3 config trains as on one device with its heads split over `tensor` and its sequence over
+    `context` (allgather, and the ring without load balancing, the one that runs windows): fsdp=4 x tensor=2,
+    context=2 x fsdp=4, and both at once."""
+    gemma3 = _imported_gemma3()
+    mesh, parallelism = GEMMA3_LAYOUTS[name]
+    one = _gemma3_baseline(gemma3)
+    split = run(dataclasses.replace(make_cfg(mesh, **parallelism), model=gemma3), jax.devices())
+    assert_matches(split, one, f"gemma3-{name}", param_atol=5e-5)
+
+
+@functools.cache
+def _gemma3_baseline(gemma3: ModelConfig) -> dict:
+    return run(dataclasses.replace(make_cfg({}), model=gemma3), jax.devices()[:1])

@@ -32,11 +32,27 @@ ARCHITECTURES = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+}
+GEMMA = ("gemma2", "gemma3_text")
+# Image + text models whose text decoder we import (its config is their text_config; its tensors are
+# renamed by SafetensorsDir.read and the vision tower's are ignored): the decoder's architecture.
+WRAPPERS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# transformers' config defaults, for keys a Gemma config.json leaves out (the Hub's Gemma 3 text_config
+# holds only what differs from them): head_dim is 256 there, not hidden_size / heads.
+_GEMMA_DEFAULTS = {
+    "gemma3_text": dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
+                        tie_word_embeddings=True),
+    "gemma2": dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                   num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
+                   tie_word_embeddings=True),
 }
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 HF_LATENT_NORM_EPS = 1e-6  # DeepseekV2/V3RMSNorm's default, which q_a_layernorm and kv_a_layernorm keep
 _BY_ARCH = {v: k for k, v in ARCHITECTURES.items()}
-SUPPORTED = ", ".join(sorted(ARCHITECTURES.values()))
+SUPPORTED = ", ".join(sorted([*ARCHITECTURES.values(), *WRAPPERS]))
 
 
 def family_of(hf: dict[str, Any]) -> str:
@@ -85,9 +101,25 @@ def _refuse(hf: dict[str, Any], family: str, key: str, ok: Any, why: str) -> Non
         raise HFError(f"{family}: config.json {key}={value!r} is not supported ({why})")
 
 
+def text_decoder_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """An image + text model's config (WRAPPERS) -> its text decoder's own config.json; others as they are."""
+    arch = next((a for a in hf.get("architectures") or [] if a in WRAPPERS), None)
+    if arch is None:
+        return hf
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise HFError(f"{arch}: config.json has no text_config")
+    family = _BY_ARCH[WRAPPERS[arch]]
+    return {"tie_word_embeddings": hf.get("tie_word_embeddings", True), **text,
+            "architectures": [WRAPPERS[arch]], "model_type": family}
+
+
 def from_hf(hf: dict[str, Any]) -> tuple[str, ModelConfig]:
-    """(family, ModelConfig) for an HF config.json dict."""
+    """(family, ModelConfig) for an HF config.json dict (an image + text model's: its text decoder's)."""
+    hf = text_decoder_config(hf)
     family = family_of(hf)
+    if family in GEMMA:
+        hf = {**_GEMMA_DEFAULTS[family], **hf}
     try:
         cfg = _model_config(hf, family)
         check_honoured(hf, family, cfg)
@@ -172,16 +204,17 @@ def check_honoured(hf: dict[str, Any], family: str, cfg: ModelConfig) -> None:
 
 
 def _model_config(hf: dict[str, Any], family: str) -> ModelConfig:
-    if hf.get("hidden_act", "silu") != "silu":
+    if family not in GEMMA and hf.get("hidden_act", "silu") != "silu":
         raise HFError(f"{family}: hidden_act={hf['hidden_act']!r} is not supported (SwiGLU with silu only)")
     _refuse(hf, family, "mlp_bias", False, "MLP biases are not modelled")
     heads = int(hf["num_attention_heads"])
     fields: dict[str, Any] = dict(
         vocab_size=int(hf["vocab_size"]), d_model=int(hf["hidden_size"]), num_layers=int(hf["num_hidden_layers"]),
         num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        mlp_dim=int(hf["intermediate_size"]), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        mlp_dim=int(hf["intermediate_size"]),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", family in GEMMA)),  # Gemma's default: tied
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), init_std=float(hf.get("initializer_range", 0.02)),
-        param_dtype="float32", dtype="float32", **_rope(hf, family))
+        param_dtype="float32", dtype="float32", **(_gemma_rope(hf, family) if family in GEMMA else _rope(hf, family)))
     head_dim = hf.get("head_dim")
     if family not in DEEPSEEK and head_dim and int(head_dim) != fields["d_model"] // heads:
         fields["head_dim"] = int(head_dim)
@@ -205,6 +238,8 @@ def _model_config(hf: dict[str, Any], family: str) -> ModelConfig:
         fields.update(_deepseek(hf, family))
     if family == "olmo2":
         fields.update(_olmo2(hf))
+    if family in GEMMA:
+        fields.update(_gemma(hf, family, fields["num_layers"], fields.get("head_dim", fields["d_model"] // heads)))
     cfg = ModelConfig(**fields)
     problems = cfg.problems()
     if problems:
@@ -218,6 +253,95 @@ def _olmo2(hf: dict[str, Any]) -> dict[str, Any]:
     post_feedforward_layernorm), none before; QK-norm over the whole q and k projections."""
     _refuse(hf, "olmo2", "attention_bias", False, "attention biases (o_proj's too) are not modelled")
     return dict(norm_placement="post", qk_norm=True, qk_norm_scope="full")
+
+
+def _gemma(hf: dict[str, Any], family: str, num_layers: int, head_dim: int) -> dict[str, Any]:
+    """Gemma 2/3: RMSNorm before and after each sub-layer with (1 + w) weights, GeGLU with tanh GELU,
+    embeddings times sqrt(d_model), softmax scale query_pre_attn_scalar ** -0.5, sliding layers in a
+    pattern; Gemma 3 adds per-head QK-norm and a RoPE base of its own for the sliding layers. Absent keys
+    take transformers' defaults (Gemma 2 soft-caps attention at 50 and logits at 30)."""
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise HFError(f"{family}: config.json hidden_activation={act!r} is not supported (gelu_pytorch_tanh only)")
+    _refuse(hf, family, "attention_bias", False, "attention biases are not modelled")
+    _refuse(hf, family, "use_bidirectional_attention", False, "bidirectional attention: causal decoders only")
+    gemma2 = family == "gemma2"
+    if not gemma2:  # its attention never reads the field (5.x); Gemma 3 checkpoints leave it null
+        _refuse(hf, family, "attn_logit_softcapping", None, "transformers' Gemma 3 does not apply it")
+    caps = {key: hf.get(key, default if gemma2 else None)
+            for key, default in (("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0))}
+    caps = {key: None if value is None else float(value) for key, value in caps.items()}
+    scalar = float(hf.get("query_pre_attn_scalar", 256))
+    window, pattern = _window_pattern(hf, family, num_layers)
+    return dict(norm_placement="sandwich", norm_weight_offset=1.0, mlp_activation="gelu_tanh", embed_scale=True,
+                qk_norm=not gemma2, attention_scale=None if scalar == head_dim else scalar ** -0.5,
+                sliding_window=window, sliding_window_pattern=pattern,
+                logit_softcap=caps["final_logit_softcapping"], attn_logit_softcap=caps["attn_logit_softcapping"])
+
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _window_pattern(hf: dict[str, Any], family: str, num_layers: int) -> tuple[int | None, int]:
+    """(sliding_window, sliding_window_pattern) computing HF's layer_types (transformers 4.x configs: their
+    sliding_window_pattern, Gemma 2 alternating). HF's sliding mask keeps keys j > i - sliding_window, j <= i:
+    our convention, so the window maps as is. A list no pattern n (layer i global iff (i + 1) % n == 0;
+    0: none global) gives is refused by name."""
+    types, key = hf.get("layer_types"), "layer_types"
+    if types is None:
+        n, key = hf.get("sliding_window_pattern", 2 if family == "gemma2" else 6), "sliding_window_pattern"
+        if not isinstance(n, int) or n < 1:
+            raise HFError(f"{family}: config.json sliding_window_pattern={n!r} is not supported (a positive integer)")
+        types = [LAYER_TYPES[(i + 1) % n == 0] for i in range(num_layers)]
+    if not isinstance(types, list) or len(types) != num_layers or any(t not in LAYER_TYPES for t in types):
+        raise HFError(f"{family}: config.json layer_types={types!r} is not supported "
+                      f"({num_layers} entries, each one of {', '.join(LAYER_TYPES)})")
+    full = [t == "full_attention" for t in types]
+    if all(full):
+        return None, 0
+    window = hf.get("sliding_window", 4096)
+    if not isinstance(window, int) or window < 1:
+        raise HFError(f"{family}: config.json sliding_window={window!r} is not supported (sliding layers need "
+                      "a positive integer)")
+    for n in range(num_layers + 1):
+        if full == [n > 0 and (i + 1) % n == 0 for i in range(num_layers)]:
+            return window, n
+    raise HFError(f"{family}: config.json {key}={hf.get(key)!r} is not supported (ours: layer i global iff "
+                  "(i + 1) % n == 0 for one n, the others sliding)")
+
+
+def _rope_default_or_linear(params: dict[str, Any], family: str, key: str) -> dict[str, Any]:
+    kind = params.get("rope_type", params.get("type", "default"))
+    out: dict[str, Any] = {"rope_theta": float(params["rope_theta"])}
+    if kind == "linear":
+        return {**out, "rope_scaling_type": "linear", "rope_scaling_factor": float(params["factor"])}
+    if kind != "default":
+        raise HFError(f"{family}: config.json {key} rope_type={kind!r} is not supported (default or linear)")
+    return out
+
+
+def _gemma_rope(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """Gemma's RoPE: one default or linear rope (Gemma 2); Gemma 3's per layer type (transformers 5's
+    rope_parameters {full_attention: ..., sliding_attention: ...}, or 4.x's rope_theta + rope_scaling for the
+    global layers and rope_local_base_freq for the sliding ones). The sliding layers' rope as ours: the
+    global one, or rope_local_theta without scaling."""
+    params = dict(hf.get("rope_parameters") or {})
+    if "full_attention" in params:
+        full, local = params["full_attention"], params.get("sliding_attention")
+    else:
+        full = {**(hf.get("rope_scaling") or {}), **params}
+        full.setdefault("rope_theta", hf.get("rope_theta", 10000.0 if family == "gemma2" else 1e6))
+        local = None if family == "gemma2" else {"rope_theta": hf.get("rope_local_base_freq", 10000.0)}
+    out = _rope_default_or_linear(full, family, "rope_parameters.full_attention")
+    if local is None:
+        return out
+    ours = _rope_default_or_linear(local, family, "rope_parameters.sliding_attention")
+    if ours == out:
+        return out
+    if "rope_scaling_type" in ours:
+        raise HFError(f"{family}: config.json rope_parameters.sliding_attention={local!r} is not supported "
+                      "(the sliding layers' rope: the global one, or default with its own rope_theta)")
+    return {**out, "rope_local_theta": ours["rope_theta"]}
 
 
 def _deepseek(hf: dict[str, Any], family: str) -> dict[str, Any]:
@@ -307,14 +431,18 @@ def hf_family(cfg: ModelConfig) -> str:
     def refuse(what: str) -> None:
         raise HFError(f"no Hugging Face family for this model: {what}")
 
+    if cfg.norm_placement == "sandwich":
+        return _gemma_family(cfg, refuse)
     if cfg.logit_softcap is not None:
-        refuse(f"model.logit_softcap={cfg.logit_softcap} (no supported HF family soft-caps logits)")
-    # Gemma's features (norm_placement=sandwich is refused with the norm placements below)
+        refuse(f"model.logit_softcap={cfg.logit_softcap} (Gemma 2/3 soft-cap logits: they have "
+               "norm_placement=sandwich)")
+    # Gemma's features outside Gemma's block
     for key, plain in (("norm_weight_offset", 0.0), ("mlp_activation", "silu"), ("embed_scale", False),
                        ("attn_logit_softcap", None), ("attention_scale", None), ("sliding_window", None),
                        ("rope_local_theta", None), ("attention_sinks", False)):
         if getattr(cfg, key) != plain:
-            refuse(f"model.{key}={getattr(cfg, key)!r} (no supported HF family has it)")
+            refuse(f"model.{key}={getattr(cfg, key)!r} (no supported HF family has it without Gemma's "
+                   "norm_placement=sandwich)")
     if cfg.norm_placement != "pre" or cfg.qk_norm_scope != "head":
         return _olmo2_family(cfg, refuse)
     if cfg.is_mla:
@@ -352,6 +480,60 @@ def hf_family(cfg: ModelConfig) -> str:
     if cfg.qkv_bias:
         return "qwen2"
     return "llama"
+
+
+def _gemma_family(cfg: ModelConfig, refuse: Callable[[str], None]) -> str:
+    """Sandwich norms are Gemma's: Gemma 3 with per-head QK-norm, Gemma 2 without (and one RoPE base)."""
+    for key, value in (("norm_weight_offset", 1.0), ("mlp_activation", "gelu_tanh"), ("embed_scale", True),
+                       ("attention_sinks", False), ("qkv_bias", False), ("qk_norm_scope", "head")):
+        if getattr(cfg, key) != value:
+            refuse(f"model.norm_placement=sandwich with model.{key}={getattr(cfg, key)!r} "
+                   f"(Gemma 2/3 have {key}={value!r})")
+    if cfg.is_mla or cfg.is_moe:
+        refuse("model.norm_placement=sandwich with MLA or MoE (Gemma 2/3 have neither)")
+    if cfg.rope_scaling_factor is not None and cfg.rope_scaling_type != "linear":
+        refuse(f"model.rope_scaling_type={cfg.rope_scaling_type} with Gemma's sandwich norms (Gemma: linear)")
+    if _pre_attn_scalar(cfg) is None:
+        refuse(f"model.attention_scale={cfg.attention_scale} (Gemma's query_pre_attn_scalar = attention_scale ** -2 "
+               f"= {cfg.attention_scale ** -2:.6g} must be an integer)")
+    if not cfg.qk_norm:
+        if cfg.rope_local_theta is not None:
+            refuse(f"model.rope_local_theta={cfg.rope_local_theta} without qk_norm (Gemma 2 has one RoPE base)")
+        return "gemma2"
+    if cfg.attn_logit_softcap is not None:
+        refuse(f"model.attn_logit_softcap={cfg.attn_logit_softcap} with qk_norm (transformers' Gemma 3 does "
+               "not apply it; Gemma 2 has no qk_norm)")
+    return "gemma3_text"
+
+
+def _pre_attn_scalar(cfg: ModelConfig) -> int | None:
+    """HF Gemma's query_pre_attn_scalar for our softmax scale (transformers 5 types it int); None if not one."""
+    if cfg.attention_scale is None:
+        return cfg.resolved_head_dim
+    scalar = cfg.attention_scale ** -2
+    return round(scalar) if abs(scalar - round(scalar)) <= 1e-9 * scalar else None
+
+
+def _gemma_hf(cfg: ModelConfig, family: str) -> dict[str, Any]:
+    """Gemma's keys: transformers 5's (rope_parameters, per layer type for Gemma 3; layer_types), and for
+    Gemma 3 also 4.x's rope_scaling and rope_local_base_freq, which 5.x folds into rope_parameters."""
+    full: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling_factor is not None:
+        full.update(rope_type="linear", factor=cfg.rope_scaling_factor)
+    out: dict[str, Any] = dict(
+        hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=_pre_attn_scalar(cfg),
+        # HF builds a sliding mask even with no sliding layer, so the window needs a value then too.
+        sliding_window=cfg.sliding_window or 4096,
+        layer_types=[LAYER_TYPES[w is None] for w in cfg.layer_windows()],
+        final_logit_softcapping=cfg.logit_softcap, attn_logit_softcapping=cfg.attn_logit_softcap,
+        use_bidirectional_attention=False, rope_parameters=full)
+    if family == "gemma3_text":
+        local = full if cfg.rope_local_theta is None else {"rope_type": "default", "rope_theta": cfg.rope_local_theta}
+        out.update(rope_parameters={"full_attention": full, "sliding_attention": local},
+                   rope_local_base_freq=local["rope_theta"], rope_scaling=None if cfg.rope_scaling_factor is None
+                   else {"rope_type": "linear", "factor": cfg.rope_scaling_factor})
+    return out
 
 
 def _qwen3_moe_family(cfg: ModelConfig) -> str:
@@ -425,6 +607,8 @@ def to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
             out["intermediate_size"] = cfg.expert_dim  # Mixtral has no dense MLPs: only the expert width matters
         out.update(num_local_experts=cfg.moe_num_experts, num_experts_per_tok=cfg.moe_top_k,
                    router_jitter_noise=0.0, output_router_logits=False)
+    if family in GEMMA:
+        out.update(_gemma_hf(cfg, family))
     if family in DEEPSEEK:
         out.update(q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
                    qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,

@@ -33,6 +33,15 @@ _PER_EXPERT = re.compile(r"^(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|
 ADAPTER_FILE = "adapter_model.safetensors"  # PEFT's adapter weights (jaxinfra/hf/adapters.py)
 
 
+def _text_decoder_names(name: str) -> list[str]:
+    """Where an image + text checkpoint (Gemma3ForConditionalGeneration) keeps a text decoder's tensor:
+    transformers 5's `model.language_model.*`, 4.x's (the Hub's) `language_model.model.*`, `language_model.lm_head`."""
+    if name.startswith("model."):
+        rest = name[len("model."):]
+        return [f"model.language_model.{rest}", f"language_model.model.{rest}"]
+    return [f"language_model.{name}"] if name == "lm_head.weight" else []
+
+
 class SafetensorsDir:
     """The tensors of an HF directory (one model.safetensors or an index of shards)."""
 
@@ -92,6 +101,9 @@ class SafetensorsDir:
         renamed = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral as transformers 5.x names it in memory
         if renamed != name and renamed in self.where:
             return renamed, None
+        for wrapped in _text_decoder_names(name):  # the text decoder of an image + text checkpoint
+            if wrapped in self.where:
+                return wrapped, None
         return self._fused(name)
 
     def _fused(self, name: str) -> tuple[str, tuple] | None:

@@ -102,7 +102,12 @@ def _rules_for_block(cfg: ModelConfig, stack: str, hf_layers: list[int], family:
     def add(path: str, hf: str, conv: tuple[Convert, Split]) -> None:
         rules.append(Rule(f"{stack}/{path}", (n,), lambda i, hf=hf: [f"{pre(i)}.{hf}"], *conv))
 
-    if cfg.norm_placement == "post":  # OLMo 2: HF's post_attention_layernorm is then after attention
+    if cfg.norm_placement == "sandwich":  # Gemma 2/3: post_attention_layernorm is after attention here too
+        add("attn_norm/scale", "input_layernorm.weight", vector())
+        add("attn_post_norm/scale", "post_attention_layernorm.weight", vector())
+        add("mlp_norm/scale", "pre_feedforward_layernorm.weight", vector())
+        add("mlp_post_norm/scale", "post_feedforward_layernorm.weight", vector())
+    elif cfg.norm_placement == "post":  # OLMo 2: HF's post_attention_layernorm is then after attention
         add("attn_post_norm/scale", "post_attention_layernorm.weight", vector())
         add("mlp_post_norm/scale", "post_feedforward_layernorm.weight", vector())
     else:
@@ -181,11 +186,17 @@ def rules(cfg: ModelConfig, family: str, interleaved: bool = True) -> list[Rule]
     return out
 
 
+_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
 def ignored(name: str, cfg: ModelConfig, family: str) -> bool:
-    """HF tensors we knowingly drop: rotary caches, a tied lm_head copy, DeepSeek's MTP layers."""
+    """HF tensors we knowingly drop: rotary caches, a tied lm_head copy, DeepSeek's MTP layers, the vision
+    tower and projector of Gemma 3's image + text checkpoints."""
     if name.endswith("rotary_emb.inv_freq"):
         return True
-    if cfg.tie_embeddings and name == "lm_head.weight":
+    if cfg.tie_embeddings and name in ("lm_head.weight", "language_model.lm_head.weight"):
+        return True
+    if family == "gemma3_text" and name.startswith(_VISION):  # an image + text checkpoint's image side
         return True
     if family == "deepseek_v3" and name.startswith("model.layers."):
         # Multi-token-prediction modules are stored as layers num_hidden_layers and up; we do not model them.
