@@ -64,6 +64,9 @@ class SafetensorsDir:
         if renamed != name and renamed in self.where:
             self.used.add(renamed)
             return self._get(renamed, None)
+        if f"{name}_blocks" in self.where and f"{name}_scales" in self.where:  # gpt-oss's MXFP4 experts
+            self.used.update((f"{name}_blocks", f"{name}_scales"))
+            return dequantize_mxfp4(self._get(f"{name}_blocks", None), self._get(f"{name}_scales", None))
         fused = self._fused(name)
         if fused is None:
             raise HFError(f"missing tensor {name} in {self.describe()}")
@@ -102,6 +105,27 @@ class SafetensorsDir:
 
     def bytes_on_disk(self) -> int:
         return sum((self.directory / f).stat().st_size for f in self.files)
+
+
+# MXFP4 (OCP Microscaling): FP4 e2m1 codes, the low nibble of each byte first, in blocks of 32 sharing one
+# E8M0 scale (2 ** (byte - 127)); these are the 16 values a code stands for (sign bit 3).
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                      np.float32)
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """gpt-oss's `*_blocks` [E, rows, G, 16] uint8 + `*_scales` [E, rows, G] uint8 -> float32 [E, G * 32, rows],
+    value by value what transformers' mxfp4 integration (convert_moe_packed_tensors) computes: each code's FP4
+    value times 2 ** (scale - 127) (exact in float32), then the last two axes swapped into the layout of the
+    unquantized gate_up_proj [E, d, 2I] / down_proj [E, I, d]."""
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape[:-1] != scales.shape:
+        raise HFError(f"MXFP4 tensors of dtypes {blocks.dtype}/{scales.dtype} and shapes {blocks.shape}/"
+                      f"{scales.shape}: expected uint8 blocks [..., G, 16] and uint8 scales [..., G]")
+    values = np.empty((*blocks.shape[:-1], 2 * blocks.shape[-1]), np.float32)
+    values[..., 0::2] = FP4_VALUES[blocks & 0x0F]
+    values[..., 1::2] = FP4_VALUES[blocks >> 4]
+    values = np.ldexp(values, (scales.astype(np.int32) - 127)[..., None]).astype(np.float32, copy=False)
+    return np.ascontiguousarray(np.swapaxes(values.reshape(*blocks.shape[:-2], -1), -1, -2))
 
 
 _DTYPES = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.float16): "F16"}
