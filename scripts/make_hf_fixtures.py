@@ -225,7 +225,8 @@ def mxfp4_quantize(w: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     exp = np.ceil(np.log2(np.maximum(amax, 1e-30) / 6.0)).astype(np.int32)
     codes = np.abs(x[..., None] / np.ldexp(1.0, exp)[..., None, None] - lut).argmin(-1).astype(np.uint8)
     blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
-    return blocks, (exp + 127).astype(np.uint8)
+    # contiguous: safetensors.numpy writes an array's buffer as is, whatever its strides
+    return np.ascontiguousarray(blocks), np.ascontiguousarray((exp + 127).astype(np.uint8))
 
 
 def build_mxfp4(model: torch.nn.Module, tokens: np.ndarray, out: pathlib.Path) -> None:

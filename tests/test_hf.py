@@ -34,7 +34,7 @@ from models.layers import apply_rope
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = REPO_ROOT / "tests" / "fixtures" / "hf"
-NAMES = ["llama", "qwen2", "qwen3", "mixtral", "deepseek_v3", "deepseek_v2", "qwen3_moe", "olmo2"]
+NAMES = ["llama", "qwen2", "qwen3", "mixtral", "deepseek_v3", "deepseek_v2", "qwen3_moe", "olmo2", "gpt_oss"]
 
 
 def reference(name: str) -> dict[str, np.ndarray]:
@@ -192,7 +192,8 @@ def test_export_shards_and_bfloat16(imported, tmp_path):
     assert files.read("model.layers.1.mlp.gate.e_score_correction_bias").dtype == np.float32  # as HF keeps it
 
 
-@pytest.mark.parametrize("preset", ["llama3-8b", "mixtral-8x7b", "deepseek-v3", "tiny", "qwen3-30b-a3b", "olmo2-7b"])
+@pytest.mark.parametrize("preset", ["llama3-8b", "mixtral-8x7b", "deepseek-v3", "tiny", "qwen3-30b-a3b", "olmo2-7b",
+                                    "gpt-oss-20b", "gpt-oss-120b"])
 def test_preset_configs_map_to_hf_and_back(preset):
     """to_hf then from_hf gives back every field that changes the function (llama3 rope scaling, YaRN, MoE)."""
     from jaxinfra.hf.families import to_hf
@@ -650,3 +651,74 @@ def test_export_refuses_gemma_features_until_a_gemma_family_exists():
                        ("attn_logit_softcap", 50.0), ("norm_placement", "sandwich")):
         with pytest.raises(HFError, match=key):
             hf_family(dataclasses.replace(ModelConfig(), **{key: value}))
+
+
+# ---------------------------------------------------------------- gpt-oss
+
+
+def test_gpt_oss_maps_its_features_and_refuses_what_it_cannot_hold():
+    """The fixture's config maps to gpt-oss's features (window pattern 2 from layer_types, HF's yarn attention_factor
+    0.1 ln 4 + 1, truncate=false); export writes the same config back; unmappable fields are named with their value."""
+    from jaxinfra.hf.families import to_hf
+
+    hf = json.loads((FIXTURES / "gpt_oss" / "config.json").read_text())
+    family, cfg = from_hf(hf)
+    assert family == "gpt_oss" and hf_family(cfg) == "gpt_oss"
+    assert (cfg.sliding_window, cfg.sliding_window_pattern, cfg.layer_windows()) == (8, 2, (8, None, 8, None))
+    assert cfg.rope_yarn_attention_factor == pytest.approx(0.1 * np.log(4.0) + 1) and not cfg.rope_yarn_truncate
+    assert (cfg.qkv_bias, cfg.attn_out_bias, cfg.attention_sinks, cfg.moe_expert_bias, cfg.moe_router_logit_bias,
+            cfg.mlp_activation, cfg.mlp_swiglu_limit, cfg.moe_num_experts, cfg.moe_top_k) == (
+        True, True, True, True, True, "clamped_swiglu", 1.0, 6, 2)
+    assert from_hf(to_hf(cfg)) == (family, cfg)
+    # The Hub's config.json form: top-level rope_scaling / rope_theta, an MXFP4 quantization_config.
+    hub = {k: v for k, v in hf.items() if k != "rope_parameters"}
+    hub.update(rope_theta=150000.0, rope_scaling={k: v for k, v in hf["rope_parameters"].items() if k != "rope_theta"},
+               quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]})
+    assert from_hf(hub)[1] == cfg
+    all_sliding = from_hf({**hf, "layer_types": ["sliding_attention"] * 4})[1]
+    assert all_sliding.layer_windows() == (8,) * 4
+    for extra, needle in [({"layer_types": ["full_attention", "sliding_attention"] * 2}, "layer_types="),
+                          ({"layer_types": ["sliding_attention"] * 3}, "layer_types="),
+                          ({"quantization_config": {"quant_method": "fp8"}}, "quant_method='fp8'")]:
+        with pytest.raises(HFError, match=needle):
+            from_hf({**hf, **extra})
+    with pytest.raises(HFError, match="moe_router_score='sigmoid'"):
+        hf_family(dataclasses.replace(cfg, moe_router_score="sigmoid"))
+    with pytest.raises(HFError, match="rope_yarn_truncate=false"):
+        hf_family(dataclasses.replace(ModelConfig(), rope_yarn_truncate=False))
+
+
+def _mxfp4_fixture(tmp_path: pathlib.Path) -> pathlib.Path:
+    """The gpt_oss fixture with its expert weights replaced by the MXFP4 blocks and scales of mxfp4/ (as the Hub's
+    gpt-oss checkpoints store them) and config.json's quantization_config saying so."""
+    quantized = SafetensorsDir(FIXTURES / "gpt_oss" / "mxfp4")
+    replaced = {k.removesuffix("_blocks") for k in quantized.where if k.endswith("_blocks")}
+    src = _fixture_with(tmp_path, "gpt_oss", config={"quantization_config": {"quant_method": "mxfp4"}})
+    from safetensors.numpy import save_file
+
+    files = SafetensorsDir(src)
+    tensors = {k: files.read(k) for k in files.where if k not in replaced}
+    save_file({**tensors, **{k: quantized.read(k) for k in quantized.where}}, src / "model.safetensors")
+    return src
+
+
+def test_gpt_oss_mxfp4_import_is_transformers_dequantization(tmp_path):
+    """MXFP4 experts (uint8 FP4 codes + E8M0 scales) import dequantized: bitwise transformers' own dequantization
+    (convert_moe_packed_tensors, stored for layer 0), and the model scores as transformers does on those weights."""
+    from jaxinfra.hf.safetensors_io import dequantize_mxfp4
+
+    ref = dict(np.load(FIXTURES / "gpt_oss" / "mxfp4" / "reference.npz"))
+    src = _mxfp4_fixture(tmp_path)
+    files = SafetensorsDir(src)
+    key = "model.layers.0.mlp.experts.gate_up_proj"
+    assert files.read(f"{key}_blocks").dtype == np.uint8 and key not in files.where
+    assert np.array_equal(dequantize_mxfp4(files.read(f"{key}_blocks"), files.read(f"{key}_scales")), ref[key])
+    import_hf(src, tmp_path / "out", devices=one_device())
+    cfg, params = restored(tmp_path / "out")
+    moe = params["moe_layers"]["moe"]
+    down = "model.layers.0.mlp.experts.down_proj"
+    for ours, want in (("w_gate", ref[key][..., 0::2]), ("w_up", ref[key][..., 1::2]), ("w_down", ref[down])):
+        assert np.array_equal(np.asarray(moe[ours][...][0]), want), ours
+    logits = np.asarray(forward(cfg)(params, jnp.asarray(ref["tokens"])))
+    assert rel_err(logits, ref["logits"]) <= 1e-5
+    assert mean_next_token_ce(logits, ref["tokens"]) == pytest.approx(float(ref["loss"]), rel=1e-5)

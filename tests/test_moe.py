@@ -494,3 +494,27 @@ def test_gpt_oss_experts_equal_the_transformers_formula(dispatch):
     assert np.max(np.abs(apply_layer(cfg, x, mask, no_bias)[0] - want)) > 1e-3
     silu = layer_cfg(moe_dispatch=dispatch, moe_capacity_factor=E / K, **{**GPT_OSS_MOE, "mlp_activation": "silu"})
     assert np.max(np.abs(apply_layer(silu, x, mask, state)[0] - want)) > 1e-3
+
+
+def _gpt_oss(layers: int, experts: int) -> tuple[int, int]:
+    """gpt-oss from config.json, term by term; `active` as OpenAI counts it: without the embedding table."""
+    d, vocab, inter = 2880, 201088, 2880
+    attn = (d * 64 * 64 + 64 * 64 + 2 * (d * 8 * 64 + 8 * 64)  # q_proj, k_proj, v_proj with their biases
+            + 64 * 64 * d + d + 64 + 2 * d)  # o_proj + bias, sinks, input/post-attention norms
+    expert = d * 2 * inter + 2 * inter + inter * d + d  # gate_up_proj + bias, down_proj + bias
+    total = layers * (attn + d * experts + experts + experts * expert) + 2 * vocab * d + d
+    return total, total - layers * (experts - 4) * expert - vocab * d
+
+
+@pytest.mark.parametrize("name, layers, experts, total, active", [
+    ("gpt-oss-20b", 24, 32, 20.91e9, 3.61e9), ("gpt-oss-120b", 36, 128, 116.83e9, 5.13e9)])
+def test_gpt_oss_presets_match_published_parameter_counts(name, layers, experts, total, active):
+    """OpenAI's gpt-oss model card: 20.91B / 3.61B and 116.83B / 5.13B (active: unembedding, no embedding table)."""
+    counts = param_counts(load_config(name).model)
+    assert (counts["total"], counts["active"] - counts["embedding"]) == _gpt_oss(layers, experts)
+    assert abs(counts["total"] - total) < 0.005e9 and abs(counts["active"] - counts["embedding"] - active) < 0.005e9
+
+
+def test_gpt_oss_tiny_count_matches_instantiated_model():
+    cfg = layer_cfg(**GPT_OSS_MOE, qkv_bias=True, attn_out_bias=True, attention_sinks=True)
+    assert param_counts(cfg)["total"] == _instantiated(cfg)
