@@ -499,6 +499,9 @@ def validate_mesh(cfg: Config, device_count: int | None) -> None:
         if m.attention_sinks and cfg.parallelism.context_impl == "ring":
             raise ConfigError("model.attention_sinks=true with mesh.context > 1 needs parallelism.context_impl="
                               "allgather (the ring has no sinks yet)")
+        if m.sliding_window is not None and cfg.parallelism.context_impl == "ring":
+            raise ConfigError(f"model.sliding_window={m.sliding_window} with mesh.context > 1 needs "
+                              "parallelism.context_impl=allgather (the ring has no windows)")
         if cfg.train.seq_len % need:
             raise ConfigError(f"train.seq_len={cfg.train.seq_len} is not divisible by {need} "
                               f"({'2 x ' if need != cp else ''}mesh.context={cp})")
@@ -512,6 +515,30 @@ def pipeline_settings(p: ParallelismConfig) -> PipelineSettings:
 def pipeline_sizes(cfg: Config, stages: int) -> tuple[int, int]:
     """(microbatches, repeats) of the pipeline over `stages` stages."""
     return pipeline_settings(cfg.parallelism).resolved(stages)
+
+
+def _validate_pipeline_layers(m: ModelConfig, stages: int, repeats: int) -> None:
+    """The pipeline's layers (the layer periods, models/stack.py; the dense prefix runs before it)
+    divide into stages x repeats."""
+    period, prefix = m.layer_period(), m.moe_first_dense_layers if m.is_moe else 0
+    windows = f"model.sliding_window_pattern={m.sliding_window_pattern}" + (f", model.moe_every={m.moe_every}"
+                                                                            if m.is_moe else "")
+    if (m.num_layers - prefix) % period:  # layers after the last whole period (window patterns)
+        raise ConfigError(f"model.num_layers={m.num_layers} is not a whole number of layer periods of {period} "
+                          f"({windows}) after {prefix} prefix layers: the pipeline (mesh.stage={stages}) runs "
+                          f"whole periods only")
+    periods = (m.num_layers - prefix) // period
+    if not periods % (stages * repeats):
+        return
+    split = f"not divisible by mesh.stage={stages} x parallelism.pipeline_repeats={repeats} = {stages * repeats}"
+    if period > (m.moe_every if m.is_moe else 1):
+        raise ConfigError(f"model.num_layers={m.num_layers} gives {periods} layer periods of {period} ({windows}), "
+                          + split)
+    if m.is_moe:
+        raise ConfigError(f"model.num_layers={m.num_layers} gives {periods} MoE periods (after "
+                          f"model.moe_first_dense_layers={m.moe_first_dense_layers}, model.moe_every="
+                          f"{m.moe_every}), " + split)
+    raise ConfigError(f"model.num_layers={m.num_layers} is " + split)
 
 
 def _validate_pipeline(cfg: Config, stages: int | None, context: int = 1) -> None:
@@ -530,16 +557,7 @@ def _validate_pipeline(cfg: Config, stages: int | None, context: int = 1) -> Non
     micro, repeats = pipeline_sizes(cfg, stages)
     if context != 1:
         raise ConfigError(f"mesh.stage={stages} with mesh.context={context} is not supported yet")
-    if m.is_moe:  # the pipeline's layers are the MoE periods; the dense prefix runs before it
-        periods = (m.num_layers - m.moe_first_dense_layers) // m.moe_every
-        if periods % (stages * repeats):
-            raise ConfigError(f"model.num_layers={m.num_layers} gives {periods} MoE periods (after "
-                              f"model.moe_first_dense_layers={m.moe_first_dense_layers}, model.moe_every="
-                              f"{m.moe_every}), not divisible by mesh.stage={stages} x "
-                              f"parallelism.pipeline_repeats={repeats} = {stages * repeats}")
-    elif m.num_layers % (stages * repeats):
-        raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by mesh.stage={stages} x "
-                          f"parallelism.pipeline_repeats={repeats} = {stages * repeats}")
+    _validate_pipeline_layers(m, stages, repeats)
     if repeats > 1 and micro % stages:
         raise ConfigError(f"parallelism.microbatches={micro} is not divisible by mesh.stage={stages} "
                           f"(circular schedule with parallelism.pipeline_repeats={repeats})")

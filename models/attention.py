@@ -59,18 +59,21 @@ class Attention(nnx.Module):
         prepare_weights(self, quant, self.PROJECTIONS, DTYPES[cfg.dtype], lora, rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
-                 rope_freqs: jax.Array, *, plan: ParallelPlan = SINGLE_DEVICE) -> jax.Array:
-        return self._attend(x, positions, segment_ids, rope_freqs, plan)[0]
+                 rope_freqs: jax.Array, *, window: int | None = None,
+                 plan: ParallelPlan = SINGLE_DEVICE) -> jax.Array:
+        """`window`: a sliding layer's window (a query sees itself and the window - 1 tokens before it)."""
+        return self._attend(x, positions, segment_ids, rope_freqs, plan, window)[0]
 
-    def prefill(self, x: jax.Array, positions: jax.Array, rope_freqs: jax.Array, *,
+    def prefill(self, x: jax.Array, positions: jax.Array, rope_freqs: jax.Array, *, window: int | None = None,
                 plan: ParallelPlan = SINGLE_DEVICE) -> tuple[jax.Array, Cache]:
         """The training computation on a (right-padded) prompt, plus what the cache keeps of
         each token: {"k", "v"} [batch, kv_heads, length, head_dim] (k after RoPE; the cache layout)."""
-        y, k, v = self._attend(x, positions, None, rope_freqs, plan)
+        y, k, v = self._attend(x, positions, None, rope_freqs, plan, window)
         return y, cache_entries(k, v, plan)
 
     def decode(self, x: jax.Array, positions: jax.Array, rope_freqs: jax.Array, cache: Cache,
-               absorb: bool = True, *, plan: ParallelPlan = SINGLE_DEVICE) -> tuple[jax.Array, Cache]:
+               absorb: bool = True, *, window: int | None = None,
+               plan: ParallelPlan = SINGLE_DEVICE) -> tuple[jax.Array, Cache]:
         """One new token per row against this layer's cache.
 
         x [B, 1, d]; positions [B, 1] (also the token's cache slot: slots below it are the
@@ -81,7 +84,7 @@ class Attention(nnx.Module):
         new = cache_entries(k, v, plan)
         out = decode_attention([q], [cache["k"]], [new["k"]], cache["v"], new["v"], positions[:, 0],
                                q.shape[-1] ** -0.5, k_scales=[cache.get("k_scale")], v_scale=cache.get("v_scale"),
-                               softcap=self.softcap, sinks=self._sinks())
+                               softcap=self.softcap, sinks=self._sinks(), window=window)
         return self._output(out), new
 
     def _qkv(self, x: jax.Array, positions: jax.Array, rope_freqs: jax.Array,
@@ -119,12 +122,12 @@ class Attention(nnx.Module):
             y = y + self.bo[...].astype(y.dtype)
         return y.reshape(b, t, -1)
 
-    def _attend(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
-                rope_freqs: jax.Array, plan: ParallelPlan) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def _attend(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, rope_freqs: jax.Array,
+                plan: ParallelPlan, window: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
         q, k, v = self._qkv(x, positions, rope_freqs, plan)
         # Plain attention, or context-parallel when the plan's mesh splits the sequence.
         out = context_attention(q, k, v, segment_ids=segment_ids, impl=self.impl, plan=plan, softcap=self.softcap,
-                                sinks=self._sinks())
+                                sinks=self._sinks(), window=window)
         out = checkpoint_name(out, "attn_out")
         return self._output(out), k, v
 
@@ -135,11 +138,21 @@ def cache_entries(k: jax.Array, v: jax.Array, plan: ParallelPlan = SINGLE_DEVICE
     return {"k": plan.constrain(jnp.swapaxes(k, 1, 2), names), "v": plan.constrain(jnp.swapaxes(v, 1, 2), names)}
 
 
+def visible_slots(s_len: int, positions: jax.Array, window: int | None = None) -> jax.Array:
+    """[B, S] which cache slots row b's new token (at positions[b]) attends besides itself: its earlier
+    tokens, within the last `window` positions for a sliding layer."""
+    slots = jnp.arange(s_len)[None, :]
+    visible = slots < positions[:, None]
+    if window is not None:
+        visible &= slots > positions[:, None] - window
+    return visible
+
+
 def decode_attention(qs: Sequence[jax.Array], ks: Sequence[jax.Array], k_news: Sequence[jax.Array],
                      v_cache: jax.Array, v_new: jax.Array, positions: jax.Array, scale: float,
                      k_scales: Sequence[jax.Array | None] | None = None,
                      v_scale: jax.Array | None = None, softcap: float | None = None,
-                     sinks: jax.Array | None = None) -> jax.Array:
+                     sinks: jax.Array | None = None, window: int | None = None) -> jax.Array:
     """Softmax attention of one query per row over its cached keys plus its own new key.
 
     Scores are sums over parts, q . k = sum_i q_i . k_i, so a key kept in pieces (MLA: latent
@@ -160,6 +173,7 @@ def decode_attention(qs: Sequence[jax.Array], ks: Sequence[jax.Array], k_news: S
     after scaling (Gemma 2), as in training.
 
     sinks [Hq] (gpt-oss attention sinks): each head's logit joins the denominator, with no value.
+    window (a sliding layer's): only slots j with positions[b] - window < j also count.
     """
     b, _, hq, _ = qs[0].shape
     dt = qs[0].dtype
@@ -177,7 +191,7 @@ def decode_attention(qs: Sequence[jax.Array], ks: Sequence[jax.Array], k_news: S
     s_old, s_new = s_old * scale, s_new * scale
     if softcap is not None:
         s_old, s_new = (softcap * jnp.tanh(s / softcap) for s in (s_old, s_new))
-    visible = jnp.arange(s_len)[None, :] < positions[:, None]  # [B, S]
+    visible = visible_slots(s_len, positions, window)  # [B, S]
     s_old = jnp.where(visible[:, None, :], s_old, -jnp.inf)
     m = jnp.maximum(jnp.max(s_old, axis=-1), s_new)  # finite: the new key is always visible
     if sinks is not None:

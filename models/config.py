@@ -226,6 +226,19 @@ class ModelConfig:
             return (None,) * self.num_layers
         return tuple(None if n > 0 and (i + 1) % n == 0 else w for i in range(self.num_layers))
 
+    def layer_ropes(self) -> tuple[str, ...]:
+        """Per layer, which RoPE table it rotates with: "local" (rope_local_theta, unscaled) on sliding
+        layers when rope_local_theta is set, else "global" (rope_theta and its scaling)."""
+        local = self.rope_local_theta is not None
+        return tuple("local" if local and w is not None else "global" for w in self.layer_windows())
+
+    def layer_period(self) -> int:
+        """Layers in the smallest repeating unit of the layer stack after the dense prefix: the lcm of
+        the MoE period (moe_every) and the window pattern (sliding_window_pattern); models/stack.py."""
+        moe = self.moe_every if self.is_moe else 1
+        windows = self.sliding_window_pattern if self.sliding_window is not None and self.sliding_window_pattern else 1
+        return math.lcm(max(moe, 1), max(windows, 1))
+
     def moe_layer_flags(self) -> tuple[bool, ...]:
         """Per layer, whether it is MoE: the first k dense, then every moe_every-th sparse."""
         if not self.is_moe:
@@ -304,8 +317,6 @@ class ModelConfig:
             out.append(("sliding_window", self.sliding_window, "a positive integer or null"))
         elif self.sliding_window is not None and self.is_mla:
             out.append(("sliding_window", self.sliding_window, "null with attention_type=mla"))
-        if self.sliding_window is not None:  # PLACEHOLDER(issue 31 windows): removed when the stack runs windows
-            out.append(("sliding_window", self.sliding_window, "null (sliding windows are not built yet)"))
         if self.sliding_window_pattern < 0:
             out.append(("sliding_window_pattern", self.sliding_window_pattern,
                         "an integer >= 0 (n: every n-th layer global; 0: every layer slides)"))

@@ -103,6 +103,21 @@ def rope_frequencies(cfg: ModelConfig) -> jnp.ndarray:
     return jnp.where(wavelen < high_wavelen, freqs, jnp.where(wavelen > low_wavelen, freqs / factor, blended))
 
 
+def rope_local_frequencies(cfg: ModelConfig) -> jnp.ndarray:
+    """Inverse frequencies of the sliding layers' RoPE: base rope_local_theta, no scaling (Gemma 3)."""
+    dim = cfg.rope_dim
+    return 1.0 / (cfg.rope_local_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+
+
+def rope_tables(cfg: ModelConfig) -> dict[str, jnp.ndarray]:
+    """The RoPE tables the layers name in their LayerSpec (models/stack.py): "global", and "local"
+    when model.rope_local_theta is set."""
+    tables = {"global": rope_frequencies(cfg)}
+    if cfg.rope_local_theta is not None:
+        tables["local"] = rope_local_frequencies(cfg)
+    return tables
+
+
 def _yarn_frequencies(freqs: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
     """YaRN "NTK-by-parts" (Peng et al. 2023, sec. 3.2), in DeepSeek-V2/V3's form.
 

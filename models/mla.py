@@ -69,10 +69,11 @@ class MLA(nnx.Module):
         prepare_weights(self, quant, self.PROJECTIONS, DTYPES[cfg.dtype], lora, rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
-                 rope_freqs: jax.Array, *, plan: ParallelPlan = SINGLE_DEVICE) -> jax.Array:
+                 rope_freqs: jax.Array, *, window: None = None, plan: ParallelPlan = SINGLE_DEVICE) -> jax.Array:
+        # `window`: always None (model.sliding_window is refused with MLA); the blocks pass it to every attention
         return self._attend(x, positions, segment_ids, rope_freqs, plan)[0]
 
-    def prefill(self, x: jax.Array, positions: jax.Array, rope_freqs: jax.Array, *,
+    def prefill(self, x: jax.Array, positions: jax.Array, rope_freqs: jax.Array, *, window: None = None,
                 plan: ParallelPlan = SINGLE_DEVICE) -> tuple[jax.Array, Cache]:
         """The training computation on a (right-padded) prompt, plus what the cache keeps of
         each token: {"latent": c_kv [B, 1, T, kv_lora_rank], "k_rope": [B, 1, T, qk_rope_head_dim]}
@@ -80,7 +81,8 @@ class MLA(nnx.Module):
         return self._attend(x, positions, None, rope_freqs, plan)
 
     def decode(self, x: jax.Array, positions: jax.Array, rope_freqs: jax.Array, cache: Cache,
-               absorb: bool = True, *, plan: ParallelPlan = SINGLE_DEVICE) -> tuple[jax.Array, Cache]:
+               absorb: bool = True, *, window: None = None,
+               plan: ParallelPlan = SINGLE_DEVICE) -> tuple[jax.Array, Cache]:
         """One new token per row against the cached latents (see Attention.decode for the
         arguments; cache {"latent" [B, 1, S, rank], "k_rope" [B, 1, S, rope]}).
 

@@ -34,26 +34,34 @@ from sharding import pipeline
 from sharding.plan import ParallelPlan
 
 Kind = Literal["dense", "moe"]
+Rope = Literal["global", "local"]
+KINDS: tuple[Kind, ...] = ("dense", "moe")
 STACKS: dict[str, str] = {"dense": "layers", "moe": "moe_layers"}  # kind -> its stacked param group
-LayerFn = Callable[[nnx.Module, jax.Array, Any], tuple[jax.Array, Any]]
+LayerFn = Callable[[nnx.Module, jax.Array, Any, "LayerSpec"], tuple[jax.Array, Any]]
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
-    """One layer of the schedule. Per-layer variations of the next model families (the
-    attention window / global pattern, the RoPE base) become fields here, set in
-    `layer_schedule`; they reach the block as part of the period's structure (a repeating
-    local/global pattern is a period) or as stacked per-layer inputs, as decode's cache slices do."""
+    """One layer of the schedule: its kind and slot, and the static attributes its block runs with
+    (set in `layer_schedule`; a layer function receives its spec)."""
 
     kind: Kind
     index: int  # its slot on the leading `layers` axis of its stacked group
+    window: int | None = None  # sliding window (keys seen, itself included); None: a global layer
+    rope: Rope = "global"  # which RoPE table: "global" (rope_theta, scaled) or "local" (rope_local_theta)
+
+    @property
+    def variant(self) -> tuple:
+        """What the layer's computation depends on besides its parameters: layers with equal variants
+        can share one traced step (a scan)."""
+        return self.kind, self.window, self.rope
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerSchedule:
     layers: tuple[LayerSpec, ...]
     prefix: int  # leading dense layers, outside the periods
-    period: int  # layers per period (its last one is the MoE block when the model has any)
+    period: int  # layers per period (model.layer_period(): MoE period x window pattern)
 
     def count(self, kind: Kind) -> int:
         return sum(spec.kind == kind for spec in self.layers)
@@ -72,21 +80,45 @@ class LayerSchedule:
         return (len(self.layers) - self.prefix) // self.period
 
     @property
+    def suffix_start(self) -> int:
+        """First layer of the suffix: what is left after the last whole period (run unrolled)."""
+        return self.prefix + self.periods * self.period
+
+    @property
+    def period_specs(self) -> tuple[LayerSpec, ...]:
+        """The layers of the first period (every period runs the same variants)."""
+        return self.layers[self.prefix:self.prefix + self.period]
+
+    def per_period(self, kind: Kind) -> int:
+        return sum(spec.kind == kind for spec in self.period_specs)
+
+    @property
     def dense_per_period(self) -> int:
-        return self.period - 1 if self.is_moe else self.period
+        return self.per_period("dense")
+
+    def grouped(self, kind: Kind) -> bool:
+        """Whether a period takes that kind's layers as a group [per period, ...] (else as the one
+        layer it has: dense models with a period of one, MoE models' one MoE block per period)."""
+        if kind == "dense":
+            return self.is_moe or self.period > 1
+        return self.per_period("moe") > 1
+
+    @property
+    def simple(self) -> bool:
+        """A dense model with one layer per period: the period function is the layer step itself."""
+        return not self.is_moe and self.period == 1
 
 
 def layer_schedule(cfg: ModelConfig) -> LayerSchedule:
     """The model's layers in running order (see the module docstring)."""
     seen = {"dense": 0, "moe": 0}
     specs = []
-    for sparse in cfg.moe_layer_flags():
+    for sparse, window, rope in zip(cfg.moe_layer_flags(), cfg.layer_windows(), cfg.layer_ropes(), strict=True):
         kind: Kind = "moe" if sparse else "dense"
-        specs.append(LayerSpec(kind, seen[kind]))
+        specs.append(LayerSpec(kind, seen[kind], window, rope))
         seen[kind] += 1
-    if cfg.is_moe:
-        return LayerSchedule(tuple(specs), cfg.moe_first_dense_layers, cfg.moe_every)
-    return LayerSchedule(tuple(specs), 0, 1)
+    prefix = cfg.moe_first_dense_layers if cfg.is_moe else 0
+    return LayerSchedule(tuple(specs), prefix, cfg.layer_period())
 
 
 # ---------------------------------------------------------------- pieces
@@ -100,12 +132,13 @@ def _stack(outs: list) -> Any:
     return jax.tree.map(lambda *xs: jnp.stack(xs), *outs) if outs else None
 
 
-def _layer_step(graphdef: nnx.GraphDef | None, fn: LayerFn | None, cfg: ModelConfig, remat: bool) -> Callable:
-    """(h, (layer params, x)) -> fn(layer module, h, x), under the config's remat policy when
+def _layer_step(graphdef: nnx.GraphDef | None, fn: LayerFn | None, spec: LayerSpec, cfg: ModelConfig,
+                remat: bool) -> Callable:
+    """(h, (layer params, x)) -> fn(layer module, h, x, spec), under the config's remat policy when
     `remat` (training)."""
     def step(h, xs):
         layer_state, x = xs
-        return fn(nnx.merge(graphdef, layer_state), h, x)
+        return fn(nnx.merge(graphdef, layer_state), h, x, spec)
 
     if remat and cfg.remat_policy != "none":
         step = jax.checkpoint(step, policy=remat_policy(cfg.remat_policy), prevent_cse=not cfg.scan_layers)
@@ -114,79 +147,119 @@ def _layer_step(graphdef: nnx.GraphDef | None, fn: LayerFn | None, cfg: ModelCon
 
 @dataclasses.dataclass(frozen=True)
 class _Parts:
-    """A model's stacks split for the runner: per group, its layer step and its stacked params."""
+    """A model's stacks split for the runner: per kind its graphdef, layer function and stacked params."""
 
-    dense_step: Callable
-    dense: Any
-    moe_step: Callable
-    moe: Any
+    defs: dict[str, nnx.GraphDef | None]
+    fns: dict[str, LayerFn | None]
+    params: dict[str, Any]
+    cfg: ModelConfig
+    remat: bool
+
+    def step(self, spec: LayerSpec) -> Callable:
+        """The layer step of a layer like `spec` (its kind's module, its static attributes)."""
+        return _layer_step(self.defs[spec.kind], self.fns[spec.kind], spec, self.cfg, self.remat)
 
 
 def _parts(model: nnx.Module, schedule: LayerSchedule, dense_fn: LayerFn, moe_fn: LayerFn | None,
            remat: bool) -> _Parts:
-    cfg = model.cfg
     dense_def, dense = nnx.split(model.layers) if schedule.count("dense") else (None, None)
     moe_def, moe = nnx.split(model.moe_layers) if schedule.is_moe else (None, None)
-    return _Parts(_layer_step(dense_def, dense_fn, cfg, remat), dense,
-                  _layer_step(moe_def, moe_fn, cfg, remat), moe)
+    return _Parts({"dense": dense_def, "moe": moe_def}, {"dense": dense_fn, "moe": moe_fn},
+                  {"dense": dense, "moe": moe}, model.cfg, remat)
 
 
-def _prefix(parts: _Parts, h: jax.Array, n: int, xs: Any, scan: bool,
+def _prefix(parts: _Parts, schedule: LayerSchedule, h: jax.Array, xs: Any, scan: bool,
             shared: bool) -> tuple[jax.Array, Callable[[], Any]]:
-    """The first `n` dense layers -> (h, a function giving their y's stacked, or None). `shared`:
-    xs is one value given to every layer (the pipeline's side inputs) rather than stacked per
-    layer. Unrolled, the y's are stacked only when asked (after the periods, as always before)."""
+    """The dense prefix -> (h, a function giving their y's stacked, or None). `shared`: xs is one
+    value given to every layer (the pipeline's side inputs) rather than stacked per layer. Scanned
+    when asked and its layers all run alike; unrolled, the y's are stacked only when asked (after
+    the periods, as always before)."""
+    n, specs = schedule.prefix, schedule.layers[:schedule.prefix]
     if not n:
         return h, lambda: None
-    step = parts.dense_step
-    if scan:
-        params = jax.tree.map(lambda x: x[0:n], parts.dense)
+    if scan and len({spec.variant for spec in specs}) == 1:
+        step = parts.step(specs[0])
+        params = jax.tree.map(lambda x: x[0:n], parts.params["dense"])
         if shared:
             h, ys = jax.lax.scan(lambda h, p: step(h, (p, xs)), h, params)
         else:
             h, ys = jax.lax.scan(step, h, (params, jax.tree.map(lambda x: x[0:n], xs)))
         return h, lambda: ys
     outs = []
-    for i in range(n):
-        h, y = step(h, (_at(parts.dense, i), xs) if shared else _at((parts.dense, xs), i))
+    for spec in specs:
+        layer = (_at(parts.params["dense"], spec.index), xs) if shared else _at((parts.params["dense"], xs), spec.index)
+        h, y = parts.step(spec)(h, layer)
         outs.append(y)
     return h, lambda: _stack(outs)
+
+
+def _suffix(parts: _Parts, schedule: LayerSchedule, h: jax.Array, xs: dict[str, Any],
+            shared: bool) -> tuple[jax.Array, dict[str, Any]]:
+    """The layers after the last whole period, unrolled -> (h, per kind their y's stacked, or None)."""
+    ys: dict[str, list] = {kind: [] for kind in KINDS}
+    for spec in schedule.layers[schedule.suffix_start:]:
+        params, x = parts.params[spec.kind], xs[spec.kind]
+        layer = (_at(params, spec.index), x) if shared else _at((params, x), spec.index)
+        h, y = parts.step(spec)(h, layer)
+        ys[spec.kind].append(y)
+    return h, {kind: _stack(ys[kind]) if ys[kind] else None for kind in KINDS}
 
 
 def _period_fn(parts: _Parts, schedule: LayerSchedule, shared: bool) -> Callable:
     """The function of one period, (h, inputs) -> (h, y), as the scan and the pipeline run it.
 
-    Dense model: one layer; inputs (params, x). MoE model: inputs (dense group [per, ...], group
-    xs, MoE params, MoE x) -> y = (dense y's stacked or None, MoE y); `shared`: the group xs is one
-    value for every dense block."""
-    if not schedule.is_moe:
-        return parts.dense_step
-    per = schedule.dense_per_period
+    A `simple` schedule: the one layer's step, inputs (params, x). Otherwise inputs (dense params,
+    dense xs, MoE params, MoE xs), each kind as `_groups` gives it (None: none), and y per kind
+    (dense, MoE): the y's stacked for a grouped kind, the one y otherwise, None without that kind.
+    `shared`: the xs are one value for every layer."""
+    specs = schedule.period_specs
+    if schedule.simple:
+        return parts.step(specs[0])
 
     def period(h, inputs):
-        group, group_xs, layer_state, x = inputs
-        ys = []
-        for j in range(per):
-            h, y = parts.dense_step(h, (_at(group, j), group_xs) if shared else _at((group, group_xs), j))
-            ys.append(y)
-        h, y = parts.moe_step(h, (layer_state, x))
-        return h, (_stack(ys) if per else None, y)
+        stacked = {"dense": inputs[:2], "moe": inputs[2:]}
+        ys: dict[str, list] = {kind: [] for kind in KINDS}
+        for spec in specs:
+            group, group_xs = stacked[spec.kind]
+            if schedule.grouped(spec.kind):
+                j = len(ys[spec.kind])
+                layer = (_at(group, j), group_xs) if shared else _at((group, group_xs), j)
+            else:
+                layer = (group, group_xs)
+            h, y = parts.step(spec)(h, layer)
+            ys[spec.kind].append(y)
+        return h, tuple((_stack(ys[k]) if schedule.grouped(k) else ys[k][0]) if ys[k] else None for k in KINDS)
 
     return period
 
 
-def _groups(tree: Any, schedule: LayerSchedule, leafwise: bool = False) -> Any:
-    """Dense leaves [L_dense, ...] after the prefix -> [periods, dense per period, ...] (None: none).
+def _groups(tree: Any, schedule: LayerSchedule, kind: Kind, leafwise: bool = False) -> Any:
+    """A kind's leaves [L_kind, ...] -> its periods' part: [periods, per period, ...] when grouped,
+    else [periods, ...] (None: none). Dense layers start after the prefix; suffix layers are left out.
 
     `leafwise` slices and reshapes each leaf in turn (the pipeline's order), else every slice
     then every reshape: the two orders the runners had, kept so the traced programs are unchanged."""
-    per, periods = schedule.dense_per_period, schedule.periods
+    per, periods = schedule.per_period(kind), schedule.periods
     if not per or tree is None:
         return None
+    start = schedule.prefix if kind == "dense" else 0
+    stop = start + per * periods
+    if not schedule.grouped(kind):
+        return tree if (start, stop) == (0, schedule.count(kind)) else jax.tree.map(lambda x: x[start:stop], tree)
     group = lambda x: x.reshape(periods, per, *x.shape[1:])  # noqa: E731
     if leafwise:
-        return jax.tree.map(lambda x: group(x[schedule.prefix:]), tree)
-    return jax.tree.map(group, jax.tree.map(lambda x: x[schedule.prefix:], tree))
+        return jax.tree.map(lambda x: group(x[start:stop]), tree)
+    return jax.tree.map(group, jax.tree.map(lambda x: x[start:stop], tree))
+
+
+def _period_inputs(parts: _Parts, schedule: LayerSchedule, xs: dict[str, Any], shared: bool = False,
+                   leafwise: bool = False) -> tuple:
+    """The periods' inputs as `_period_fn` takes them, stacked over periods (`shared`: xs as given)."""
+    if schedule.simple:
+        return parts.params["dense"], xs["dense"]
+    group = lambda kind, tree: _groups(tree, schedule, kind, leafwise)  # noqa: E731
+    return tuple(x for kind in KINDS
+                 for x in (group(kind, parts.params[kind]), xs[kind] if shared else group(kind, xs[kind])))
 
 
 # ---------------------------------------------------------------- the runner
@@ -197,18 +270,16 @@ def run(model: nnx.Module, h: jax.Array, dense_fn: LayerFn, moe_fn: LayerFn | No
     """Every layer of `model` in schedule order -> (h, y's per stacked group, in its order).
 
     `xs` per group name (`layers`, `moe_layers`): per-layer inputs stacked like the params.
-    `remat` applies the config's remat policy (training)."""
+    `remat` applies the config's remat policy (training). A layer function gets its `LayerSpec`."""
     schedule, cfg = model.schedule, model.cfg
-    xs = xs or {}
+    xs = {kind: (xs or {}).get(STACKS[kind]) for kind in KINDS}
     parts = _parts(model, schedule, dense_fn, moe_fn, remat)
-    dense_xs, moe_xs = xs.get("layers"), xs.get("moe_layers")
     period = _period_fn(parts, schedule, shared=False)
-    if schedule.is_moe:
-        inputs = (_groups(parts.dense, schedule), _groups(dense_xs, schedule), parts.moe, moe_xs)
-    else:
-        inputs = (parts.dense, dense_xs)
-    h, prefix_ys = _prefix(parts, h, schedule.prefix, dense_xs, cfg.scan_layers, shared=False)
-    if cfg.scan_layers:
+    inputs = _period_inputs(parts, schedule, xs)
+    h, prefix_ys = _prefix(parts, schedule, h, xs["dense"], cfg.scan_layers, shared=False)
+    if not schedule.periods:
+        ys, prefix = None, prefix_ys()
+    elif cfg.scan_layers:
         h, ys = jax.lax.scan(period, h, inputs)
         prefix = prefix_ys()
     else:
@@ -218,21 +289,28 @@ def run(model: nnx.Module, h: jax.Array, dense_fn: LayerFn, moe_fn: LayerFn | No
             outs.append(out)
         prefix = prefix_ys()  # the prefix's y's stacked first, then the periods' (the traced order as before)
         ys = _stack(outs)
-    if not schedule.is_moe:
+    h, suffix = _suffix(parts, schedule, h, xs, shared=False)
+    if schedule.simple:
         return h, {"layers": ys}
-    return h, _by_stack(schedule, prefix, ys)
+    return h, _by_stack(schedule, prefix, ys, suffix)
 
 
-def _by_stack(schedule: LayerSchedule, prefix_ys: Any, period_ys: Any) -> dict[str, Any]:
-    """A MoE model's y's per group: the dense ones back in the order of `layers` (the prefix,
-    then each period's group)."""
-    group_ys, moe_ys = period_ys if period_ys is not None else (None, None)
-    out = {"moe_layers": moe_ys}
-    if "layers" in schedule.stacks:
-        parts = [prefix_ys] if schedule.prefix else []
-        if schedule.dense_per_period:
-            parts.append(jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), group_ys))
-        out["layers"] = jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts) if parts else None
+def _by_stack(schedule: LayerSchedule, prefix_ys: Any, period_ys: Any, suffix_ys: dict[str, Any]) -> dict[str, Any]:
+    """The y's per group, back in the order of its stack: the prefix's (dense), each period's, the suffix's."""
+    period_ys = period_ys if period_ys is not None else (None, None)
+    out = {}
+    for kind, ys in zip(KINDS, period_ys, strict=True):
+        if not schedule.count(kind):
+            continue
+        parts = [prefix_ys] if kind == "dense" and schedule.prefix else []
+        if schedule.per_period(kind) and schedule.periods:
+            parts.append(jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), ys) if schedule.grouped(kind) else ys)
+        if suffix_ys[kind] is not None:
+            parts.append(suffix_ys[kind])
+        if kind == "moe" and len(parts) == 1:  # (a MoE model's only part: as before, no concatenation)
+            out[STACKS[kind]] = parts[0]
+        else:
+            out[STACKS[kind]] = jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts) if parts else None
     return out
 
 
@@ -244,23 +322,34 @@ def run_pipelined(model: nnx.Module, h: jax.Array, dense_fn: LayerFn, moe_fn: La
     embeddings); each period is one pipeline layer, run by the same period function as `run`.
     Per-row inputs travel as `side` (every layer's x) so the pipeline can split them into
     microbatches. MoE router statistics come out as sums over microbatches (`PARTIAL_STATS`),
-    from which `merge_stats` rebuilds the whole batch's; a dense model returns no statistics."""
+    from which `merge_stats` rebuilds the whole batch's; a dense model returns no statistics.
+    A schedule with a suffix (layers after the last whole period) is refused (jaxinfra/config.py
+    refuses the config first)."""
     schedule, cfg = model.schedule, model.cfg
+    if schedule.suffix_start != len(schedule.layers):
+        raise ValueError(f"pipeline: {len(schedule.layers) - schedule.suffix_start} layers after the last whole "
+                         f"period of {schedule.period} layers; the pipeline runs whole periods only")
     parts = _parts(model, schedule, dense_fn, moe_fn, remat=True)
-    h, _ = _prefix(parts, h, schedule.prefix, side, cfg.scan_layers, shared=True)
+    h, _ = _prefix(parts, schedule, h, side, cfg.scan_layers, shared=True)
     period = _period_fn(parts, schedule, shared=True)
     if not schedule.is_moe:
-        def layer(h, params, side):
-            return period(h, (params, side))[0]
+        stacked = parts.params["dense"] if schedule.simple else _groups(parts.params["dense"], schedule, "dense",
+                                                                        leafwise=True)
 
-        return pipeline.apply_layers(layer, h, parts.dense, side, plan=plan, scan_layers=cfg.scan_layers), {}
+        def layer(h, params, side):
+            return period(h, (params, side) if schedule.simple else (params, side, None, None))[0]
+
+        return pipeline.apply_layers(layer, h, stacked, side, plan=plan, scan_layers=cfg.scan_layers), {}
 
     def moe_period(h, params, side):
-        group, layer_state = params
-        h, (_, y) = period(h, (group, side, layer_state, side))
+        dense, moe = params
+        h, (_, y) = period(h, (dense, side, moe, side))
         return h, {k: y[k] for k in PARTIAL_STATS}
 
-    stacked = (_groups(parts.dense, schedule, leafwise=True), parts.moe)
+    stacked = (_groups(parts.params["dense"], schedule, "dense", leafwise=True),
+               _groups(parts.params["moe"], schedule, "moe", leafwise=True))
     h, partial = pipeline.apply_layers(moe_period, h, stacked, side, plan=plan, scan_layers=cfg.scan_layers,
                                        with_stats=True)
+    if schedule.grouped("moe"):  # [periods, MoE per period, ...] -> [MoE layers, ...]
+        partial = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), partial)
     return h, merge_stats(partial, cfg.moe_top_k)

@@ -39,13 +39,13 @@ from flax import nnx
 from models.attention import Attention, Cache
 from models.cache import write as write_cache
 from models.config import ModelConfig
-from models.layers import DTYPES, MLP, RMSNorm, param, rope_frequencies
+from models.layers import DTYPES, MLP, RMSNorm, param, rope_tables
 from models.lora_config import NO_LORA, LoraConfig
 from models.mla import MLA
 from models.moe import MOE_STATS, MoE
 from models.project import lookup, prepare_weights, project_attr, weight
 from models.quant_config import NO_QUANT, QuantConfig
-from models.stack import LayerSchedule, layer_schedule, run, run_pipelined
+from models.stack import LayerSchedule, LayerSpec, layer_schedule, run, run_pipelined
 from sharding.plan import SINGLE_DEVICE, ParallelPlan
 
 
@@ -84,18 +84,21 @@ class Block(_Norms):
         self.mlp = MLP(cfg, rngs, quant=quant, lora=lora)
 
     def __call__(self, h: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
-                 rope_freqs: jax.Array, *, plan: ParallelPlan = SINGLE_DEVICE) -> jax.Array:
-        a = self.attn(self._norm("attn_norm", h), positions, segment_ids, rope_freqs, plan=plan)
+                 rope_freqs: jax.Array, *, window: int | None = None,
+                 plan: ParallelPlan = SINGLE_DEVICE) -> jax.Array:
+        """`window`: this layer's sliding window (its LayerSpec's; None: global)."""
+        a = self.attn(self._norm("attn_norm", h), positions, segment_ids, rope_freqs, window=window, plan=plan)
         return self._ffn(h + self._norm("attn_post_norm", a), plan)
 
-    def prefill(self, h: jax.Array, positions: jax.Array, rope_freqs: jax.Array, *,
+    def prefill(self, h: jax.Array, positions: jax.Array, rope_freqs: jax.Array, *, window: int | None = None,
                 plan: ParallelPlan = SINGLE_DEVICE) -> tuple[jax.Array, Cache]:
-        a, entries = self.attn.prefill(self._norm("attn_norm", h), positions, rope_freqs, plan=plan)
+        a, entries = self.attn.prefill(self._norm("attn_norm", h), positions, rope_freqs, window=window, plan=plan)
         return self._ffn(h + self._norm("attn_post_norm", a), plan), entries
 
     def decode(self, h: jax.Array, positions: jax.Array, rope_freqs: jax.Array, cache: Cache, absorb: bool, *,
-               plan: ParallelPlan = SINGLE_DEVICE) -> tuple[jax.Array, Cache]:
-        a, entries = self.attn.decode(self._norm("attn_norm", h), positions, rope_freqs, cache, absorb, plan=plan)
+               window: int | None = None, plan: ParallelPlan = SINGLE_DEVICE) -> tuple[jax.Array, Cache]:
+        a, entries = self.attn.decode(self._norm("attn_norm", h), positions, rope_freqs, cache, absorb, window=window,
+                                      plan=plan)
         return self._ffn(h + self._norm("attn_post_norm", a), plan), entries
 
     def _ffn(self, h: jax.Array, plan: ParallelPlan) -> jax.Array:
@@ -113,20 +116,21 @@ class MoEBlock(_Norms):
         self.moe = MoE(cfg, rngs, quant, lora)
 
     def __call__(self, h: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
-                 rope_freqs: jax.Array, mask: jax.Array, order: jax.Array, *,
+                 rope_freqs: jax.Array, mask: jax.Array, order: jax.Array, *, window: int | None = None,
                  plan: ParallelPlan = SINGLE_DEVICE) -> tuple[jax.Array, dict[str, jax.Array]]:
-        a = self.attn(self._norm("attn_norm", h), positions, segment_ids, rope_freqs, plan=plan)
+        a = self.attn(self._norm("attn_norm", h), positions, segment_ids, rope_freqs, window=window, plan=plan)
         return self._ffn(h + self._norm("attn_post_norm", a), mask, order, plan)
 
-    def prefill(self, h: jax.Array, positions: jax.Array, rope_freqs: jax.Array, *,
+    def prefill(self, h: jax.Array, positions: jax.Array, rope_freqs: jax.Array, *, window: int | None = None,
                 plan: ParallelPlan = SINGLE_DEVICE) -> tuple[jax.Array, Cache]:
-        a, entries = self.attn.prefill(self._norm("attn_norm", h), positions, rope_freqs, plan=plan)
+        a, entries = self.attn.prefill(self._norm("attn_norm", h), positions, rope_freqs, window=window, plan=plan)
         h = h + self._norm("attn_post_norm", a)
         return self._ffn(h, jnp.ones(h.shape[:2], jnp.bool_), None, plan)[0], entries
 
     def decode(self, h: jax.Array, positions: jax.Array, rope_freqs: jax.Array, cache: Cache, absorb: bool, *,
-               plan: ParallelPlan = SINGLE_DEVICE) -> tuple[jax.Array, Cache]:
-        a, entries = self.attn.decode(self._norm("attn_norm", h), positions, rope_freqs, cache, absorb, plan=plan)
+               window: int | None = None, plan: ParallelPlan = SINGLE_DEVICE) -> tuple[jax.Array, Cache]:
+        a, entries = self.attn.decode(self._norm("attn_norm", h), positions, rope_freqs, cache, absorb, window=window,
+                                      plan=plan)
         h = h + self._norm("attn_post_norm", a)
         return self._ffn(h, jnp.ones(h.shape[:2], jnp.bool_), None, plan)[0], entries
 
@@ -218,7 +222,7 @@ class Transformer(nnx.Module):
         projection. `logits(h)` finishes it; the loss applies it per sequence chunk
         (jaxinfra/loss.py) so that no [B, T, vocab] float32 buffer is ever whole. `rng`: this training
         step's key for LoRA dropout (None, or a model without dropout: none)."""
-        h, positions, rope_freqs = self._embed(tokens, positions, plan)
+        h, positions, ropes = self._embed(tokens, positions, plan)
         keys = self._dropout_keys(rng)
         # Per-row inputs of every layer ("side"): the pipeline splits them into microbatches.
         side = (positions, segment_ids)
@@ -226,17 +230,20 @@ class Transformer(nnx.Module):
             mask = segment_ids > 0 if segment_ids is not None else jnp.ones(tokens.shape, jnp.bool_)
             side = (*side, mask, sequence_order(positions, segment_ids))
 
-        def dense(blk: Block, h: jax.Array, side: tuple, key: jax.Array | None = None) -> tuple[jax.Array, None]:
-            return _keyed(blk, key)(h, side[0], side[1], rope_freqs, plan=plan), None
+        def dense(blk: Block, h: jax.Array, side: tuple, key: jax.Array | None,
+                  spec: LayerSpec) -> tuple[jax.Array, None]:
+            return _keyed(blk, key)(h, side[0], side[1], ropes[spec.rope], window=spec.window, plan=plan), None
 
-        def moe(blk: MoEBlock, h: jax.Array, side: tuple, key: jax.Array | None = None) -> tuple[jax.Array, dict]:
-            return _keyed(blk, key)(h, side[0], side[1], rope_freqs, *side[2:], plan=plan)
+        def moe(blk: MoEBlock, h: jax.Array, side: tuple, key: jax.Array | None,
+                spec: LayerSpec) -> tuple[jax.Array, dict]:
+            return _keyed(blk, key)(h, side[0], side[1], ropes[spec.rope], *side[2:], window=spec.window, plan=plan)
 
         if plan.pipelined:  # the periods split over the `stage` mesh axis (sharding/pipeline.py)
-            h, stats = run_pipelined(self, h, dense, moe, side, plan)
+            h, stats = run_pipelined(self, h, lambda blk, h, s, spec: dense(blk, h, s, None, spec),
+                                     lambda blk, h, s, spec: moe(blk, h, s, None, spec), side, plan)
         else:
-            h, ys = run(self, h, lambda blk, h, k: dense(blk, h, side, k), lambda blk, h, k: moe(blk, h, side, k),
-                        xs=keys, remat=True)
+            h, ys = run(self, h, lambda blk, h, k, spec: dense(blk, h, side, k, spec),
+                        lambda blk, h, k, spec: moe(blk, h, side, k, spec), xs=keys, remat=True)
             stats = {k: ys["moe_layers"][k] for k in MOE_STATS} if self.cfg.is_moe else {}
         return self.final_norm(h), stats
 
@@ -270,8 +277,9 @@ class Transformer(nnx.Module):
         `moe_layers`) a dict of [L, B, heads, T, width] arrays (models/cache.py), to be
         written at slots 0..T-1 of a cache (`models.cache.write`). MoE layers route each
         token on its own (pass a config with moe_dispatch="dropless" for exact decoding)."""
-        h, positions, rope_freqs = self._embed(tokens, positions, plan)
-        step = lambda blk, h, _: blk.prefill(h, positions, rope_freqs, plan=plan)  # noqa: E731
+        h, positions, ropes = self._embed(tokens, positions, plan)
+        step = lambda blk, h, _, spec: blk.prefill(h, positions, ropes[spec.rope], window=spec.window,  # noqa: E731
+                                                   plan=plan)
         h, entries = run(self, h, step, step)
         return self._head(h, plan), entries
 
@@ -284,15 +292,17 @@ class Transformer(nnx.Module):
         cache slice and returns only the new token's entries, which are scattered into the
         stacked cache once after the scan (in place when the caller donates the cache).
         absorb: MLA's absorbed (True) or explicit (False) decode, see models/mla.py."""
-        h, positions, rope_freqs = self._embed(tokens, positions, plan)
-        step = lambda blk, h, c: blk.decode(h, positions, rope_freqs, c, absorb, plan=plan)  # noqa: E731
+        h, positions, ropes = self._embed(tokens, positions, plan)
+        step = lambda blk, h, c, spec: blk.decode(h, positions, ropes[spec.rope], c, absorb,  # noqa: E731
+                                                  window=spec.window, plan=plan)
         h, entries = run(self, h, step, step, xs=cache)
         return self._head(h, plan), write_cache(cache, entries, positions[:, 0])
 
     # ------------------------------------------------------------ pieces
 
     def _embed(self, tokens: jax.Array, positions: jax.Array | None,
-               plan: ParallelPlan) -> tuple[jax.Array, jax.Array, jax.Array]:
+               plan: ParallelPlan) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+        """(embedded tokens, positions, the RoPE tables by name: models/layers.py rope_tables)."""
         cfg, dt = self.cfg, DTYPES[self.cfg.dtype]
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
@@ -302,7 +312,7 @@ class Transformer(nnx.Module):
         h = lookup(table, tokens, dt)
         if cfg.embed_scale:  # Gemma: the scale rounded to the embeddings' dtype first, as HF's
             h = h * jnp.asarray(cfg.d_model ** 0.5, h.dtype)
-        return plan.constrain(h, RESIDUAL), positions, rope_frequencies(cfg)
+        return plan.constrain(h, RESIDUAL), positions, rope_tables(cfg)
 
     def _head(self, h: jax.Array, plan: ParallelPlan) -> jax.Array:  # inference: norm and logits
         return self.logits(self.final_norm(h), plan=plan)

@@ -94,7 +94,8 @@ def _kernel_axes(q: jax.Array, k: jax.Array, plan: ParallelPlan) -> tuple[object
 
 
 def _per_shard_kernel(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, impl: str,
-                      plan: ParallelPlan, softcap: float | None = None) -> jax.Array:
+                      plan: ParallelPlan, softcap: float | None = None,
+                      window: tuple[int, int] | None = None) -> jax.Array:
     """Run a custom kernel (Pallas, cuDNN) on each device's (batch, heads) shard.
 
     XLA cannot partition a custom kernel, so without this it would gather the full batch
@@ -106,13 +107,13 @@ def _per_shard_kernel(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
     seg_spec = P(batch, None)
     if not used:
         return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl, platform=platform,
-                                 softcap=softcap)
+                                 softcap=softcap, window=window)
     args, specs = (q, k, v), (spec, spec, spec)
     if segment_ids is not None:
         args, specs = (*args, segment_ids), (*specs, seg_spec)
     body = jax.shard_map(
         lambda q, k, v, *s: kernels.attention(q, k, v, causal=True, segment_ids=s[0] if s else None, impl=impl,
-                                              platform=platform, softcap=softcap),
+                                              platform=platform, softcap=softcap, window=window),
         mesh=mesh, axis_names=used, in_specs=specs, out_specs=spec,
         check_vma=False)  # custom-call outputs carry no varying-axes annotation
     return body(*args)
@@ -138,27 +139,32 @@ def _ring(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | Non
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Array | None,
               impl: str = "auto", plan: ParallelPlan | None = None, softcap: float | None = None,
-              sinks: jax.Array | None = None) -> jax.Array:
+              sinks: jax.Array | None = None, window: int | None = None) -> jax.Array:
     """Causal attention for [batch, length, heads, head_dim] inputs, context-parallel when the plan's
     mesh splits the sequence (`plan`: default single device); `softcap`: tanh soft-cap of the scores;
-    `sinks`: [heads] attention-sink logits (XLA partitions them with the heads; not yet the ring)."""
+    `sinks`: [heads] attention-sink logits (XLA partitions them with the heads; not yet the ring);
+    `window`: a sliding window, query i sees keys i - window < j <= i (the kernels' (window - 1, 0);
+    GSPMD's global computation under allgather; not the ring)."""
     plan = plan or single_device()
     platform = plan.platform
+    band = None if window is None else (window - 1, 0)
     if plan.mesh is None:
         return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl, platform=platform,
-                                 softcap=softcap, sinks=sinks)
+                                 softcap=softcap, sinks=sinks, window=band)
     if plan.context_size == 1:
         resolved = kernels.resolve_impl(impl, q, v, segment_ids=segment_ids, softcap=softcap, platform=platform,
-                                        sinks=sinks)
+                                        sinks=sinks, window=band)
         if resolved in PER_SHARD_IMPLS and plan.size > 1:
-            return _per_shard_kernel(q, k, v, segment_ids, impl, plan, softcap)
+            return _per_shard_kernel(q, k, v, segment_ids, impl, plan, softcap, band)
         return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl, platform=platform,
-                                 softcap=softcap, sinks=sinks)
+                                 softcap=softcap, sinks=sinks, window=band)
     if plan.context_impl == "allgather":
         k = plan.constrain(k, ("batch", "kv_length", "kv_heads", "head_dim"))
         v = plan.constrain(v, ("batch", "kv_length", "kv_heads", "head_dim"))
         return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl, platform=platform,
-                                 softcap=softcap, sinks=sinks)
+                                 softcap=softcap, sinks=sinks, window=band)
     if sinks is not None:  # the ring merges per-block lse's: the sink must join once, not per block
         raise ValueError("attention sinks are not supported by context_impl=ring yet; use context_impl=allgather")
+    if window is not None:  # each ring step's visible band would depend on the (traced) device pair
+        raise ValueError("sliding windows are not supported by context_impl=ring; use context_impl=allgather")
     return _ring(q, k, v, segment_ids, impl, plan, softcap)

@@ -45,16 +45,16 @@ def layer_hidden_states(model: nnx.Module, tokens: jax.Array) -> tuple[jax.Array
     from models.transformer import sequence_order
     from sharding.plan import SINGLE_DEVICE
 
-    h, positions, rope_freqs = model._embed(tokens, None, SINGLE_DEVICE)  # the forward's own embedding
+    h, positions, ropes = model._embed(tokens, None, SINGLE_DEVICE)  # the forward's own embedding
     mask = jnp.ones(tokens.shape, jnp.bool_)
     order = sequence_order(positions, None)
 
-    def dense(blk, h, _):
-        out = blk(h, positions, None, rope_freqs)
+    def dense(blk, h, _, spec):
+        out = blk(h, positions, None, ropes[spec.rope], window=spec.window)
         return out, out
 
-    def moe(blk, h, _):
-        out = blk(h, positions, None, rope_freqs, mask, order)[0]
+    def moe(blk, h, _, spec):
+        out = blk(h, positions, None, ropes[spec.rope], mask, order, window=spec.window)[0]
         return out, out
 
     embedded = h
