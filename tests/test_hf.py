@@ -233,15 +233,18 @@ def test_export_refuses_models_without_hf_family():
 # ---------------------------------------------------------------- sharded import, eval loss
 
 
-@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3", "gpt_oss"])
 def test_sharded_import_gives_the_reference_loss(tmp_path, name):
-    """Import straight into fsdp=4 x tensor=2 on the 8 fake devices; the eval step's loss over the
+    """Import straight into fsdp=4 x tensor=2 (gpt-oss: expert=2 x fsdp=2 x tensor=2, its 6 experts with their
+    biases split over `expert`) on the 8 fake devices; the eval step's loss over the
     reference tokens (inputs t[:-1], targets t[1:]) is the loss transformers computed."""
     from jaxinfra.runtime import build_runtime
 
     ref = reference(name)
     tokens = np.tile(ref["tokens"], (4, 1))  # 8 rows: the batch splits over fsdp; the mean is unchanged
-    overrides = ["mesh.fsdp=4", "mesh.tensor=2", "mesh.data=1", "train.seq_len=15", "train.batch_size=8"]
+    seq = tokens.shape[1] - 1
+    mesh = ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"] if name == "gpt_oss" else ["mesh.fsdp=4", "mesh.tensor=2"]
+    overrides = [*mesh, "mesh.data=1", f"train.seq_len={seq}", "train.batch_size=8"]
     import_hf(FIXTURES / name, tmp_path / "run", overrides)
     cfg = load_config(str(tmp_path / "run" / "config.yaml"))
     rt = build_runtime(cfg)
@@ -249,8 +252,8 @@ def test_sharded_import_gives_the_reference_loss(tmp_path, name):
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
         jax.eval_shape(lambda: init_params(cfg.model, jax.random.key(0))), model_state(rt.state_shardings)))
     assert params["moe_layers"]["moe"]["w_gate"][...].sharding.spec != jax.sharding.PartitionSpec()
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": np.ones((8, 15), np.int32),
-             "positions": np.broadcast_to(np.arange(15, dtype=np.int32), (8, 15)).copy()}
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": np.ones((8, seq), np.int32),
+             "positions": np.broadcast_to(np.arange(seq, dtype=np.int32), (8, seq)).copy()}
     ce, count = rt.eval_sums(params, [batch])
     assert ce / count == pytest.approx(float(ref["loss"]), rel=1e-5)
 
