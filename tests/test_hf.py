@@ -725,3 +725,24 @@ def test_gpt_oss_mxfp4_import_is_transformers_dequantization(tmp_path):
     logits = np.asarray(forward(cfg)(params, jnp.asarray(ref["tokens"])))
     assert rel_err(logits, ref["logits"]) <= 1e-5
     assert mean_next_token_ce(logits, ref["tokens"]) == pytest.approx(float(ref["loss"]), rel=1e-5)
+
+
+@pytest.mark.slow  # ~10 s (prefill + decode compiles); windows and sinks in decode: tests/test_windows.py, test_infer.py
+def test_gpt_oss_kv_cache_greedy_equals_full_forward(imported):
+    """The imported gpt-oss (windows of 8, sinks, biases) generates with the KV cache past its window exactly the
+    greedy tokens of the full forward recomputed at each step."""
+    from jaxinfra.infer import Generator
+
+    run = load_config(str(imported["gpt_oss"] / "config.yaml"))
+    cfg, params = restored(imported["gpt_oss"])
+    prompts, new = [[5, 9, 1, 33, 2, 7, 3, 60, 12, 40], [7, 3]], 14
+    got = Generator(run, params).generate(prompts, max_new_tokens=new).tokens
+    fwd = forward(cfg)
+    for prompt, row in zip(prompts, got):
+        seq = list(prompt)
+        for _ in range(new):  # right-padded to one length: one compile (causal: the padding cannot matter)
+            tokens = np.zeros((1, len(prompt) + new), np.int32)
+            tokens[0, :len(seq)] = seq
+            seq.append(int(np.argmax(np.asarray(fwd(params, jnp.asarray(tokens)))[0, len(seq) - 1])))
+        assert row == seq[len(prompt):]
+    assert len(set(got[0])) > 3
