@@ -59,6 +59,7 @@ from sharding.plan import SINGLE_DEVICE, ParallelPlan
 GATE_NAMES = ("experts", "embed", "mlp")
 DOWN_NAMES = ("experts", "mlp", "embed")
 BIAS_NAMES = ("experts", "mlp")  # gpt-oss's per-expert gate/up biases
+SWIGLU = GatedActivation()  # silu(gate) * up
 
 
 class MoE(nnx.Module):
@@ -215,7 +216,7 @@ def _unflattened(ffn, treedef, matmuls: tuple[MatmulQuant, ...], dtype, x: jax.A
 
 def expert_swiglu(matmuls: tuple[MatmulQuant, ...], dtype, x: jax.Array, w_gate: Weight, w_up: Weight,
                   w_down: Weight, b_gate: jax.Array | None = None, b_up: jax.Array | None = None, *,
-                  act: GatedActivation = GatedActivation()) -> jax.Array:
+                  act: GatedActivation = SWIGLU) -> jax.Array:
     """Per-expert SwiGLU on slots x [..., E, C, d] with weights [E, d, f], [E, d, f], [E, f, d] and optional
     gate/up biases [E, f] (the down bias is the caller's: models/moe.py MoE.__call__)."""
     x_names = ("batch",) * (x.ndim - 3) + ("experts", None, "embed")  # leading dims: groups of the batch
@@ -230,7 +231,7 @@ def expert_swiglu(matmuls: tuple[MatmulQuant, ...], dtype, x: jax.Array, w_gate:
 
 def grouped_swiglu(matmuls: tuple[MatmulQuant, ...], dtype, rows: jax.Array, group_sizes: jax.Array,
                    w_gate: Weight, w_up: Weight, w_down: Weight, b_gate: jax.Array | None = None,
-                   b_up: jax.Array | None = None, *, act: GatedActivation = GatedActivation()) -> jax.Array:
+                   b_up: jax.Array | None = None, *, act: GatedActivation = SWIGLU) -> jax.Array:
     """SwiGLU of rows sorted by expert [M, d]: rows of group e use expert e's weights (and gate/up biases [E, f]).
 
     Grouped matmuls (`jax.lax.ragged_dot`); rows past sum(group_sizes) give 0."""

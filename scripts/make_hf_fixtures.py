@@ -95,8 +95,9 @@ def configs() -> dict[str, transformers.PretrainedConfig]:
         # 64 / 8, 6 experts top-2 of width 32 (MXFP4 blocks need multiples of 32), biases everywhere, sinks, yarn
         # x4 over 16 positions with truncate=false, and swiglu_limit 1.0 so that the clamp bites (checked).
         "gpt_oss": transformers.GptOssConfig(
-            **{**common, "num_hidden_layers": 4, "num_attention_heads": 8, "max_position_embeddings": 64}, num_key_value_heads=2, head_dim=16,
-            intermediate_size=32, num_local_experts=6, num_experts_per_tok=2, sliding_window=8,
+            **{**common, "num_hidden_layers": 4, "num_attention_heads": 8, "max_position_embeddings": 64},
+            num_key_value_heads=2, head_dim=16, intermediate_size=32,
+            num_local_experts=6, num_experts_per_tok=2, sliding_window=8,
             swiglu_limit=1.0, tie_word_embeddings=False, rms_norm_eps=1e-5, attention_bias=True,
             rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
                              "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}),

@@ -613,7 +613,12 @@ def _np_gpt_oss_logits(cfg, params, tokens, clamped):
     ang = np.arange(t)[:, None] * _np_yarn_inv_freq(cfg)[None]
     f = cfg.rope_yarn_attention_factor
     cos, sin = (np.cos(ang) * f)[None, :, None], (np.sin(ang) * f)[None, :, None]
-    rope = lambda x: np.concatenate([x[..., :4] * cos - x[..., 4:] * sin, x[..., 4:] * cos + x[..., :4] * sin], -1)  # noqa: E731,E501
+    half = cfg.resolved_head_dim // 2
+
+    def rope(x):
+        x1, x2 = x[..., :half], x[..., half:]
+        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
     for i in range(cfg.num_layers):
         a = {n: leaf("layers", "attn", n)[i] for n in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "sinks")}
         m = {n: leaf("layers", "mlp", n)[i] for n in ("w_gate", "w_up", "w_down")}
