@@ -746,3 +746,15 @@ def test_gpt_oss_kv_cache_greedy_equals_full_forward(imported):
             seq.append(int(np.argmax(np.asarray(fwd(params, jnp.asarray(tokens)))[0, len(seq) - 1])))
         assert row == seq[len(prompt):]
     assert len(set(got[0])) > 3
+
+
+def test_gpt_oss_bad_input_is_one_line_exit_2(tmp_path, capsys):
+    """A layer_types list our window pattern cannot hold names the field and its value; a missing sink is named."""
+    types = ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+    src = _fixture_with(tmp_path, "gpt_oss", config={"layer_types": types})
+    err = _one_line_error(capsys, ["hf", "import", str(src), str(tmp_path / "out")])
+    assert "gpt_oss: config.json layer_types=" in err and "full_attention" in err
+    shutil.rmtree(src)
+    missing = "model.layers.2.self_attn.sinks"
+    src = _fixture_with(tmp_path, "gpt_oss", drop=missing)
+    assert missing in _one_line_error(capsys, ["hf", "import", str(src), str(tmp_path / "out2")])
