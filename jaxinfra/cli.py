@@ -5,7 +5,7 @@ Run dirs, --restore, data.paths, sweep --out and CONFIG may be gs:// or s3:// UR
 train, info and bench also take --coordinator HOST:PORT --num-processes N --process-id I (multi-host).
 
     jaxinfra train [CONFIG] [KEY=VALUE ...] [--run-dir DIR] [--restore PATH]   train; a run dir resumes
-    jaxinfra info [CONFIG] [KEY=VALUE ...]          devices, versions, mesh, per-parameter sharding and bytes
+    jaxinfra info [CONFIG] [KEY=VALUE ...] [--inference [--max-len N]]   devices, mesh, sharding, bytes
     jaxinfra plan CONFIG [KEY=VALUE ...] [--devices N] [--device-kind K] [--hbm-gib G] [--compile] [--search] [--json]
                                                     memory per device, step time, bottleneck; --search ranks layouts
     jaxinfra export-params RUN OUT [--dtype D]      a run's newest params alone (optionally cast)
@@ -101,7 +101,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     _join_process_group(args)
     from jaxinfra.info import describe
 
-    print(describe(cfg))
+    if args.inference and args.max_len < 0:
+        raise ConfigError(f"--max-len={args.max_len} is invalid: must be >= 1 (0: train.seq_len)")
+    print(describe(cfg, args.max_len if args.inference else None))
     return 0
 
 
@@ -136,6 +138,10 @@ def _add_info(sub: argparse._SubParsersAction, presets: str) -> None:
     p = sub.add_parser("info", help="devices, versions, and the mesh and parameter layout a config would get")
     p.add_argument("config", nargs="?", help=f"preset name ({presets}) or YAML path")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    p.add_argument("--inference", action="store_true", help="also the decode KV cache's bytes for one row "
+                   "(sliding-window layers counted at their window)")
+    p.add_argument("--max-len", type=int, default=0, metavar="N",
+                   help="with --inference: positions per row (default train.seq_len)")
     _add_process_flags(p)
     p.set_defaults(func=cmd_info)
 

@@ -89,6 +89,25 @@ def quant_lines(cfg: Config) -> list[str]:
     return lines
 
 
+def inference_lines(cfg: Config, max_len: int) -> list[str]:
+    """The decode cache of one row of `max_len` positions (`jaxinfra info --inference`): its bytes in the
+    cache's dtype, per cache group (sliding-window layers keep min(window, max_len) slots; models/cache.py)."""
+    from models import cache as kv_cache
+
+    m, quantized = cfg.model, cfg.quant.kv_cache == "int8"
+    dtype = "int8 + float32 scales" if quantized else m.dtype
+    total = kv_cache.cache_bytes(m, 1, max_len, quantized)
+    lines = [f"kv cache per row of {max_len:,} positions: {total:,} bytes ({dtype})"]
+    full = kv_cache.bytes_per_token(m, quantized) * max_len
+    if total != full:
+        lines[0] += f"; {full:,} without sliding windows"
+    for name, group in kv_cache.groups(m).items():
+        slots = group.slots(max_len)
+        what = "global" if group.window is None else f"window {group.window}"
+        lines.append(f"  {name}: {len(group.layers)} layers ({what}) x {slots:,} slots")
+    return lines
+
+
 def pipeline_line(cfg: Config, stages: int) -> str:
     """The pipeline schedule and its analytic bubble (S-1)/(R M + S-1) (sharding/pipeline.py)."""
     p = cfg.parallelism
@@ -137,7 +156,9 @@ def parameter_table(state: Any, shardings: Any, trainable: Any = None) -> str:
     return format_table(rows, columns)
 
 
-def describe(cfg: Config | None = None) -> str:
+def describe(cfg: Config | None = None, inference: int | None = None) -> str:
+    """The report of `jaxinfra info`; `inference` (--inference): also the decode cache of one row of
+    that many positions (0: train.seq_len)."""
     devices = jax.devices()
     lines = [
         "versions: " + ", ".join(f"{p} {_version(p)}" for p in PACKAGES),
@@ -160,6 +181,8 @@ def describe(cfg: Config | None = None) -> str:
     state = _abstract_state(cfg)
     shardings = shardings_for(state, mesh, rules)
     lines += quant_lines(cfg) + lora_lines(cfg)
+    if inference is not None:
+        lines += inference_lines(cfg, inference or cfg.train.seq_len)
     lines.append(parameter_table(state, shardings, lora_trainable(cfg.lora)))
     for name, (total, per_device) in memory_table(cfg, mesh).items():
         lines.append(f"{name:>16}: {per_device / 2**20:10.2f} MiB per device of {total / 2**20:10.2f} MiB "

@@ -139,13 +139,17 @@ def cache_entries(k: jax.Array, v: jax.Array, plan: ParallelPlan = SINGLE_DEVICE
 
 
 def visible_slots(s_len: int, positions: jax.Array, window: int | None = None) -> jax.Array:
-    """[B, S] which cache slots row b's new token (at positions[b]) attends besides itself: its earlier
-    tokens, within the last `window` positions for a sliding layer."""
+    """[B, S] which cache slots row b's new token (at positions[b]) attends besides itself. Global
+    cache: slot j holds position j, visible when j < positions[b]. Sliding layer (`window`): the cache
+    is a ring of S slots, slot j holding the row's newest position q < positions[b] with q = j (mod S);
+    visible when written (q >= 0) and inside the window (q > positions[b] - window), which masks the
+    slot the new token is about to overwrite (models/cache.py)."""
     slots = jnp.arange(s_len)[None, :]
-    visible = slots < positions[:, None]
-    if window is not None:
-        visible &= slots > positions[:, None] - window
-    return visible
+    if window is None:
+        return slots < positions[:, None]
+    last = positions[:, None] - 1
+    held = last - jnp.mod(last - slots, s_len)
+    return (held >= 0) & (held > positions[:, None] - window)
 
 
 def decode_attention(qs: Sequence[jax.Array], ks: Sequence[jax.Array], k_news: Sequence[jax.Array],
@@ -173,7 +177,7 @@ def decode_attention(qs: Sequence[jax.Array], ks: Sequence[jax.Array], k_news: S
     after scaling (Gemma 2), as in training.
 
     sinks [Hq] (gpt-oss attention sinks): each head's logit joins the denominator, with no value.
-    window (a sliding layer's): only slots j with positions[b] - window < j also count.
+    window (a sliding layer's): the cache is that layer's ring buffer (`visible_slots`).
     """
     b, _, hq, _ = qs[0].shape
     dt = qs[0].dtype

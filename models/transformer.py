@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import Attention, Cache
+from models.cache import group_name, has_sliding, layer_slots
 from models.cache import write as write_cache
 from models.config import ModelConfig
 from models.layers import DTYPES, MLP, RMSNorm, param, rope_tables
@@ -45,7 +46,7 @@ from models.mla import MLA
 from models.moe import MOE_STATS, MoE
 from models.project import lookup, prepare_weights, project_attr, weight
 from models.quant_config import NO_QUANT, QuantConfig
-from models.stack import LayerSchedule, LayerSpec, layer_schedule, run, run_pipelined
+from models.stack import STACKS, LayerSchedule, LayerSpec, layer_schedule, run, run_pipelined
 from sharding.plan import SINGLE_DEVICE, ParallelPlan
 
 
@@ -275,7 +276,8 @@ class Transformer(nnx.Module):
 
         Returns (logits [B, T, vocab] float32, entries): per layer stack (`layers`,
         `moe_layers`) a dict of [L, B, heads, T, width] arrays (models/cache.py), to be
-        written at slots 0..T-1 of a cache (`models.cache.write`). MoE layers route each
+        made a cache by `models.cache.from_prefill` (or written at slots 0..T-1 of a cache
+        without sliding layers, `models.cache.write`). MoE layers route each
         token on its own (pass a config with moe_dispatch="dropless" for exact decoding)."""
         h, positions, ropes = self._embed(tokens, positions, plan)
         step = lambda blk, h, _, spec: blk.prefill(h, positions, ropes[spec.rope], window=spec.window,  # noqa: E731
@@ -290,13 +292,22 @@ class Transformer(nnx.Module):
 
         The layer scan runs over (layer params, layer cache) together; each layer reads its
         cache slice and returns only the new token's entries, which are scattered into the
-        stacked cache once after the scan (in place when the caller donates the cache).
-        absorb: MLA's absorbed (True) or explicit (False) decode, see models/mla.py."""
+        stacked cache once after the scan (in place when the caller donates the cache). With
+        sliding layers the cache groups are not the stacks (models/cache.py): the scan's per-layer
+        input is then the layer's index in its group, and the layer reads its slice from the group
+        its spec names. absorb: MLA's absorbed (True) or explicit (False) decode, see models/mla.py."""
         h, positions, ropes = self._embed(tokens, positions, plan)
-        step = lambda blk, h, c, spec: blk.decode(h, positions, ropes[spec.rope], c, absorb,  # noqa: E731
-                                                  window=spec.window, plan=plan)
-        h, entries = run(self, h, step, step, xs=cache)
-        return self._head(h, plan), write_cache(cache, entries, positions[:, 0])
+        cfg = self.cfg
+        sliding = has_sliding(cfg)
+
+        def step(blk, h, c, spec):
+            if sliding:  # c: the layer's index in its cache group
+                c = jax.tree.map(lambda a: a[c], cache[group_name(STACKS[spec.kind], spec.window)])
+            return blk.decode(h, positions, ropes[spec.rope], c, absorb, window=spec.window, plan=plan)
+
+        xs = {stack: jnp.asarray(i) for stack, i in layer_slots(cfg).items()} if sliding else cache
+        h, entries = run(self, h, step, step, xs=xs)
+        return self._head(h, plan), write_cache(cache, entries, positions[:, 0], cfg if sliding else None)
 
     # ------------------------------------------------------------ pieces
 

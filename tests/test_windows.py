@@ -184,22 +184,23 @@ def _layer_by_layer(model: Transformer, tokens, positions):
     return model.logits(model.final_norm(h)), jnp.stack(stats)
 
 
-def test_moe_windows_prefix_periods_and_suffix_match_layer_by_layer():
-    """7 layers, 2 dense prefix layers of different windows (unrolled), then MoE every layer with pattern 2:
-    2 periods of two MoE blocks and a suffix MoE layer; scan and unrolled equal the layer-by-layer loop."""
-    cfg = dataclasses.replace(WIN, num_layers=7, moe_num_experts=4, moe_top_k=2, moe_mlp_dim=32,
+# Unrolled (a Python loop over the same period function) is slow-marked: the dense test compares scan and unrolled.
+@pytest.mark.parametrize("scan", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_moe_windows_prefix_periods_and_suffix_match_layer_by_layer(scan):
+    """5 layers, 2 dense prefix layers of different windows (unrolled), then MoE every layer with pattern 2:
+    a period of two MoE blocks and a suffix MoE layer; scan (and unrolled) equal the layer-by-layer loop."""
+    cfg = dataclasses.replace(WIN, num_layers=5, moe_num_experts=4, moe_top_k=2, moe_mlp_dim=32,
                               moe_first_dense_layers=2, sliding_window_pattern=2, norm_placement="pre",
                               norm_weight_offset=0.0, attention_sinks=False)
     s = layer_schedule(cfg)
-    assert (s.prefix, s.period, s.periods, s.suffix_start, s.grouped("moe")) == (2, 2, 2, 6, True)
+    assert (s.prefix, s.period, s.periods, s.suffix_start, s.grouped("moe")) == (2, 2, 1, 4, True)
     tokens, pos, _ = _packed()
     params = params_for(cfg)
     want, want_counts = jax.jit(lambda p, t, q: _layer_by_layer(nnx.merge(model_graphdef(cfg), p), t, q))(
         params, jnp.asarray(tokens), jnp.asarray(pos))
-    for scan in (True, False):
-        logits, stats = forward(dataclasses.replace(cfg, scan_layers=scan), params, tokens, pos, None)
-        np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=f"{scan=}")
-        np.testing.assert_array_equal(np.asarray(stats["counts"]), np.asarray(want_counts))
+    logits, stats = forward(dataclasses.replace(cfg, scan_layers=scan), params, tokens, pos, None)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(stats["counts"]), np.asarray(want_counts))
 
 
 # ---------------------------------------------------------------- refused combinations
@@ -218,3 +219,118 @@ def test_windows_refuse_what_cannot_run_them(overrides, names):
     assert "\n" not in msg and all(n in msg for n in names), msg
     validate(load_config("tiny", ["model.sliding_window=8", "model.sliding_window_pattern=2", "mesh.context=2",
                                   "mesh.data=4", "parallelism.context_impl=allgather"]), device_count=8)
+
+
+# ---------------------------------------------------------------- KV cache (models/cache.py)
+
+# 3 layers, window 6, pattern 2: layers 0 and 2 slide (a period of 2 and a suffix layer), local RoPE base,
+# nonzero sinks; prompts longer and shorter than the window, generation well past it.
+GEN = ["data.source=synthetic", "model.vocab_size=64", "model.d_model=32", "model.num_layers=3", "model.num_heads=4",
+       "model.num_kv_heads=2", "model.head_dim=8", "model.mlp_dim=64", "model.tie_embeddings=false",
+       "model.init_std=0.3", "mesh.data=1", "model.sliding_window=6", "model.sliding_window_pattern=2",
+       "model.rope_local_theta=100", "model.attention_sinks=true"]
+PROMPTS = [[7, 3, 60, 12, 40, 41, 8, 19, 22, 50, 11], [5, 9, 1], [4, 4, 8, 15, 16, 23, 42, 1, 2]]
+NEW = 20
+
+
+@pytest.fixture(scope="module")
+def windowed():
+    cfg = load_config("tiny", GEN)
+    return cfg, params_for(cfg.model, seed=3)  # (sinks ~ N(0, 1): nonzero)
+
+
+def _full_logps(cfg, params, rows: list[list[int]]) -> np.ndarray:
+    """The training forward on each whole row (prompt + generation), right-padded: log-softmax [rows, T, V]."""
+    total = max(map(len, rows))
+    tokens = np.zeros((len(rows), total), np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, :len(r)] = r
+    logits = forward(cfg, params, tokens, None, None)[0]
+    return np.asarray(jax.nn.log_softmax(logits, axis=-1))
+
+
+# int8 is slow-marked: the float run checks the ring buffers exactly; int8 stores the same slots quantized.
+@pytest.mark.parametrize("kv", ["float", pytest.param("int8", marks=pytest.mark.slow)])
+def test_windowed_generation_equals_full_forward(windowed, kv):
+    """Batched rows of different lengths with ring-buffer caches on the sliding layers (sinks on): float
+    greedy tokens equal the full forward's argmax at every step and every recorded log-prob equals the full
+    forward's (teacher-forced on the generated rows); int8 log-probs within its quantization noise."""
+    from jaxinfra.infer import Generator, inference_model_config
+
+    cfg, params = windowed
+    if kv == "int8":
+        cfg = dataclasses.replace(cfg, quant=dataclasses.replace(cfg.quant, kv_cache="int8"))
+    result = Generator(cfg, params).generate(PROMPTS, max_new_tokens=NEW)
+    rows = [p + t for p, t in zip(PROMPTS, result.tokens)]
+    logps = _full_logps(inference_model_config(cfg.model), params, rows)
+    for i, (prompt, gen) in enumerate(zip(PROMPTS, result.tokens)):
+        assert len(gen) == NEW
+        at = np.arange(len(prompt) - 1, len(prompt) + NEW - 1)
+        want = logps[i, at, gen]
+        if kv == "float":
+            assert gen == list(np.argmax(logps[i, at], axis=-1)), i
+            np.testing.assert_allclose(result.logps[i], want, rtol=1e-4, atol=1e-4)
+        else:
+            # (the same model without windows shows int8 noise up to 0.1 here)
+            np.testing.assert_allclose(result.logps[i], want, atol=0.15)
+
+
+def test_cache_groups_and_bytes_count_windows(windowed):
+    """Sliding layers keep min(window, max_len) slots in their own group; bytes by the exact formula."""
+    from models import cache as kv_cache
+
+    model = windowed[0].model
+    lay = kv_cache.layout(model, 3, 40)
+    assert lay["layers"]["k"][0] == (1, 3, 2, 40, 8) and lay["layers_sliding"]["k"][0] == (2, 3, 2, 6, 8)
+    assert kv_cache.layer_slots(model)["layers"].tolist() == [0, 0, 1]
+    per_layer_slot = 2 * 2 * 8 * 4  # k and v x kv_heads x head_dim x float32
+    assert kv_cache.cache_bytes(model, 3, 40) == 3 * per_layer_slot * (1 * 40 + 2 * 6)
+    assert kv_cache.cache_bytes(model, 3, 4) == 3 * per_layer_slot * 3 * 4  # windows longer than the cache
+    plain = dataclasses.replace(model, sliding_window=None)
+    assert kv_cache.cache_bytes(plain, 3, 40) == 3 * per_layer_slot * 3 * 40 > kv_cache.cache_bytes(model, 3, 40)
+
+
+def test_info_inference_reports_window_aware_cache_bytes(windowed):
+    from jaxinfra.info import inference_lines
+
+    lines = inference_lines(windowed[0], 40)
+    assert lines[0] == (f"kv cache per row of 40 positions: {128 * (40 + 2 * 6):,} bytes (float32); "
+                        f"{128 * 3 * 40:,} without sliding windows")  # 128: k, v x 2 heads x 8 x 4 B
+    assert lines[1:] == ["  layers: 1 layers (global) x 40 slots", "  layers_sliding: 2 layers (window 6) x 6 slots"]
+
+
+# ---------------------------------------------------------------- parity (tests/parity.py)
+
+PARITY_MODEL = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                           mlp_dim=64, tie_embeddings=False, sliding_window=8, sliding_window_pattern=2,
+                           rope_local_theta=100.0, attention_sinks=True, norm_placement="sandwich",
+                           norm_weight_offset=1.0, qk_norm=True)
+
+
+# fsdp4-tensor2 is slow-marked: the context run shards over fsdp too, and tests/test_parallel.py trains sinks under
+# fsdp4 x tensor2 (windows add only a mask to the same heads' computation).
+@pytest.mark.parametrize("mesh, parallelism", [
+    pytest.param(dict(fsdp=4, tensor=2), {}, marks=pytest.mark.slow),
+    (dict(context=2, fsdp=4), dict(context_impl="allgather")),
+], ids=["fsdp4-tensor2", "context2-fsdp4-allgather"])
+def test_windowed_model_trains_under_parallel_layouts_like_one_device(mesh, parallelism, parity_baseline):
+    """Windows (a local and a global layer), the local RoPE base, sinks and sandwich norms: the same
+    losses and parameters on 8 devices as on one (to 1e-5)."""
+    from parity import assert_matches, run_steps
+
+    batches, make = parity_baseline["batches"], parity_baseline["make"]
+    split = run_steps(make(mesh, **parallelism), jax.devices(), batches)
+    assert_matches(split, parity_baseline["one"], "windows-" + "-".join(f"{k}{v}" for k, v in mesh.items()))
+
+
+@pytest.fixture(scope="module")
+def parity_baseline():
+    from parity import packed_batches, parity_config, run_steps
+
+    from jaxinfra.config import OptimizerConfig
+
+    def make(mesh, **parallelism):
+        return parity_config(PARITY_MODEL, OptimizerConfig(lr=1e-2, eps=1e-5), mesh, batch=8, seq=32, **parallelism)
+
+    batches = packed_batches(8, 32, PARITY_MODEL.vocab_size, 2)
+    return {"batches": batches, "make": make, "one": run_steps(make({}), jax.devices()[:1], batches)}

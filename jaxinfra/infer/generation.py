@@ -171,8 +171,7 @@ class Generator:
             b, p = tokens.shape
             max_len = p + max_new
             logits, entries = nnx.merge(graphdef, params).prefill(tokens, plan=self.plan)
-            pad = lambda e: jnp.pad(e, [(0, 0), (0, 0), (0, 0), (0, max_len - p), (0, 0)])  # noqa: E731
-            cache = jax.tree.map(pad, entries)
+            cache = kv_cache.from_prefill(self.model_cfg, entries, lengths, max_len)  # (sliding layers: ring buffers)
             if self.kv_int8:
                 cache = {stack: kv_cache.quantize_entries(arrays) for stack, arrays in cache.items()}
             cache = self._cache_constrain(cache, b, max_len)
@@ -324,4 +323,5 @@ def _trimmed(row: np.ndarray, stops: Sequence[int], sequence: tuple[int, ...]) -
 
 
 def cache_len(cache: kv_cache.Cache) -> int:
-    return jax.tree.leaves(cache)[0].shape[3]
+    """The positions a cache holds (its global groups' slots; sliding groups hold at most that)."""
+    return max(leaf.shape[3] for leaf in jax.tree.leaves(cache))

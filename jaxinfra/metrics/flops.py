@@ -104,6 +104,19 @@ def _attention_dims(cfg: ModelConfig) -> tuple[int, int]:
     return cfg.resolved_head_dim, cfg.resolved_head_dim
 
 
+def attention_keys(cfg: ModelConfig, seq_len: int, *, causal: bool = False) -> float:
+    """Key positions one query attends, summed over the layers: T per global layer (causal: T / 2,
+    the useful half of the score matrix); min(T, W) per sliding layer of window W (causal: the
+    band's average over the queries, W - W^2 / 2T when W < T, else T / 2)."""
+    total = 0.0
+    for window in cfg.layer_windows():
+        if window is None or window >= seq_len:
+            total += seq_len / 2 if causal else seq_len
+        else:
+            total += window - window * window / (2 * seq_len) if causal else window
+    return total
+
+
 def flops_per_token(
     cfg: ModelConfig, seq_len: int, *, causal: bool = False, training: bool = True
 ) -> float:
@@ -119,6 +132,9 @@ def flops_per_token(
         the two use different head dims: 2 * H * (d_qk + d_v) * T.
       * MoE layers: the router, top-k routed and shared experts (`matmul` above);
         the capacity path's padding slots and dispatch einsums are not model FLOPs.
+
+    Sliding-window layers (model.sliding_window) count min(T, W) keys per query in place of T
+    (causal: the band's average, `attention_keys`).
 
     causal=True halves the attention term: a causal mask leaves only about
     half of the T x T score matrix useful. A flash-attention kernel skips the
@@ -139,8 +155,6 @@ def flops_per_token(
         raise ValueError(f"seq_len must be positive, got {seq_len}")
     n_matmul = param_counts(cfg)["matmul"]
     d_qk, d_v = _attention_dims(cfg)
-    attention = 2 * cfg.num_heads * (d_qk + d_v) * seq_len * cfg.num_layers
-    if causal:
-        attention /= 2
+    attention = 2 * cfg.num_heads * (d_qk + d_v) * attention_keys(cfg, seq_len, causal=causal)
     forward = 2 * n_matmul + attention
     return float(3 * forward if training else forward)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxinfra.metrics.flops import flops_per_token
+from jaxinfra.metrics.flops import attention_keys, flops_per_token
 from jaxinfra.plan.activations import capacity_slots, effective_policy
 from jaxinfra.plan.devices import DeviceSpec
 from jaxinfra.plan.layout import Layout
@@ -68,7 +68,10 @@ def layer_flops(lay: Layout, moe: bool) -> dict[str, float]:
         qk = dv = m.resolved_head_dim
         qkv = 2 * d * (h + 2 * m.kv_heads) * qk
     flash = lay.attention_keeps.skips_masked_blocks  # the kernels say (kernels/facts.py)
-    pieces = {"qkv": qkv / tp, "attention": 2 * h * (qk + dv) * t / tp * (0.5 if flash else 1.0),
+    # Keys per query: a flash kernel skips the blocks outside the causal (and window) band, averaged
+    # over the layers; the XLA path computes every T x T score, windows or not.
+    keys = attention_keys(m, t, causal=True) / m.num_layers if flash else t
+    pieces = {"qkv": qkv / tp, "attention": 2 * h * (qk + dv) * keys / tp,
               "out": 2 * h * dv * d / tp}
     if not moe:
         return {**pieces, "ffn_up": 4 * d * m.mlp_dim / tp, "ffn_down": 2 * m.mlp_dim * d / tp}
