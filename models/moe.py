@@ -114,7 +114,7 @@ class MoE(nnx.Module):
             ffn = partial(_unflattened, partial(expert_swiglu, act=self.act), treedef, matmuls, dt)
             y_e = capacity_experts(x_e, leaves, ffn, plan=plan)
             y = jnp.einsum("gsec,gecd->gsd", combine.astype(dt), y_e)
-            kept = jnp.sum(combine, axis=-1)  # [B, T, E]: the routing weight of each kept assignment
+            kept = jnp.sum(combine, axis=-1) if cfg.moe_expert_bias else None  # [B, T, E]: kept assignments' weights
         else:
             kinds = (GATE_NAMES, GATE_NAMES, DOWN_NAMES, BIAS_NAMES, BIAS_NAMES)
             names = jax.tree.leaves([_names(w, n) for w, n in zip(weights, kinds)],
@@ -125,7 +125,7 @@ class MoE(nnx.Module):
                                  cfg.moe_num_experts, plan=plan)
             dropped = jnp.zeros((), jnp.float32)
             kept = jnp.einsum("btke,btk->bte", jax.nn.one_hot(experts, cfg.moe_num_experts, dtype=jnp.float32),
-                              gates.astype(jnp.float32))
+                              gates.astype(jnp.float32)) if cfg.moe_expert_bias else None
         if cfg.moe_expert_bias:  # the down bias, weighted like its expert's output: added here, outside the
             # expert exchange, where no tensor-parallel partial sum would count it once per shard
             y = y + jnp.einsum("bte,ed->btd", kept.astype(dt), self.b_down[...].astype(dt))
