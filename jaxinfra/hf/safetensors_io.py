@@ -56,7 +56,12 @@ class SafetensorsDir:
         return f"{self.directory} ({', '.join(self.files)})"
 
     def read(self, name: str) -> np.ndarray:
-        """One tensor (or a fused tensor's slice standing in for it), as a numpy array."""
+        """One tensor (or a fused tensor's slice standing in for it, or its MXFP4 blocks and scales dequantized),
+        as a numpy array."""
+        pair = self.mxfp4_pair(name)
+        if pair is not None:  # gpt-oss's MXFP4 experts
+            self.used.update(pair)
+            return dequantize_mxfp4(*(self._get(key, None) for key in pair))
         if name in self.where:
             self.used.add(name)
             return self._get(name, None)
@@ -64,15 +69,17 @@ class SafetensorsDir:
         if renamed != name and renamed in self.where:
             self.used.add(renamed)
             return self._get(renamed, None)
-        if f"{name}_blocks" in self.where and f"{name}_scales" in self.where:  # gpt-oss's MXFP4 experts
-            self.used.update((f"{name}_blocks", f"{name}_scales"))
-            return dequantize_mxfp4(self._get(f"{name}_blocks", None), self._get(f"{name}_scales", None))
         fused = self._fused(name)
         if fused is None:
             raise HFError(f"missing tensor {name} in {self.describe()}")
         key, index = fused
         self.used.add(key)
         return self._get(key, index)
+
+    def mxfp4_pair(self, name: str) -> tuple[str, str] | None:
+        """(`name`_blocks, `name`_scales) when the tensor is stored MXFP4-quantized instead (gpt-oss's experts)."""
+        pair = (f"{name}_blocks", f"{name}_scales")
+        return pair if name not in self.where and all(key in self.where for key in pair) else None
 
     def _fused(self, name: str) -> tuple[str, tuple] | None:
         m = _PER_EXPERT.match(name)
