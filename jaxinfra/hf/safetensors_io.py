@@ -123,16 +123,18 @@ FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0,
 def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """gpt-oss's `*_blocks` [E, rows, G, 16] uint8 + `*_scales` [E, rows, G] uint8 -> float32 [E, G * 32, rows],
     value by value what transformers' mxfp4 integration (convert_moe_packed_tensors) computes: each code's FP4
-    value times 2 ** (scale - 127) (exact in float32), then the last two axes swapped into the layout of the
-    unquantized gate_up_proj [E, d, 2I] / down_proj [E, I, d]."""
+    value times 2 ** (scale - 127) (torch.ldexp multiplies by that power of two; exact in float32), then the last
+    two axes swapped into the layout of the unquantized gate_up_proj [E, d, 2I] / down_proj [E, I, d]."""
     if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape[:-1] != scales.shape:
         raise HFError(f"MXFP4 tensors of dtypes {blocks.dtype}/{scales.dtype} and shapes {blocks.shape}/"
                       f"{scales.shape}: expected uint8 blocks [..., G, 16] and uint8 scales [..., G]")
-    values = np.empty((*blocks.shape[:-1], 2 * blocks.shape[-1]), np.float32)
-    values[..., 0::2] = FP4_VALUES[blocks & 0x0F]
-    values[..., 1::2] = FP4_VALUES[blocks >> 4]
-    values = np.ldexp(values, (scales.astype(np.int32) - 127)[..., None]).astype(np.float32, copy=False)
+    values = _BYTE_VALUES[blocks].reshape(*scales.shape, 2 * blocks.shape[-1])  # one lookup per byte: (low, high)
+    values *= np.ldexp(np.float32(1.0), scales.astype(np.int32) - 127)[..., None]
     return np.ascontiguousarray(np.swapaxes(values.reshape(*blocks.shape[:-2], -1), -1, -2))
+
+
+# Byte b -> (value of its low nibble, value of its high nibble): the two FP4 codes it packs, in order.
+_BYTE_VALUES = np.stack([FP4_VALUES[np.arange(256) & 0x0F], FP4_VALUES[np.arange(256) >> 4]], axis=-1)
 
 
 _DTYPES = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.float16): "F16"}
