@@ -716,6 +716,7 @@ def test_gpt_oss_mxfp4_import_is_transformers_dequantization(tmp_path):
     key = "model.layers.0.mlp.experts.gate_up_proj"
     assert files.read(f"{key}_blocks").dtype == np.uint8 and key not in files.where
     assert np.array_equal(dequantize_mxfp4(files.read(f"{key}_blocks"), files.read(f"{key}_scales")), ref[key])
+    assert np.array_equal(files.read_experts(key, slice(2, 5)), ref[key][2:5])  # a device shard's experts only
     import_hf(src, tmp_path / "out", devices=one_device())
     cfg, params = restored(tmp_path / "out")
     moe = params["moe_layers"]["moe"]

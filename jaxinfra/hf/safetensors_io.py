@@ -76,6 +76,18 @@ class SafetensorsDir:
         self.used.add(key)
         return self._get(key, index)
 
+    def read_experts(self, name: str, rows: slice) -> np.ndarray:
+        """Rows `rows` of the leading (experts) axis of a tensor stored whole per layer (gpt-oss's experts), read
+        without the others: MXFP4 blocks and scales are sliced before they are dequantized."""
+        pair = self.mxfp4_pair(name)
+        if pair is not None:
+            self.used.update(pair)
+            return dequantize_mxfp4(*(self._get(key, (rows,)) for key in pair))
+        if name not in self.where:
+            raise HFError(f"missing tensor {name} in {self.describe()}")
+        self.used.add(name)
+        return self._get(name, (rows,))
+
     def mxfp4_pair(self, name: str) -> tuple[str, str] | None:
         """(`name`_blocks, `name`_scales) when the tensor is stored MXFP4-quantized instead (gpt-oss's experts)."""
         pair = (f"{name}_blocks", f"{name}_scales")

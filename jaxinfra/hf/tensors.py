@@ -39,6 +39,9 @@ class Rule:
     # gate_up_proj interleaves w_gate and w_up); a param written that way by another rule is not `exported`.
     joins: tuple[str, ...] = ()
     exported: bool = True
+    # Import: the slice's first axis is the experts, as the HF tensors' first axis (one tensor per layer holds them
+    # all, gpt-oss): a device shard reads only its experts' rows (SafetensorsDir.read_experts).
+    expert_rows: bool = False
 
 
 def _t(x: np.ndarray) -> np.ndarray:
@@ -159,7 +162,8 @@ def _gpt_oss_experts(cfg: ModelConfig, stack: str, pre: Callable[[int], str], n:
     out = []
 
     def rule(path: str, hf: str, load: Convert, save: Split, **kw) -> None:
-        out.append(Rule(f"{stack}/moe/{path}", (n,), lambda i, hf=hf: [f"{pre(i)}.mlp.{hf}"], load, save, **kw))
+        out.append(Rule(f"{stack}/moe/{path}", (n,), lambda i, hf=hf: [f"{pre(i)}.mlp.{hf}"], load, save,
+                        **{"expert_rows": hf.startswith("experts."), **kw}))
 
     rule("router/w", "router.weight", *linear(e))
     rule("router/logit_bias", "router.bias", *vector())
