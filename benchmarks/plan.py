@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from benchmarks.step_cpu import random_batch
-from jaxinfra.config import Config, load_config
+from jaxinfra.config import Config, ConfigError, load_config
 from jaxinfra.metrics.peak import measure_matmul_flops
 from jaxinfra.metrics.table import format_table
 from jaxinfra.plan.compiled import analyse
@@ -202,7 +202,8 @@ def search_table(preset: str, top: int, steps: int) -> None:
           f"top {len(ranked)}; load {os.getloadavg()[0]:.1f}")
 
 
-PRESETS = ("llama3-8b", "deepseek-v3", "mixtral-8x7b", "qwen3-30b-a3b", "olmo2-7b", "gemma3-27b")
+PRESETS = ("llama3-8b", "deepseek-v3", "mixtral-8x7b", "qwen3-30b-a3b", "olmo2-7b", "gemma3-27b", "gpt-oss-20b",
+           "gpt-oss-120b")
 # On accelerators the presets would run a flash kernel and a chunked loss: XLA attention keeps
 # [rows, heads, seq, seq] float32 scores per layer, and whole-sequence logits are ~10 GiB per row.
 # `auto` is what the kernels pick on each device kind (kernels/facts.py: Triton on H100, Mosaic on TPU).
@@ -217,12 +218,16 @@ def presets_table(kinds: tuple[str, ...] = ("h100", "tpu-v5p"), counts: tuple[in
             cfg = load_config(preset, extra)
             spec = device_spec(kind)
             for count in counts:
-                own = make_plan(cfg, count, spec)
+                try:
+                    own = make_plan(cfg, count, spec)
+                    own_memory = size(own.memory.total) + (" (fits)" if own.fits else " (no)")
+                except ConfigError as e:  # e.g. gpt-oss's d_model 2880 does not split over fsdp=256
+                    own_memory = f"invalid: {e}"
                 t0 = time.perf_counter()
                 ranked = search(cfg, count, spec)
                 best = ranked[0] if ranked else None
                 layout = " ".join(o for o in overrides(best) if not o.endswith("=1")) if best else "nothing fits"
-                rows.append((preset, kind, count, size(own.memory.total) + (" (fits)" if own.fits else " (no)"),
+                rows.append((preset, kind, count, own_memory,
                              layout, size(best.memory.total) if best else "-",
                              f"{best.time.step_s:.2f}" if best else "-",
                              f"{best.tokens_per_s / count:,.0f}" if best else "-", f"{best.mfu:.2f}" if best else "-",

@@ -39,6 +39,8 @@ class Attention(nnx.Module):
             self.bq = zeros_bias((h, dh), ("heads", "head_dim"), cfg.param_dtype)
             self.bk = zeros_bias((kv, dh), ("kv_heads", "head_dim"), cfg.param_dtype)
             self.bv = zeros_bias((kv, dh), ("kv_heads", "head_dim"), cfg.param_dtype)
+        if cfg.attn_out_bias:  # gpt-oss's o_proj bias (its q/k/v ones are qkv_bias)
+            self.bo = zeros_bias((d,), ("embed",), cfg.param_dtype)
         if cfg.qk_norm and cfg.qk_norm_scope == "full":  # over the whole q / k projection before RoPE (OLMo 2)
             # Flat like HF's and like the block norms (1-D: a norm scale to the optimizer, no decay).
             self.q_norm = norm_param((h * dh,), ("norm",), cfg)
@@ -116,7 +118,10 @@ class Attention(nnx.Module):
 
     def _output(self, out: jax.Array) -> jax.Array:
         b, t, heads, dh = out.shape
-        return project_attr(self, "nhk,hkd->nd", out.reshape(b * t, heads, dh), "wo").reshape(b, t, -1)
+        y = project_attr(self, "nhk,hkd->nd", out.reshape(b * t, heads, dh), "wo")
+        if hasattr(self, "bo"):
+            y = y + self.bo[...].astype(y.dtype)
+        return y.reshape(b, t, -1)
 
     def _attend(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, rope_freqs: jax.Array,
                 plan: ParallelPlan, window: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:

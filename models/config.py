@@ -51,6 +51,9 @@ QK_NORM_SCOPES: tuple[str, ...] = get_args(QKNormScope)
 MLPActivation = Literal[
     "silu",  # SwiGLU: silu(x @ gate) * (x @ up) (Llama, Qwen, Mistral, DeepSeek, OLMo 2)
     "gelu_tanh",  # GeGLU with tanh-approximated GELU (Gemma)
+    # gpt-oss: g = min(gate, limit), u = clip(up, -limit, limit), (u + 1) * g * sigmoid(alpha * g)
+    # (model.mlp_swiglu_alpha / mlp_swiglu_limit); dense MLP and experts alike
+    "clamped_swiglu",
 ]
 MLP_ACTIVATIONS: tuple[str, ...] = get_args(MLPActivation)
 MoEDispatch = Literal[
@@ -85,6 +88,11 @@ class ModelConfig:
     rope_yarn_beta_fast: float = 32.0
     rope_yarn_beta_slow: float = 1.0
     rope_yarn_mscale: float = 1.0  # DeepSeek's mscale_all_dim
+    # MHA/GQA with yarn: HF multiplies RoPE's cos and sin by this "attention_factor" (gpt-oss: 0.1 ln(factor) + 1),
+    # so the scores by its square; applied by pre-scaling q after RoPE (query_prescale). None: 1 (MLA: null).
+    rope_yarn_attention_factor: float | None = None
+    # HF's rope_parameters.truncate: floor/ceil the yarn ramp's correction dims (DeepSeek: true; gpt-oss: false).
+    rope_yarn_truncate: bool = True
     # Sliding-window attention (Mistral, Gemma 2/3, gpt-oss): a sliding layer's query at position i
     # sees keys j with i - sliding_window < j <= i (itself included, HF's convention); its KV cache
     # keeps only those slots. None: every layer attends to the whole causal prefix.
@@ -106,6 +114,7 @@ class ModelConfig:
     qk_norm: bool = False
     qk_norm_scope: QKNormScope = "head"  # what one q/k RMSNorm spans (with qk_norm)
     qkv_bias: bool = False  # additive biases on the q/k/v projections (Qwen2; HF imports)
+    attn_out_bias: bool = False  # an additive bias [d_model] on the attention output projection (gpt-oss's o_proj)
     # gpt-oss attention sinks: a learned logit per query head (param `sinks` [heads], init 0, no
     # weight decay) joins the softmax denominator with no value. Every attention_impl but cudnn.
     attention_sinks: bool = False
@@ -115,7 +124,9 @@ class ModelConfig:
     logit_softcap: float | None = None  # tanh soft-cap of output logits (Gemma-2)
     # tanh soft-cap of the attention scores before the softmax, cap * tanh(s / cap) (Gemma 2)
     attn_logit_softcap: float | None = None
-    mlp_activation: MLPActivation = "silu"  # the dense gated MLP's activation (gelu_tanh: dense models only)
+    mlp_activation: MLPActivation = "silu"  # the gated MLP's activation, experts too (gelu_tanh: dense models only)
+    mlp_swiglu_alpha: float = 1.702  # clamped_swiglu's sigmoid gain (gpt-oss's swiglu_alpha)
+    mlp_swiglu_limit: float = 7.0  # clamped_swiglu's clamp (gpt-oss's swiglu_limit)
     embed_scale: bool = False  # multiply the embeddings by sqrt(d_model), in their dtype (Gemma)
     z_loss_weight: float = 0.0  # PaLM z-loss: weight * log(Z)^2
     init_std: float = 0.02
@@ -162,6 +173,12 @@ class ModelConfig:
     # Keep that selection bias as a parameter even when it is not updated (rate 0): an imported
     # DeepSeek-V3 checkpoint carries trained values (HF's e_score_correction_bias).
     moe_router_bias: bool = False
+    # A trained bias on the router logits (gpt-oss's router Linear has one): unlike moe_router_bias it
+    # shifts the logits that both select the experts and weight them (a Bias param, no weight decay).
+    moe_router_logit_bias: bool = False
+    # Per-expert biases on the gate/up projections [E, expert_dim] and the down projection [E, d_model]
+    # (gpt-oss); the down bias is weighted by the expert's routing weight like its output.
+    moe_expert_bias: bool = False
 
     @property
     def kv_heads(self) -> int:
@@ -197,9 +214,10 @@ class ModelConfig:
     def query_prescale(self) -> float:
         """Factor q is multiplied by after RoPE so that the kernels' default head_dim ** -0.5 scale
         gives the configured softmax scale (1.0: nothing to do)."""
-        if self.attention_scale is None:
-            return 1.0
-        return self.attention_scale * self.resolved_head_dim ** 0.5
+        scale = 1.0 if self.attention_scale is None else self.attention_scale * self.resolved_head_dim ** 0.5
+        if self.rope_yarn_attention_factor is not None and not self.is_mla:  # HF's cos/sin factor on q and k
+            scale *= self.rope_yarn_attention_factor ** 2
+        return scale
 
     def layer_windows(self) -> tuple[int | None, ...]:
         """Per layer, its sliding window (tokens it sees, itself included), or None for a global layer."""
@@ -276,8 +294,12 @@ class ModelConfig:
             out.append(("norm_placement", self.norm_placement, f"one of {list(NORM_PLACEMENTS)}"))
         if self.mlp_activation not in MLP_ACTIVATIONS:
             out.append(("mlp_activation", self.mlp_activation, f"one of {list(MLP_ACTIVATIONS)}"))
-        elif self.mlp_activation != "silu" and self.is_moe:
-            out.append(("mlp_activation", self.mlp_activation, "silu with moe_num_experts > 0 (experts are SwiGLU)"))
+        elif self.mlp_activation == "gelu_tanh" and self.is_moe:
+            out.append(("mlp_activation", self.mlp_activation,
+                        "silu or clamped_swiglu with moe_num_experts > 0 (experts are SwiGLU)"))
+        for name in ("mlp_swiglu_alpha", "mlp_swiglu_limit"):
+            if not (0 < getattr(self, name) < math.inf):
+                out.append((name, getattr(self, name), "a finite number > 0"))
         if not math.isfinite(self.norm_weight_offset):
             out.append(("norm_weight_offset", self.norm_weight_offset, "a finite number (Gemma: 1.0)"))
         cap = self.attn_logit_softcap
@@ -304,6 +326,22 @@ class ModelConfig:
             out.append(("attention_scale", self.attention_scale, "null with attention_type=mla"))
         if self.rope_local_theta is not None and not (0 < self.rope_local_theta < math.inf):
             out.append(("rope_local_theta", self.rope_local_theta, "a finite number > 0 or null"))
+        return out + self._gpt_oss_problems()
+
+    def _gpt_oss_problems(self) -> list[tuple[str, object, str]]:
+        out: list[tuple[str, object, str]] = []
+        factor = self.rope_yarn_attention_factor
+        if factor is not None and not (0 < factor < math.inf):
+            out.append(("rope_yarn_attention_factor", factor, "a finite number > 0 or null"))
+        elif factor is not None and (self.is_mla or self.rope_scaling_type != "yarn" or
+                                     self.rope_scaling_factor is None):
+            out.append(("rope_yarn_attention_factor", factor,
+                        "null unless rope_scaling_type=yarn with a rope_scaling_factor and attention_type=mha"))
+        if self.attn_out_bias and self.is_mla:
+            out.append(("attn_out_bias", self.attn_out_bias, "false with attention_type=mla"))
+        for name in ("moe_router_logit_bias", "moe_expert_bias"):
+            if getattr(self, name) and not self.is_moe:
+                out.append((name, getattr(self, name), "false unless moe_num_experts > 0"))
         return out
 
     def _mla_problems(self) -> list[tuple[str, object, str]]:

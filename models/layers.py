@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import ClassVar
@@ -129,8 +130,10 @@ def _yarn_frequencies(freqs: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
     def correction_dim(rotations: float) -> float:  # the pair index that rotates `rotations` times
         return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(correction_dim(cfg.rope_yarn_beta_fast)), 0)
-    high = min(math.ceil(correction_dim(cfg.rope_yarn_beta_slow)), dim - 1)
+    low, high = correction_dim(cfg.rope_yarn_beta_fast), correction_dim(cfg.rope_yarn_beta_slow)
+    if cfg.rope_yarn_truncate:  # HF's rope_parameters.truncate (default true; gpt-oss: false)
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     high = high if high > low else low + 0.001  # avoid a zero-width ramp
     ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
     return freqs / cfg.rope_scaling_factor * ramp + freqs * (1 - ramp)
@@ -157,6 +160,27 @@ def apply_rope(x: jax.Array, positions: jax.Array, freqs: jax.Array) -> jax.Arra
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}  # model.mlp_activation
 
 
+@dataclasses.dataclass(frozen=True)
+class GatedActivation:
+    """hidden = act(gate, up) of a gated MLP (model.mlp_activation and, for clamped_swiglu, its alpha / limit)."""
+
+    name: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> GatedActivation:
+        return cls(cfg.mlp_activation, cfg.mlp_swiglu_alpha, cfg.mlp_swiglu_limit)
+
+    def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        if self.name != "clamped_swiglu":
+            return ACTIVATIONS[self.name](gate) * up
+        # gpt-oss: the gate clamped from above only, the up projection both ways and shifted by 1
+        gate = jnp.minimum(gate, self.limit)
+        up = jnp.clip(up, -self.limit, self.limit)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * self.alpha))
+
+
 class MLP(nnx.Module):
     """SwiGLU: down(silu(x @ gate) * (x @ up)), or GeGLU with gelu_tanh in place of silu (Gemma);
     `width` overrides cfg.mlp_dim (MoE shared experts)."""
@@ -172,7 +196,7 @@ class MLP(nnx.Module):
         self.w_up = param(rngs, (d, f), ("embed", "mlp"), std, cfg.param_dtype)
         # Residual-branch outputs are scaled down with depth (GPT-2) so the stream's variance stays flat.
         self.w_down = param(rngs, (f, d), ("mlp", "embed"), std / math.sqrt(2 * cfg.num_layers), cfg.param_dtype)
-        self.activation = cfg.mlp_activation
+        self.activation = GatedActivation.of(cfg)
         prepare_weights(self, quant, self.PROJECTIONS, DTYPES[cfg.dtype], lora, rngs)
 
     def __call__(self, x: jax.Array, *, plan: ParallelPlan = SINGLE_DEVICE) -> jax.Array:
@@ -183,6 +207,6 @@ class MLP(nnx.Module):
         rows = x.reshape(b * t, d)
         gate = project_attr(self, "nd,df->nf", rows, "w_gate")
         up = project_attr(self, "nd,df->nf", rows, "w_up")
-        hidden = checkpoint_name(ACTIVATIONS[self.activation](gate) * up, "mlp_hidden")
+        hidden = checkpoint_name(self.activation(gate, up), "mlp_hidden")
         hidden = plan.constrain(hidden, ("rows", "mlp"))
         return project_attr(self, "nf,fd->nd", hidden, "w_down").reshape(b, t, d)

@@ -37,7 +37,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from models.config import ModelConfig
-from models.layers import DTYPES, MLP, param
+from models.layers import DTYPES, MLP, GatedActivation, param, zeros_bias
 from models.lora_config import NO_LORA, LoraConfig
 from models.project import (
     Adapted,
@@ -58,6 +58,8 @@ from sharding.plan import SINGLE_DEVICE, ParallelPlan
 
 GATE_NAMES = ("experts", "embed", "mlp")
 DOWN_NAMES = ("experts", "mlp", "embed")
+BIAS_NAMES = ("experts", "mlp")  # gpt-oss's per-expert gate/up biases
+SWIGLU = GatedActivation()  # silu(gate) * up
 
 
 class MoE(nnx.Module):
@@ -72,8 +74,13 @@ class MoE(nnx.Module):
         self.w_up = param(rngs, (e, d, f), GATE_NAMES, std, cfg.param_dtype)
         # Residual-branch output scaled down with depth, as the dense MLP's w_down.
         self.w_down = param(rngs, (e, f, d), DOWN_NAMES, std / math.sqrt(2 * cfg.num_layers), cfg.param_dtype)
+        if cfg.moe_expert_bias:  # gpt-oss (Bias params: no weight decay)
+            self.b_gate = zeros_bias((e, f), BIAS_NAMES, cfg.param_dtype)
+            self.b_up = zeros_bias((e, f), BIAS_NAMES, cfg.param_dtype)
+            self.b_down = zeros_bias((e, d), ("experts", "embed"), cfg.param_dtype)
         if cfg.moe_shared_experts:
             self.shared = MLP(cfg, rngs, width=cfg.moe_shared_experts * f, quant=quant, lora=lora)
+        self.act = GatedActivation.of(cfg)
         self.cfg = cfg
         prepare_weights(self, quant, self.PROJECTIONS, DTYPES[cfg.dtype], lora, rngs)
 
@@ -96,6 +103,7 @@ class MoE(nnx.Module):
         # Float weights enter the expert exchange in the compute dtype (gathers move half the bytes in
         # bfloat16); int8-stored ones as they are. Flat leaves: an Int8Weight is two arrays.
         weights = [_exchanged(w, dt) for w in map(partial(weight, self), ATTRS)]
+        weights += [self.b_gate[...].astype(dt), self.b_up[...].astype(dt)] if cfg.moe_expert_bias else []
         leaves, treedef = jax.tree.flatten(weights)
         matmuls = tuple(matmul_of(self, a) for a in ATTRS)
         if cfg.moe_dispatch == "capacity":
@@ -103,15 +111,24 @@ class MoE(nnx.Module):
             dispatch, combine, dropped = capacity_assignment(experts, gates, mask, cfg.moe_num_experts, capacity,
                                                              order)
             x_e = jnp.einsum("gsec,gsd->gecd", dispatch.astype(dt), x)
-            y_e = capacity_experts(x_e, leaves, partial(_unflattened, expert_swiglu, treedef, matmuls, dt), plan=plan)
+            ffn = partial(_unflattened, partial(expert_swiglu, act=self.act), treedef, matmuls, dt)
+            y_e = capacity_experts(x_e, leaves, ffn, plan=plan)
             y = jnp.einsum("gsec,gecd->gsd", combine.astype(dt), y_e)
+            kept = jnp.sum(combine, axis=-1) if cfg.moe_expert_bias else None  # [B, T, E]: kept assignments' weights
         else:
-            names = jax.tree.leaves([_names(w, n) for w, n in zip(weights, (GATE_NAMES, GATE_NAMES, DOWN_NAMES))],
+            kinds = (GATE_NAMES, GATE_NAMES, DOWN_NAMES, BIAS_NAMES, BIAS_NAMES)
+            names = jax.tree.leaves([_names(w, n) for w, n in zip(weights, kinds)],
                                     is_leaf=lambda n: isinstance(n, tuple) and not isinstance(n, (Int8Weight, Adapted)))
             y = dropless_experts(x, experts, gates, leaves, names,
-                                 partial(_unflattened, grouped_swiglu, treedef, matmuls, dt, ragged=True),
+                                 partial(_unflattened, partial(grouped_swiglu, act=self.act), treedef, matmuls, dt,
+                                         ragged=True),
                                  cfg.moe_num_experts, plan=plan)
             dropped = jnp.zeros((), jnp.float32)
+            kept = jnp.einsum("btke,btk->bte", jax.nn.one_hot(experts, cfg.moe_num_experts, dtype=jnp.float32),
+                              gates.astype(jnp.float32)) if cfg.moe_expert_bias else None
+        if cfg.moe_expert_bias:  # the down bias, weighted like its expert's output: added here, outside the
+            # expert exchange, where no tensor-parallel partial sum would count it once per shard
+            y = y + jnp.einsum("bte,ed->btd", kept.astype(dt), self.b_down[...].astype(dt))
         if cfg.moe_shared_experts:
             y = y + self.shared(x, plan=plan)
         stats = {"counts": routing.counts, "dropped": dropped, "aux_loss": routing.aux_loss,
@@ -198,22 +215,32 @@ def _unflattened(ffn, treedef, matmuls: tuple[MatmulQuant, ...], dtype, x: jax.A
 
 
 def expert_swiglu(matmuls: tuple[MatmulQuant, ...], dtype, x: jax.Array, w_gate: Weight, w_up: Weight,
-                  w_down: Weight) -> jax.Array:
-    """Per-expert SwiGLU on slots x [..., E, C, d] with weights [E, d, f], [E, d, f], [E, f, d]."""
+                  w_down: Weight, b_gate: jax.Array | None = None, b_up: jax.Array | None = None, *,
+                  act: GatedActivation = SWIGLU) -> jax.Array:
+    """Per-expert SwiGLU on slots x [..., E, C, d] with weights [E, d, f], [E, d, f], [E, f, d] and optional
+    gate/up biases [E, f] (the down bias is the caller's: models/moe.py MoE.__call__)."""
     x_names = ("batch",) * (x.ndim - 3) + ("experts", None, "embed")  # leading dims: groups of the batch
     h_names = x_names[:-1] + ("mlp",)
     gate = project("...ecd,edf->...ecf", x, w_gate, matmuls[0], dtype=dtype, names=(x_names, GATE_NAMES))
     up = project("...ecd,edf->...ecf", x, w_up, matmuls[1], dtype=dtype, names=(x_names, GATE_NAMES))
-    hidden = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")
+    if b_gate is not None:
+        gate, up = gate + b_gate[:, None, :], up + b_up[:, None, :]
+    hidden = checkpoint_name(act(gate, up), "mlp_hidden")
     return project("...ecf,efd->...ecd", hidden, w_down, matmuls[2], dtype=dtype, names=(h_names, DOWN_NAMES))
 
 
 def grouped_swiglu(matmuls: tuple[MatmulQuant, ...], dtype, rows: jax.Array, group_sizes: jax.Array,
-                   w_gate: Weight, w_up: Weight, w_down: Weight) -> jax.Array:
-    """SwiGLU of rows sorted by expert [M, d]: rows of group e use expert e's weights.
+                   w_gate: Weight, w_up: Weight, w_down: Weight, b_gate: jax.Array | None = None,
+                   b_up: jax.Array | None = None, *, act: GatedActivation = SWIGLU) -> jax.Array:
+    """SwiGLU of rows sorted by expert [M, d]: rows of group e use expert e's weights (and gate/up biases [E, f]).
 
     Grouped matmuls (`jax.lax.ragged_dot`); rows past sum(group_sizes) give 0."""
     gate = project_ragged(rows, w_gate, group_sizes, matmuls[0], dtype=dtype, names=(("rows", "embed"), GATE_NAMES))
     up = project_ragged(rows, w_up, group_sizes, matmuls[1], dtype=dtype, names=(("rows", "embed"), GATE_NAMES))
-    hidden = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")
+    if b_gate is not None:  # each row's expert from the group sizes; rows past the groups: the last expert's
+        # bias, harmless, since the down projection gives those rows 0
+        ids = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows.shape[0]), side="right")
+        ids = jnp.minimum(ids, group_sizes.shape[0] - 1)
+        gate, up = gate + b_gate[ids], up + b_up[ids]
+    hidden = checkpoint_name(act(gate, up), "mlp_hidden")
     return project_ragged(hidden, w_down, group_sizes, matmuls[2], dtype=dtype, names=(("rows", "mlp"), DOWN_NAMES))

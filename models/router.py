@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.layers import param
+from models.layers import param, zeros_bias
 from models.project import Projections, prepare_weights, project_attr
 from models.quant_config import NO_QUANT, QuantConfig
 from models.stat import Stat
@@ -64,6 +64,8 @@ class Router(nnx.Module):
         if cfg.moe_bias_update_rate > 0 or cfg.moe_router_bias:
             self.bias = RouterBias(jnp.zeros((cfg.moe_num_experts,), jnp.float32), out_sharding=("experts",),
                                    eager_sharding=False)
+        if cfg.moe_router_logit_bias:  # gpt-oss: a trained bias on the logits (selection and weights alike)
+            self.logit_bias = zeros_bias((cfg.moe_num_experts,), (None,), cfg.param_dtype)
         self.cfg = cfg
         prepare_weights(self, quant, self.PROJECTIONS, jnp.float32)
 
@@ -71,6 +73,8 @@ class Router(nnx.Module):
         """rows [N, d], mask [N] (True for real tokens)."""
         # Routing in float32: top-k decisions flip on bfloat16 rounding of near-equal logits.
         logits = project_attr(self, "nd,de->ne", rows.astype(jnp.float32), "w")
+        if hasattr(self, "logit_bias"):
+            logits = logits + self.logit_bias[...].astype(jnp.float32)
         bias = jax.lax.stop_gradient(self.bias[...]) if hasattr(self, "bias") else None
         return route(logits, mask, self.cfg, bias)
 

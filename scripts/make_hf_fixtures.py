@@ -34,8 +34,10 @@ logits on the reference tokens with the reference logits (max |diff| / max |ref|
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import pathlib
+import shutil
 import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -52,6 +54,11 @@ VOCAB, SEQ, BATCH = 128, 16, 2
 def configs() -> dict[str, transformers.PretrainedConfig]:
     common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   max_position_embeddings=256, torch_dtype="float32")
+    return {**_global_configs(common), **_windowed_configs(common)}
+
+
+def _global_configs(common: dict) -> dict[str, transformers.PretrainedConfig]:
+    """The families whose layers all attend globally."""
     return {
         "llama": transformers.LlamaConfig(**common, num_key_value_heads=2, intermediate_size=128,
                                           tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=10000.0),
@@ -92,6 +99,12 @@ def configs() -> dict[str, transformers.PretrainedConfig]:
         "olmo2": transformers.Olmo2Config(**common, num_key_value_heads=2, head_dim=24, intermediate_size=96,
                                           tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=500000.0,
                                           pad_token_id=1, eos_token_id=2),
+    }
+
+
+def _windowed_configs(common: dict) -> dict[str, transformers.PretrainedConfig]:
+    """The families with sliding-window layers (sequences longer than the window: SEQS)."""
+    return {
         # Gemma 3 (text): 6 layers, every 3rd global (layer_types), a window of 8 over 32 tokens, the global
         # layers' RoPE linearly scaled x4 on base 5e4, the sliding ones' base 1e4; GQA 4/2 with head_dim 16 !=
         # 48 / 4 and query_pre_attn_scalar 24 != head_dim; tied.
@@ -108,12 +121,22 @@ def configs() -> dict[str, transformers.PretrainedConfig]:
             **{**common, "hidden_size": 32, "num_hidden_layers": 4}, num_key_value_heads=1, head_dim=16,
             intermediate_size=64, query_pre_attn_scalar=12, sliding_window=8, attn_logit_softcapping=4.0,
             final_logit_softcapping=6.0, tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=10000.0),
+        # gpt-oss: 4 layers alternating sliding (window 8 < the 32 tokens) and full, GQA 8/2 with head_dim 16 !=
+        # 64 / 8, 6 experts top-2 of width 32 (MXFP4 blocks need multiples of 32), biases everywhere, sinks, yarn
+        # x4 over 16 positions with truncate=false, and swiglu_limit 1.0 so that the clamp bites (checked).
+        "gpt_oss": transformers.GptOssConfig(
+            **{**common, "num_hidden_layers": 4, "num_attention_heads": 8, "max_position_embeddings": 64},
+            num_key_value_heads=2, head_dim=16, intermediate_size=32,
+            num_local_experts=6, num_experts_per_tok=2, sliding_window=8,
+            swiglu_limit=1.0, tie_word_embeddings=False, rms_norm_eps=1e-5, attention_bias=True,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}),
     }
 
 # Seeds by name for families added later, so that fixtures keep their seed whatever the dict order.
-SEEDS = {"qwen3_moe": 31, "olmo2": 7, "gemma3": 33, "gemma2": 22}
-# Sequence lengths other than SEQ: the Gemma fixtures' sequences are longer than their sliding window.
-SEQS = {"gemma3": 32, "gemma2": 32}
+SEEDS = {"qwen3_moe": 31, "olmo2": 7, "gemma3": 33, "gemma2": 22, "gpt_oss": 20}
+# Sequence lengths other than SEQ: these fixtures' sequences are longer than their sliding window.
+SEQS = {"gemma3": 32, "gemma2": 32, "gpt_oss": 32}
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:
@@ -128,6 +151,9 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
             else:
                 fan_in = p.shape[-1]
                 p.copy_(torch.randn(p.shape, generator=g) / fan_in ** 0.5)
+            for name, p in model.named_parameters():
+                if name.endswith(".sinks"):  # gpt-oss: sinks of order of the scores, so that they matter
+                    p.copy_(torch.randn(p.shape, generator=g))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.05 * torch.randn(b.shape, generator=g))
@@ -170,7 +196,7 @@ def build(name: str, cfg: transformers.PretrainedConfig, seed: int) -> None:
     out = OUT / name
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*"):
-        old.unlink()
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
     model.save_pretrained(out, safe_serialization=True)
     np.savez(out / "reference.npz", tokens=tokens, logits=logits, loss=np.float32(loss),
              hidden_states=hidden_states(model, tokens))
@@ -185,6 +211,82 @@ def build(name: str, cfg: transformers.PretrainedConfig, seed: int) -> None:
     again = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").float().eval()
     err = _rel_err(reference(again, tokens)[0], logits)
     assert err == 0.0, f"{name}: reload changed logits (rel err {err})"
+    if name == "gpt_oss":
+        gpt_oss_checks(model, tokens, logits)
+        build_mxfp4(model, tokens, out / "mxfp4")
+
+
+def gpt_oss_checks(model: torch.nn.Module, tokens: np.ndarray, logits: np.ndarray) -> None:
+    """The fixture exercises what it claims: the clamp bites, the window cuts, sinks and biases are non-zero."""
+    from transformers.models.gpt_oss import modeling_gpt_oss as m
+
+    limit, seen = model.config.swiglu_limit, []
+    original = m.GptOssExperts._apply_gate
+
+    def spy(self, gate_up):
+        seen.append(float((gate_up[..., ::2] > limit).float().mean()))
+        return original(self, gate_up)
+
+    m.GptOssExperts._apply_gate = spy
+    try:
+        reference(model, tokens)
+    finally:
+        m.GptOssExperts._apply_gate = original
+    full = copy.deepcopy(model)
+    full.config.layer_types = ["full_attention"] * model.config.num_hidden_layers
+    for layer in full.model.layers:
+        layer.self_attn.sliding_window = None
+    cut = _rel_err(reference(full, tokens)[0], logits)
+    sinks = min(float(layer.self_attn.sinks.detach().abs().min()) for layer in model.model.layers)
+    print(f"gpt_oss: gate > limit in {min(seen):.1%}..{max(seen):.1%} of values per expert call; window off "
+          f"changes logits by {cut:.2e} rel; min |sink| {sinks:.3f}")
+    assert 0.01 < np.mean(seen) < 0.9 and cut > 1e-3 and sinks > 0
+
+
+def mxfp4_quantize(w: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """[E, in, out] float -> (blocks [E, out, in / 32, 16] uint8, scales [E, out, in / 32] uint8), the layout
+    gpt-oss's checkpoints use, per the OCP MX spec: each block of 32 inputs shares the exponent 2^s that brings
+    its largest |value| to at most 6, and each value becomes the nearest FP4 e2m1 code, two per byte (low first)."""
+    from transformers.integrations.mxfp4 import FP4_VALUES
+
+    lut = np.asarray(FP4_VALUES, np.float32)
+    x = w.detach().float().numpy().transpose(0, 2, 1)  # [E, out, in]
+    e, rows, cols = x.shape
+    x = x.reshape(e, rows, cols // 32, 32)
+    amax = np.abs(x).max(-1)
+    exp = np.ceil(np.log2(np.maximum(amax, 1e-30) / 6.0)).astype(np.int32)
+    codes = np.abs(x[..., None] / np.ldexp(1.0, exp)[..., None, None] - lut).argmin(-1).astype(np.uint8)
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+    # contiguous: safetensors.numpy writes an array's buffer as is, whatever its strides
+    return np.ascontiguousarray(blocks), np.ascontiguousarray((exp + 127).astype(np.uint8))
+
+
+def build_mxfp4(model: torch.nn.Module, tokens: np.ndarray, out: pathlib.Path) -> None:
+    """The fixture's expert weights quantized to MXFP4 (`*_blocks`, `*_scales`: only these small tensors are
+    stored, the test puts them in place of gate_up_proj / down_proj), what transformers' own dequantization
+    (integrations/mxfp4.py convert_moe_packed_tensors) makes of layer 0's, and the logits of the model on the
+    dequantized weights."""
+    from safetensors.numpy import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    out.mkdir(parents=True, exist_ok=True)
+    quantized, dequantized = {}, {}
+    deq_model = copy.deepcopy(model)
+    for i, layer in enumerate(deq_model.model.layers):
+        for proj in ("gate_up_proj", "down_proj"):
+            key = f"model.layers.{i}.mlp.experts.{proj}"
+            blocks, scales = mxfp4_quantize(getattr(layer.mlp.experts, proj))
+            quantized |= {f"{key}_blocks": blocks, f"{key}_scales": scales}
+            deq = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
+            with torch.no_grad():
+                getattr(layer.mlp.experts, proj).copy_(deq)
+            if i == 0:
+                dequantized[key] = deq.numpy()
+    save_file(quantized, out / "experts.safetensors")
+    logits, loss = reference(deq_model, tokens)
+    np.savez(out / "reference.npz", tokens=tokens, logits=logits, loss=np.float32(loss), **dequantized)
+    moved = _rel_err(logits, reference(model, tokens)[0])
+    print(f"gpt_oss mxfp4: {len(quantized)} tensors, logits moved by {moved:.2e} rel from the unquantized ones")
 
 
 def build_gemma3_mm(seed: int = 34) -> None:

@@ -158,3 +158,40 @@ def test_qwen3_moe_trains_under_parity_layouts(qwen3_moe_baseline, name):
 @pytest.mark.parametrize("name", list(QWEN3_MOE_SLOW_LAYOUTS))
 def test_qwen3_moe_trains_under_more_layouts(qwen3_moe_baseline, name):
     _check_qwen3_moe(qwen3_moe_baseline, name, QWEN3_MOE_SLOW_LAYOUTS)
+
+
+# ---------------------------------------------------------------- gpt-oss
+
+
+# The tiny gpt-oss of tests/fixtures/hf/gpt_oss in kind: GQA with sinks and q/k/v/o biases, windows of 8 on every
+# other layer (sequence 32), yarn with HF's attention factor, MoE on every layer with the router logit bias, expert
+# biases and the clamped SwiGLU (limit 1: active).
+GPT_OSS = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=32,
+                      tie_embeddings=False, qkv_bias=True, attn_out_bias=True, attention_sinks=True, sliding_window=8,
+                      sliding_window_pattern=2, rope_scaling_type="yarn", rope_scaling_factor=4.0,
+                      rope_original_max_len=16, rope_yarn_truncate=False, rope_yarn_attention_factor=1.1386,
+                      mlp_activation="clamped_swiglu", mlp_swiglu_limit=1.0, moe_num_experts=4, moe_top_k=2,
+                      moe_mlp_dim=16, moe_router_logit_bias=True, moe_expert_bias=True, moe_aux_loss_weight=0.01)
+GPT_OSS_LAYOUTS = {
+    "expert4-fsdp2": (dict(expert=4, fsdp=2), {}),
+    "fsdp4-tensor2": (dict(fsdp=4, tensor=2), {}),
+    "context2-fsdp4-allgather": (dict(context=2, fsdp=4), dict(context_impl="allgather")),
+}
+
+
+def _gpt_oss_cfg(mesh: dict, **parallelism) -> Config:
+    return parity_config(GPT_OSS, OPT, mesh, batch=BATCH, seq=SEQ, **parallelism)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_baseline():
+    return run(_gpt_oss_cfg({}), jax.devices()[:1])
+
+
+# Slow (~10 s a layout on 2 cores); the default run covers gpt-oss under expert=2 x fsdp=2 x tensor=2 with the
+# imported fixture's eval loss (tests/test_hf.py test_sharded_import_gives_the_reference_loss).
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(GPT_OSS_LAYOUTS))
+def test_gpt_oss_trains_under_the_parity_layouts_like_one_device(gpt_oss_baseline, name):
+    mesh, parallelism = GPT_OSS_LAYOUTS[name]
+    _check(run(_gpt_oss_cfg(mesh, **parallelism), jax.devices()), gpt_oss_baseline, f"gpt-oss {name}")

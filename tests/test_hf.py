@@ -35,7 +35,7 @@ from models.layers import apply_rope
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = REPO_ROOT / "tests" / "fixtures" / "hf"
-NAMES = ["llama", "qwen2", "qwen3", "mixtral", "deepseek_v3", "deepseek_v2", "qwen3_moe", "olmo2", "gemma3", "gemma2"]
+NAMES = ["llama", "qwen2", "qwen3", "mixtral", "deepseek_v3", "deepseek_v2", "qwen3_moe", "olmo2", "gemma3", "gemma2", "gpt_oss"]
 FAMILY = {"gemma3": "gemma3_text"}  # fixture name -> family (HF's model_type) where they differ
 
 
@@ -195,7 +195,7 @@ def test_export_shards_and_bfloat16(imported, tmp_path):
 
 
 @pytest.mark.parametrize("preset", ["llama3-8b", "mixtral-8x7b", "deepseek-v3", "tiny", "qwen3-30b-a3b", "olmo2-7b",
-                                    "gemma3-27b"])
+                                    "gemma3-27b", "gpt-oss-20b", "gpt-oss-120b"])
 def test_preset_configs_map_to_hf_and_back(preset):
     """to_hf then from_hf gives back every field that changes the function (llama3 rope scaling, YaRN, MoE)."""
     from jaxinfra.hf.families import to_hf
@@ -235,15 +235,18 @@ def test_export_refuses_models_without_hf_family():
 # ---------------------------------------------------------------- sharded import, eval loss
 
 
-@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3", "gpt_oss"])
 def test_sharded_import_gives_the_reference_loss(tmp_path, name):
-    """Import straight into fsdp=4 x tensor=2 on the 8 fake devices; the eval step's loss over the
+    """Import straight into fsdp=4 x tensor=2 (gpt-oss: expert=2 x fsdp=2 x tensor=2, its 6 experts with their
+    biases split over `expert`) on the 8 fake devices; the eval step's loss over the
     reference tokens (inputs t[:-1], targets t[1:]) is the loss transformers computed."""
     from jaxinfra.runtime import build_runtime
 
     ref = reference(name)
     tokens = np.tile(ref["tokens"], (4, 1))  # 8 rows: the batch splits over fsdp; the mean is unchanged
-    overrides = ["mesh.fsdp=4", "mesh.tensor=2", "mesh.data=1", "train.seq_len=15", "train.batch_size=8"]
+    seq = tokens.shape[1] - 1
+    mesh = ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"] if name == "gpt_oss" else ["mesh.fsdp=4", "mesh.tensor=2"]
+    overrides = [*mesh, "mesh.data=1", f"train.seq_len={seq}", "train.batch_size=8"]
     import_hf(FIXTURES / name, tmp_path / "run", overrides)
     cfg = load_config(str(tmp_path / "run" / "config.yaml"))
     rt = build_runtime(cfg)
@@ -251,8 +254,8 @@ def test_sharded_import_gives_the_reference_loss(tmp_path, name):
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
         jax.eval_shape(lambda: init_params(cfg.model, jax.random.key(0))), model_state(rt.state_shardings)))
     assert params["moe_layers"]["moe"]["w_gate"][...].sharding.spec != jax.sharding.PartitionSpec()
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": np.ones((8, 15), np.int32),
-             "positions": np.broadcast_to(np.arange(15, dtype=np.int32), (8, 15)).copy()}
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": np.ones((8, seq), np.int32),
+             "positions": np.broadcast_to(np.arange(seq, dtype=np.int32), (8, seq)).copy()}
     ce, count = rt.eval_sums(params, [batch])
     assert ce / count == pytest.approx(float(ref["loss"]), rel=1e-5)
 
@@ -812,3 +815,108 @@ def test_gemma3_27b_hub_config_imports_as_the_preset():
                                 "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024},
                 "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152}}
     assert from_hf(released) == (family, cfg)
+
+
+# ---------------------------------------------------------------- gpt-oss
+
+
+def test_gpt_oss_maps_its_features_and_refuses_what_it_cannot_hold():
+    """The fixture's config maps to gpt-oss's features (window pattern 2 from layer_types, HF's yarn attention_factor
+    0.1 ln 4 + 1, truncate=false); export writes the same config back; unmappable fields are named with their value."""
+    from jaxinfra.hf.families import to_hf
+
+    hf = json.loads((FIXTURES / "gpt_oss" / "config.json").read_text())
+    family, cfg = from_hf(hf)
+    assert family == "gpt_oss" and hf_family(cfg) == "gpt_oss"
+    assert (cfg.sliding_window, cfg.sliding_window_pattern, cfg.layer_windows()) == (8, 2, (8, None, 8, None))
+    assert cfg.rope_yarn_attention_factor == pytest.approx(0.1 * np.log(4.0) + 1) and not cfg.rope_yarn_truncate
+    assert (cfg.qkv_bias, cfg.attn_out_bias, cfg.attention_sinks, cfg.moe_expert_bias, cfg.moe_router_logit_bias,
+            cfg.mlp_activation, cfg.mlp_swiglu_limit, cfg.moe_num_experts, cfg.moe_top_k) == (
+        True, True, True, True, True, "clamped_swiglu", 1.0, 6, 2)
+    assert from_hf(to_hf(cfg)) == (family, cfg)
+    # The Hub's config.json form: top-level rope_scaling / rope_theta, an MXFP4 quantization_config.
+    hub = {k: v for k, v in hf.items() if k != "rope_parameters"}
+    hub.update(rope_theta=150000.0, rope_scaling={k: v for k, v in hf["rope_parameters"].items() if k != "rope_theta"},
+               quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]})
+    assert from_hf(hub)[1] == cfg
+    all_sliding = from_hf({**hf, "layer_types": ["sliding_attention"] * 4})[1]
+    assert all_sliding.layer_windows() == (8,) * 4
+    for extra, needle in [({"layer_types": ["full_attention", "sliding_attention"] * 2}, "layer_types="),
+                          ({"layer_types": ["sliding_attention"] * 3}, "layer_types="),
+                          ({"quantization_config": {"quant_method": "fp8"}}, "quant_method='fp8'")]:
+        with pytest.raises(HFError, match=needle):
+            from_hf({**hf, **extra})
+    with pytest.raises(HFError, match="moe_router_score='sigmoid'"):
+        hf_family(dataclasses.replace(cfg, moe_router_score="sigmoid"))
+    with pytest.raises(HFError, match="rope_yarn_truncate=false"):
+        hf_family(dataclasses.replace(ModelConfig(), rope_yarn_truncate=False))
+
+
+def _mxfp4_fixture(tmp_path: pathlib.Path) -> pathlib.Path:
+    """The gpt_oss fixture with its expert weights replaced by the MXFP4 blocks and scales of mxfp4/ (as the Hub's
+    gpt-oss checkpoints store them) and config.json's quantization_config saying so."""
+    quantized = SafetensorsDir(FIXTURES / "gpt_oss" / "mxfp4")
+    replaced = {k.removesuffix("_blocks") for k in quantized.where if k.endswith("_blocks")}
+    src = _fixture_with(tmp_path, "gpt_oss", config={"quantization_config": {"quant_method": "mxfp4"}})
+    from safetensors.numpy import save_file
+
+    files = SafetensorsDir(src)
+    tensors = {k: files.read(k) for k in files.where if k not in replaced}
+    save_file({**tensors, **{k: quantized.read(k) for k in quantized.where}}, src / "model.safetensors")
+    return src
+
+
+def test_gpt_oss_mxfp4_import_is_transformers_dequantization(tmp_path):
+    """MXFP4 experts (uint8 FP4 codes + E8M0 scales) import dequantized: bitwise transformers' own dequantization
+    (convert_moe_packed_tensors, stored for layer 0), and the model scores as transformers does on those weights."""
+    from jaxinfra.hf.safetensors_io import dequantize_mxfp4
+
+    ref = dict(np.load(FIXTURES / "gpt_oss" / "mxfp4" / "reference.npz"))
+    src = _mxfp4_fixture(tmp_path)
+    files = SafetensorsDir(src)
+    key = "model.layers.0.mlp.experts.gate_up_proj"
+    assert files.read(f"{key}_blocks").dtype == np.uint8 and key not in files.where
+    assert np.array_equal(dequantize_mxfp4(files.read(f"{key}_blocks"), files.read(f"{key}_scales")), ref[key])
+    assert np.array_equal(files.read_experts(key, slice(2, 5)), ref[key][2:5])  # a device shard's experts only
+    import_hf(src, tmp_path / "out", devices=one_device())
+    cfg, params = restored(tmp_path / "out")
+    moe = params["moe_layers"]["moe"]
+    down = "model.layers.0.mlp.experts.down_proj"
+    for ours, want in (("w_gate", ref[key][..., 0::2]), ("w_up", ref[key][..., 1::2]), ("w_down", ref[down])):
+        assert np.array_equal(np.asarray(moe[ours][...][0]), want), ours
+    logits = np.asarray(forward(cfg)(params, jnp.asarray(ref["tokens"])))
+    assert rel_err(logits, ref["logits"]) <= 1e-5
+    assert mean_next_token_ce(logits, ref["tokens"]) == pytest.approx(float(ref["loss"]), rel=1e-5)
+
+
+@pytest.mark.slow  # ~10 s (prefill + decode compiles); windows and sinks in decode: tests/test_windows.py, test_infer.py
+def test_gpt_oss_kv_cache_greedy_equals_full_forward(imported):
+    """The imported gpt-oss (windows of 8, sinks, biases) generates with the KV cache past its window exactly the
+    greedy tokens of the full forward recomputed at each step."""
+    from jaxinfra.infer import Generator
+
+    run = load_config(str(imported["gpt_oss"] / "config.yaml"))
+    cfg, params = restored(imported["gpt_oss"])
+    prompts, new = [[5, 9, 1, 33, 2, 7, 3, 60, 12, 40], [7, 3]], 14
+    got = Generator(run, params).generate(prompts, max_new_tokens=new).tokens
+    fwd = forward(cfg)
+    for prompt, row in zip(prompts, got):
+        seq = list(prompt)
+        for _ in range(new):  # right-padded to one length: one compile (causal: the padding cannot matter)
+            tokens = np.zeros((1, len(prompt) + new), np.int32)
+            tokens[0, :len(seq)] = seq
+            seq.append(int(np.argmax(np.asarray(fwd(params, jnp.asarray(tokens)))[0, len(seq) - 1])))
+        assert row == seq[len(prompt):]
+    assert len(set(got[0])) > 3
+
+
+def test_gpt_oss_bad_input_is_one_line_exit_2(tmp_path, capsys):
+    """A layer_types list our window pattern cannot hold names the field and its value; a missing sink is named."""
+    types = ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+    src = _fixture_with(tmp_path, "gpt_oss", config={"layer_types": types})
+    err = _one_line_error(capsys, ["hf", "import", str(src), str(tmp_path / "out")])
+    assert "gpt_oss: config.json layer_types=" in err and "full_attention" in err
+    shutil.rmtree(src)
+    missing = "model.layers.2.self_attn.sinks"
+    src = _fixture_with(tmp_path, "gpt_oss", drop=missing)
+    assert missing in _one_line_error(capsys, ["hf", "import", str(src), str(tmp_path / "out2")])

@@ -592,3 +592,87 @@ def test_decode_attention_softcap_matches_reference():
 ])
 def test_gemma_feature_problems_name_the_key(changes, key):
     assert key in [k for k, _, _ in variant(**changes).problems()]
+
+
+# ---------------------------------------------------------------- gpt-oss's block features against numpy
+
+GPT_OSS = variant(qkv_bias=True, attn_out_bias=True, attention_sinks=True, mlp_activation="clamped_swiglu",
+                  mlp_swiglu_limit=0.5, rope_scaling_type="yarn", rope_scaling_factor=4.0, rope_original_max_len=64,
+                  rope_yarn_truncate=False, rope_yarn_attention_factor=0.1 * math.log(4.0) + 1.0)
+
+
+def _np_yarn_inv_freq(cfg):
+    """transformers' _compute_yarn_parameters (truncate=False), written out in float64."""
+    dim, base, factor, orig = cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling_factor, cfg.rope_original_max_len
+    corr = lambda rot: dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))  # noqa: E731
+    low, high = max(corr(cfg.rope_yarn_beta_fast), 0), min(corr(cfg.rope_yarn_beta_slow), dim - 1)
+    pos = base ** (np.arange(0, dim, 2) / dim)
+    ramp = np.clip((np.arange(dim // 2) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return (1 / (factor * pos)) * (1 - extrapolation) + (1 / pos) * extrapolation
+
+
+def _np_gpt_oss_logits(cfg, params, tokens, clamped):
+    """gpt-oss's decoder as transformers computes it (float64): q/k/v/o biases, yarn RoPE with cos and sin times
+    attention_factor, sinks joining the softmax denominator, the clamped SwiGLU (dense here)."""
+    leaf = lambda *keys: np.asarray(_leaf(params, *keys), np.float64)  # noqa: E731
+    table = leaf("embed")
+    h = table[np.asarray(tokens)]
+    t = h.shape[1]
+    ang = np.arange(t)[:, None] * _np_yarn_inv_freq(cfg)[None]
+    f = cfg.rope_yarn_attention_factor
+    cos, sin = (np.cos(ang) * f)[None, :, None], (np.sin(ang) * f)[None, :, None]
+    half = cfg.resolved_head_dim // 2
+
+    def rope(x):
+        x1, x2 = x[..., :half], x[..., half:]
+        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+    for i in range(cfg.num_layers):
+        a = {n: leaf("layers", "attn", n)[i] for n in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "sinks")}
+        m = {n: leaf("layers", "mlp", n)[i] for n in ("w_gate", "w_up", "w_down")}
+        x = _np_rms(h, leaf("layers", "attn_norm", "scale")[i], cfg)
+        q, k, v = (np.einsum("btd,dhk->bthk", x, a[w]) + a[b] for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
+        q, k = rope(q), rope(k)
+        k, v = (np.repeat(y, cfg.num_heads // cfg.kv_heads, axis=2) for y in (k, v))
+        s = np.einsum("bqhk,bshk->bhqs", q, k) / np.sqrt(cfg.resolved_head_dim)
+        s = np.where(np.tril(np.ones((t, t), bool)), s, -np.inf)
+        sinks = np.broadcast_to(a["sinks"][None, :, None, None], s.shape[:3] + (1,))
+        z = np.concatenate([s, sinks], -1)
+        p = np.exp(z - z.max(-1, keepdims=True))
+        p = (p / p.sum(-1, keepdims=True))[..., :-1]
+        h = h + np.einsum("bqhk,hkd->bqd", np.einsum("bhqs,bshk->bqhk", p, v), a["wo"]) + a["bo"]
+        x = _np_rms(h, leaf("layers", "mlp_norm", "scale")[i], cfg)
+        gate, up = x @ m["w_gate"], x @ m["w_up"]
+        clamped.append(np.mean(gate > cfg.mlp_swiglu_limit))
+        gate, up = np.minimum(gate, cfg.mlp_swiglu_limit), np.clip(up, -cfg.mlp_swiglu_limit, cfg.mlp_swiglu_limit)
+        h = h + ((up + 1) * gate / (1 + np.exp(-cfg.mlp_swiglu_alpha * gate))) @ m["w_down"]
+    return _np_rms(h, leaf("final_norm", "scale"), cfg) @ table.T
+
+
+def test_gpt_oss_block_features_match_numpy_reference():
+    """q/k/v + o biases, attention sinks, YaRN with truncate=false and HF's attention_factor (folded into the query
+    pre-scale) and the clamped SwiGLU (active for some values: checked) equal a float64 numpy gpt-oss decoder."""
+    assert GPT_OSS.query_prescale == pytest.approx(GPT_OSS.rope_yarn_attention_factor ** 2)
+    params = jax.tree.map(lambda x: x * 10, params_for(GPT_OSS))  # weights ~0.2: the clamp and the biases matter
+    params = _set(params, ("final_norm", "scale"), np.ones(BASE.d_model, np.float32))
+    tokens, clamped = _tokens(), []
+    want = _np_gpt_oss_logits(GPT_OSS, params, tokens, clamped)
+    assert 0.01 < min(clamped) and max(clamped) < 0.99
+    np.testing.assert_allclose(logits(GPT_OSS, params, tokens), want, rtol=1e-4, atol=1e-4)
+    # truncate and the attention factor each change the function
+    for other in (dict(rope_yarn_truncate=True), dict(rope_yarn_attention_factor=None)):
+        assert np.max(np.abs(logits(dataclasses.replace(GPT_OSS, **other), params, tokens) - want)) > 1e-3
+
+
+@pytest.mark.parametrize("changes, key", [
+    (dict(rope_yarn_attention_factor=1.2), "rope_yarn_attention_factor"),  # no yarn
+    (dict(rope_yarn_attention_factor=0.0, rope_scaling_type="yarn", rope_scaling_factor=4.0),
+     "rope_yarn_attention_factor"),
+    (dict(moe_expert_bias=True), "moe_expert_bias"),
+    (dict(moe_router_logit_bias=True), "moe_router_logit_bias"),
+    (dict(mlp_swiglu_limit=0.0), "mlp_swiglu_limit"),
+    (dict(attn_out_bias=True, attention_type="mla"), "attn_out_bias"),
+])
+def test_gpt_oss_feature_problems_name_the_key(changes, key):
+    assert key in [k for k, _, _ in variant(**changes).problems()]

@@ -442,3 +442,79 @@ def test_full_presets_match_published_parameter_counts(name):
     assert (counts["total"], counts["active"]) == closed_form()  # exact, from config.json
     assert counts["total"] == pytest.approx(total, rel=0.01)
     assert abs(counts["active"] - active) < last_digit
+
+
+# ---------------------------------------------------------------- gpt-oss's experts
+
+
+def np_gpt_oss_moe(x, state, cfg: ModelConfig):
+    """gpt-oss's MoE written as transformers' GptOssMLP computes it, per token in float64: router logits
+    x @ w + b, top-k of the logits, softmax over the k; per expert gate_up = x @ W + b, the clamped SwiGLU
+    (up + 1) * g * sigmoid(alpha g) with g = min(gate, limit), up clipped to +-limit; out = h @ W_down + b_down,
+    times the routing weight."""
+    b, t, d = x.shape
+    rows = np.asarray(x, np.float64).reshape(b * t, d)
+    logits = rows @ _np(state, "router", "w") + _np(state, "router", "logit_bias")
+    wg, wu, wd, bg, bu, bd = (_np(state, n) for n in ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down"))
+    alpha, limit = cfg.mlp_swiglu_alpha, cfg.mlp_swiglu_limit
+    y = np.zeros_like(rows)
+    for n in range(b * t):
+        top = np.argsort(-logits[n], kind="stable")[:cfg.moe_top_k]
+        w = np.exp(logits[n, top] - logits[n, top].max())
+        w /= w.sum()
+        for e, weight in zip(top, w):
+            gate = np.minimum(rows[n] @ wg[e] + bg[e], limit)
+            up = np.clip(rows[n] @ wu[e] + bu[e], -limit, limit)
+            hidden = (up + 1) * gate / (1 + np.exp(-alpha * gate))
+            y[n] += weight * (hidden @ wd[e] + bd[e])
+    return y.reshape(b, t, d)
+
+
+GPT_OSS_MOE = dict(moe_router_logit_bias=True, moe_expert_bias=True, mlp_activation="clamped_swiglu",
+                   mlp_swiglu_limit=0.5)
+
+
+@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
+def test_gpt_oss_experts_equal_the_transformers_formula(dispatch):
+    """Router logit bias, per-expert biases and the clamped SwiGLU (a limit of 0.5 so that the clamp is
+    active for many values: checked) on both dispatch paths, against a float64 per-token loop."""
+    cfg = layer_cfg(moe_dispatch=dispatch, moe_capacity_factor=E / K, **GPT_OSS_MOE)
+    x, _ = _inputs(pad=False)
+    mask = jnp.ones((B, T), bool)
+    _, state = layer_state(layer_cfg(**GPT_OSS_MOE))
+    y, stats = apply_layer(cfg, x, mask, state)
+    assert stats["dropped"] == 0
+    want = np_gpt_oss_moe(np.asarray(x), state, cfg)
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-5)
+    gate = np.einsum("nd,edf->enf", np.asarray(x).reshape(-1, D), _np(state, "w_gate"))
+    assert np.mean(gate > cfg.mlp_swiglu_limit) > 0.05  # the clamp is exercised
+    # Each new piece matters: a zero logit bias, or silu, moves the output.
+    no_bias = jax.tree_util.tree_map_with_path(
+        lambda p, v: jnp.zeros_like(v) if "logit_bias" in jax.tree_util.keystr(p) else v, state)
+    assert np.max(np.abs(apply_layer(cfg, x, mask, no_bias)[0] - want)) > 1e-3
+    silu = layer_cfg(moe_dispatch=dispatch, moe_capacity_factor=E / K, **{**GPT_OSS_MOE, "mlp_activation": "silu"})
+    assert np.max(np.abs(apply_layer(silu, x, mask, state)[0] - want)) > 1e-3
+
+
+def _gpt_oss(layers: int, experts: int) -> tuple[int, int]:
+    """gpt-oss from config.json, term by term; `active` as OpenAI counts it: without the embedding table."""
+    d, vocab, inter = 2880, 201088, 2880
+    attn = (d * 64 * 64 + 64 * 64 + 2 * (d * 8 * 64 + 8 * 64)  # q_proj, k_proj, v_proj with their biases
+            + 64 * 64 * d + d + 64 + 2 * d)  # o_proj + bias, sinks, input/post-attention norms
+    expert = d * 2 * inter + 2 * inter + inter * d + d  # gate_up_proj + bias, down_proj + bias
+    total = layers * (attn + d * experts + experts + experts * expert) + 2 * vocab * d + d
+    return total, total - layers * (experts - 4) * expert - vocab * d
+
+
+@pytest.mark.parametrize("name, layers, experts, total, active", [
+    ("gpt-oss-20b", 24, 32, 20.91e9, 3.61e9), ("gpt-oss-120b", 36, 128, 116.83e9, 5.13e9)])
+def test_gpt_oss_presets_match_published_parameter_counts(name, layers, experts, total, active):
+    """OpenAI's gpt-oss model card: 20.91B / 3.61B and 116.83B / 5.13B (active: unembedding, no embedding table)."""
+    counts = param_counts(load_config(name).model)
+    assert (counts["total"], counts["active"] - counts["embedding"]) == _gpt_oss(layers, experts)
+    assert abs(counts["total"] - total) < 0.005e9 and abs(counts["active"] - counts["embedding"] - active) < 0.005e9
+
+
+def test_gpt_oss_tiny_count_matches_instantiated_model():
+    cfg = layer_cfg(**GPT_OSS_MOE, qkv_bias=True, attn_out_bias=True, attention_sinks=True)
+    assert param_counts(cfg)["total"] == _instantiated(cfg)

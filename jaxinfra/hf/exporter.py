@@ -56,11 +56,13 @@ def _flat(tree: Any) -> dict[str, Any]:
     return {"/".join(str(k.key) for k in path): leaf for path, leaf in leaves}
 
 
-def _specs(rule: Rule, shape: tuple[int, ...], dtype: np.dtype) -> list[tuple[str, tuple[int, ...], np.dtype, tuple]]:
-    """(HF name, shape, dtype, our lead index) for every HF tensor a rule makes, from shapes alone."""
+def _specs(rule: Rule, shapes: list[tuple[int, ...]], dtype: np.dtype) -> list[tuple[str, tuple[int, ...], np.dtype,
+                                                                                    tuple]]:
+    """(HF name, shape, dtype, our lead index) for every HF tensor a rule makes, from shapes alone (`shapes`: its
+    param's and those of the params it joins)."""
     out = []
-    dummy = np.zeros(shape[len(rule.lead):], np.float32)  # layouts depend on shapes only
-    hf_shapes = [t.shape for t in rule.save(dummy)]
+    dummies = [np.zeros(s[len(rule.lead):], np.float32) for s in shapes]  # layouts depend on shapes only
+    hf_shapes = [t.shape for t in rule.save(*dummies)]
     for idx in itertools.product(*(range(n) for n in rule.lead)):
         for name, hf_shape in zip(rule.names(*idx), hf_shapes, strict=True):
             out.append((name, tuple(hf_shape), dtype, idx))
@@ -117,10 +119,11 @@ def export_hf(source: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: st
     step, flat = _restore(source, cfg)
     np_dtype = DTYPES[dtype]
     specs = []
-    for rule in rules(cfg.model, family):
+    for rule in (r for r in rules(cfg.model, family) if r.exported):
         # DeepSeek-V3 keeps its router in float32 (HF: _keep_in_fp32_modules_strict), whatever the rest is.
         keep32 = family == "deepseek_v3" and rule.path.endswith(("router/w", "router/bias"))
-        specs += [(rule, *s) for s in _specs(rule, flat[rule.path].shape, DTYPES["float32"] if keep32 else np_dtype)]
+        shapes = [flat[p].shape for p in (rule.path, *rule.joins)]
+        specs += [(rule, *s) for s in _specs(rule, shapes, DTYPES["float32"] if keep32 else np_dtype)]
 
     def tensors(chunk: list) -> Iterator[tuple[str, np.ndarray]]:
         # One (layer, expert) slice to the host at a time; its HF tensors are yielded in order.
@@ -128,7 +131,8 @@ def export_hf(source: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: st
         for rule, name, _, _, idx in chunk:
             key = (rule.path, idx)
             if cache is None or cache[0] != key:
-                cache = (key, dict(zip(rule.names(*idx), rule.save(_fetch(flat, rule.path, idx)), strict=True)))
+                slices = [_fetch(flat, p, idx) for p in (rule.path, *rule.joins)]
+                cache = (key, dict(zip(rule.names(*idx), rule.save(*slices), strict=True)))
             yield name, cache[1][name].astype(dtype_of[name])
 
     out_dir.mkdir(parents=True, exist_ok=True)

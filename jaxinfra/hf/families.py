@@ -34,6 +34,7 @@ ARCHITECTURES = {
     "olmo2": "Olmo2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 GEMMA = ("gemma2", "gemma3_text")
 # Image + text models whose text decoder we import (its config is their text_config; its tensors are
@@ -73,11 +74,15 @@ def _rope(hf: dict[str, Any], family: str) -> dict[str, Any]:
     params = dict(hf.get("rope_parameters") or {})
     scaling = hf.get("rope_scaling") or {}
     params = {**scaling, **params}
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if family == "gpt_oss" and "rope_type" not in params and "type" not in params:
+        params = {**GPT_OSS_ROPE, **params}  # GptOssConfig's defaults when config.json names no rope
+    theta = params.get("rope_theta", hf.get("rope_theta", GPT_OSS_THETA if family == "gpt_oss" else 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
     out: dict[str, Any] = {"rope_theta": float(theta)}
     if kind == "default":
         return out
+    if kind == "yarn" and family == "gpt_oss":
+        return {**out, **_mha_yarn(params, family)}
     if kind == "llama3" and family not in DEEPSEEK:
         return {**out, "rope_scaling_type": "llama3", "rope_scaling_factor": float(params["factor"]),
                 "rope_low_freq_factor": float(params["low_freq_factor"]),
@@ -92,7 +97,33 @@ def _rope(hf: dict[str, Any], family: str) -> dict[str, Any]:
                 "rope_yarn_beta_fast": float(params.get("beta_fast", 32.0)),
                 "rope_yarn_beta_slow": float(params.get("beta_slow", 1.0)),
                 "rope_yarn_mscale": float(mscale_all)}
-    raise HFError(f"{family}: rope type {kind!r} is not supported (default, llama3; yarn for DeepSeek)")
+    raise HFError(f"{family}: rope type {kind!r} is not supported (default, llama3; yarn for DeepSeek and gpt-oss)")
+
+
+GPT_OSS_THETA = 150000.0  # GptOssConfig.default_theta
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
+
+
+def _mha_yarn(params: dict[str, Any], family: str) -> dict[str, Any]:
+    """YaRN on MHA/GQA as transformers applies it (modeling_rope_utils._compute_yarn_parameters): the ramped
+    frequencies, `truncate`, and cos / sin multiplied by attention_factor (given, or from mscale and mscale_all_dim,
+    or 0.1 ln(factor) + 1)."""
+    factor = float(params["factor"])
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = mscale(m) / mscale(m_all) if m and m_all else mscale()
+    return {"rope_scaling_type": "yarn", "rope_scaling_factor": factor,
+            "rope_original_max_len": int(params["original_max_position_embeddings"]),
+            "rope_yarn_beta_fast": float(params.get("beta_fast") or 32.0),
+            "rope_yarn_beta_slow": float(params.get("beta_slow") or 1.0),
+            "rope_yarn_truncate": bool(params.get("truncate", True)),
+            "rope_yarn_attention_factor": float(attention)}
 
 
 def _refuse(hf: dict[str, Any], family: str, key: str, ok: Any, why: str) -> None:
@@ -240,6 +271,8 @@ def _model_config(hf: dict[str, Any], family: str) -> ModelConfig:
         fields.update(_olmo2(hf))
     if family in GEMMA:
         fields.update(_gemma(hf, family, fields["num_layers"], fields.get("head_dim", fields["d_model"] // heads)))
+    if family == "gpt_oss":
+        fields.update(_gpt_oss(hf, fields["num_layers"]))
     cfg = ModelConfig(**fields)
     problems = cfg.problems()
     if problems:
@@ -344,6 +377,47 @@ def _gemma_rope(hf: dict[str, Any], family: str) -> dict[str, Any]:
     return {**out, "rope_local_theta": ours["rope_theta"]}
 
 
+def _gpt_oss(hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """gpt-oss: biases on q, k, v and o (attention_bias), attention sinks, sliding and full layers (layer_types),
+    a MoE on every layer (router with a logit bias, top-k of the logits then softmax over them = softmax, top-k,
+    renormalised; experts with biases and the clamped SwiGLU). MXFP4 checkpoints are dequantized on import
+    (jaxinfra/hf/safetensors_io.py)."""
+    quant = hf.get("quantization_config") or {}
+    if quant and quant.get("quant_method") != "mxfp4":
+        raise HFError(f"gpt_oss: config.json quantization_config.quant_method={quant.get('quant_method')!r} is not "
+                      f"supported (mxfp4, dequantized on import, or none)")
+    bias = bool(hf.get("attention_bias", True))
+    return dict(qkv_bias=bias, attn_out_bias=bias, attention_sinks=True, **_gpt_oss_windows(hf, num_layers),
+                moe_num_experts=int(hf["num_local_experts"]), moe_top_k=int(hf["num_experts_per_tok"]),
+                moe_mlp_dim=int(hf["intermediate_size"]), moe_router_score="softmax", moe_norm_top_k=True,
+                moe_router_logit_bias=True, moe_expert_bias=True, moe_dispatch="dropless",
+                mlp_activation="clamped_swiglu", mlp_swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+                mlp_swiglu_limit=float(hf.get("swiglu_limit", 7.0)))
+
+
+def _gpt_oss_windows(hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """layer_types -> (sliding_window, sliding_window_pattern): every n-th layer full (n = 2 by default, HF's
+    alternation), all sliding (0), or none (no window). Other lists are refused naming the field."""
+    types = hf.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+    window = hf.get("sliding_window")
+    full = [t == "full_attention" for t in types] if isinstance(types, list) else None
+    if full is None or len(types) != num_layers or not all(t in ("full_attention", "sliding_attention")
+                                                           for t in types):
+        raise HFError(f"gpt_oss: config.json layer_types={types!r} is not supported (one of full_attention, "
+                      f"sliding_attention per layer)")
+    if all(full) or window is None:
+        if not all(full):
+            raise HFError("gpt_oss: config.json sliding_window=None with sliding_attention layers is not supported")
+        return {}
+    for n in [0, *range(1, num_layers + 1)]:
+        if all(f == (n > 0 and (i + 1) % n == 0) for i, f in enumerate(full)):
+            return dict(sliding_window=int(window), sliding_window_pattern=n)
+    raise HFError(f"gpt_oss: config.json layer_types={types!r} is not supported (ours: every n-th layer full, "
+                  f"the others sliding)")
+
+
 def _deepseek(hf: dict[str, Any], family: str) -> dict[str, Any]:
     """MLA + DeepSeekMoE. V3: sigmoid scores with the selection bias, group-limited (top-2 sum per
     group), optional renormalisation. V2 as transformers 5 computes it: softmax, greedy top-k, no
@@ -436,6 +510,10 @@ def hf_family(cfg: ModelConfig) -> str:
     if cfg.logit_softcap is not None:
         refuse(f"model.logit_softcap={cfg.logit_softcap} (Gemma 2/3 soft-cap logits: they have "
                "norm_placement=sandwich)")
+    if _uses_gpt_oss_features(cfg):
+        return _gpt_oss_family(cfg, refuse)
+    if not cfg.rope_yarn_truncate:
+        refuse("model.rope_yarn_truncate=false (gpt-oss only)")
     # Gemma's features outside Gemma's block
     for key, plain in (("norm_weight_offset", 0.0), ("mlp_activation", "silu"), ("embed_scale", False),
                        ("attn_logit_softcap", None), ("attention_scale", None), ("sliding_window", None),
@@ -485,7 +563,8 @@ def hf_family(cfg: ModelConfig) -> str:
 def _gemma_family(cfg: ModelConfig, refuse: Callable[[str], None]) -> str:
     """Sandwich norms are Gemma's: Gemma 3 with per-head QK-norm, Gemma 2 without (and one RoPE base)."""
     for key, value in (("norm_weight_offset", 1.0), ("mlp_activation", "gelu_tanh"), ("embed_scale", True),
-                       ("attention_sinks", False), ("qkv_bias", False), ("qk_norm_scope", "head")):
+                       ("attention_sinks", False), ("qkv_bias", False), ("attn_out_bias", False),
+                       ("qk_norm_scope", "head")):
         if getattr(cfg, key) != value:
             refuse(f"model.norm_placement=sandwich with model.{key}={getattr(cfg, key)!r} "
                    f"(Gemma 2/3 have {key}={value!r})")
@@ -534,6 +613,51 @@ def _gemma_hf(cfg: ModelConfig, family: str) -> dict[str, Any]:
                    rope_local_base_freq=local["rope_theta"], rope_scaling=None if cfg.rope_scaling_factor is None
                    else {"rope_type": "linear", "factor": cfg.rope_scaling_factor})
     return out
+
+
+def _uses_gpt_oss_features(cfg: ModelConfig) -> bool:
+    """Whether `cfg` uses a feature only gpt-oss has among the supported families."""
+    return (cfg.attention_sinks or cfg.attn_out_bias or cfg.mlp_activation == "clamped_swiglu"
+            or cfg.moe_expert_bias or cfg.moe_router_logit_bias)
+
+
+def _gpt_oss_family(cfg: ModelConfig, refuse: Callable[[str], None]) -> str:
+    """gpt-oss computes exactly: pre norms, GQA with sinks and q/k/v/o biases (all or none), every layer MoE with
+    a logit-biased softmax router (top-k renormalised), biased experts with the clamped SwiGLU, windows on every
+    layer or on all but every n-th, default or yarn RoPE."""
+    want = dict(attention_sinks=True, mlp_activation="clamped_swiglu", moe_expert_bias=True,
+                moe_router_logit_bias=True, attn_out_bias=cfg.qkv_bias, moe_router_score="softmax",
+                moe_norm_top_k=True, moe_shared_experts=0, moe_num_groups=1, moe_routed_scale=1.0,
+                moe_first_dense_layers=0, moe_every=1, moe_bias_update_rate=0.0, moe_router_bias=False,
+                norm_placement="pre", qk_norm=False, attention_type="mha", norm_weight_offset=0.0, embed_scale=False,
+                attn_logit_softcap=None, attention_scale=None, rope_local_theta=None)
+    if not cfg.is_moe:
+        refuse("gpt-oss's features (sinks, o bias, clamped_swiglu, expert or router logit biases) without MoE")
+    for key, value in want.items():
+        if getattr(cfg, key) != value:
+            refuse(f"model.{key}={getattr(cfg, key)!r} with gpt-oss's features (gpt-oss has {value!r})")
+    if cfg.rope_scaling_factor is not None and cfg.rope_scaling_type != "yarn":
+        refuse(f"rope_scaling_type={cfg.rope_scaling_type} with gpt-oss (default or yarn)")
+    return "gpt_oss"
+
+
+def _gpt_oss_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """gpt-oss's keys: the experts, the clamped SwiGLU, layer_types from the window pattern, yarn as HF reads it."""
+    windows = cfg.layer_windows()
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    max_len = max(4096, cfg.rope_original_max_len)
+    if cfg.rope_scaling_factor is not None:
+        rope.update(rope_type="yarn", factor=cfg.rope_scaling_factor, beta_fast=cfg.rope_yarn_beta_fast,
+                    beta_slow=cfg.rope_yarn_beta_slow, truncate=cfg.rope_yarn_truncate,
+                    original_max_position_embeddings=cfg.rope_original_max_len,
+                    attention_factor=1.0 if cfg.rope_yarn_attention_factor is None else cfg.rope_yarn_attention_factor)
+        max_len = int(cfg.rope_original_max_len * cfg.rope_scaling_factor)
+    return dict(num_local_experts=cfg.moe_num_experts, num_experts_per_tok=cfg.moe_top_k,
+                intermediate_size=cfg.expert_dim, attention_bias=cfg.qkv_bias, swiglu_alpha=cfg.mlp_swiglu_alpha,
+                swiglu_limit=cfg.mlp_swiglu_limit, sliding_window=cfg.sliding_window,
+                layer_types=["full_attention" if w is None else "sliding_attention" for w in windows],
+                router_aux_loss_coef=cfg.moe_aux_loss_weight, output_router_logits=False, rope_parameters=rope,
+                max_position_embeddings=max_len)
 
 
 def _qwen3_moe_family(cfg: ModelConfig) -> str:
@@ -600,6 +724,8 @@ def to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
         out.update(use_sliding_window=False, sliding_window=None)
     if family == "qwen3_moe":
         out.update(_qwen3_moe_hf(cfg))
+    if family == "gpt_oss":
+        out.update(_gpt_oss_hf(cfg))
     if family in ("mixtral", "mistral"):
         out["sliding_window"] = None
     if family == "mixtral":

@@ -80,22 +80,29 @@ def _callback(rule: Rule, files: SafetensorsDir, shape: tuple[int, ...], dtype: 
     """make_array_from_callback's callback for one parameter: build only the requested shard."""
     lead = len(rule.lead)
 
-    def one(index: tuple[int, ...]) -> np.ndarray:
-        got = rule.load([files.read(n) for n in rule.names(*index)])
-        if got.shape != shape[lead:]:
-            names = ", ".join(rule.names(*index))
-            raise HFError(f"tensor {names} has a shape that gives {rule.path} slice {got.shape}; the config "
-                          f"says {shape[lead:]}")
-        return got
+    def one(index: tuple[int, ...], rest: tuple[slice, ...]) -> np.ndarray:
+        """The (layer, expert) slice at `index`, cut to `rest`; a rule whose slices hold all experts reads only
+        the experts in `rest` (gpt-oss: each MXFP4 layer tensor is dequantized in part, per device shard)."""
+        names, want = rule.names(*index), shape[lead:]
+        if rule.expert_rows:
+            rows, rest = rest[0], (slice(None), *rest[1:])
+            want = (len(range(*rows.indices(shape[lead]))), *shape[lead + 1:])
+            got = rule.load([files.read_experts(n, rows) for n in names])
+        else:
+            got = rule.load([files.read(n) for n in names])
+        if got.shape != want:
+            raise HFError(f"tensor {', '.join(names)} has a shape that gives {rule.path} slice {got.shape}; the "
+                          f"config says {want}")
+        return got[rest]
 
     def callback(index: tuple[slice, ...]) -> np.ndarray:
         ranges = [range(*index[k].indices(shape[k])) for k in range(lead)]
         rest = index[lead:]
         if not lead:
-            return one(())[rest].astype(dtype)
+            return one((), rest).astype(dtype)
         out = None  # filled slice by slice: the shard plus one HF tensor, never a list of slices
         for pos, idx in zip(itertools.product(*(range(len(r)) for r in ranges)), itertools.product(*ranges)):
-            piece = one(idx)[rest]
+            piece = one(idx, rest)
             if out is None:
                 out = np.empty((*(len(r) for r in ranges), *piece.shape), dtype)
             out[pos] = piece

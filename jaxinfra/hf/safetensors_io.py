@@ -82,7 +82,12 @@ class SafetensorsDir:
         return f"{self.directory} ({', '.join(self.files)})"
 
     def read(self, name: str) -> np.ndarray:
-        """One tensor (or a fused tensor's slice standing in for it), as a numpy array."""
+        """One tensor (or a fused tensor's slice standing in for it, or its MXFP4 blocks and scales dequantized),
+        as a numpy array."""
+        pair = self.mxfp4_pair(name)
+        if pair is not None:  # gpt-oss's MXFP4 experts
+            self.used.update(pair)
+            return dequantize_mxfp4(*(self._get(key, None) for key in pair))
         found = self._locate(name)
         if found is None:
             raise HFError(f"missing tensor {name} in {self.describe()}")
@@ -92,7 +97,7 @@ class SafetensorsDir:
 
     def has(self, name: str) -> bool:
         """Whether `read(name)` finds the tensor (reads no data)."""
-        return self._locate(name) is not None
+        return self._locate(name) is not None or self.mxfp4_pair(name) is not None
 
     def _locate(self, name: str) -> tuple[str, tuple | None] | None:
         """(the stored tensor, the index of the slice standing for `name` or None), or None when absent."""
@@ -105,6 +110,23 @@ class SafetensorsDir:
             if wrapped in self.where:
                 return wrapped, None
         return self._fused(name)
+
+    def read_experts(self, name: str, rows: slice) -> np.ndarray:
+        """Rows `rows` of the leading (experts) axis of a tensor stored whole per layer (gpt-oss's experts), read
+        without the others: MXFP4 blocks and scales are sliced before they are dequantized."""
+        pair = self.mxfp4_pair(name)
+        if pair is not None:
+            self.used.update(pair)
+            return dequantize_mxfp4(*(self._get(key, (rows,)) for key in pair))
+        if name not in self.where:
+            raise HFError(f"missing tensor {name} in {self.describe()}")
+        self.used.add(name)
+        return self._get(name, (rows,))
+
+    def mxfp4_pair(self, name: str) -> tuple[str, str] | None:
+        """(`name`_blocks, `name`_scales) when the tensor is stored MXFP4-quantized instead (gpt-oss's experts)."""
+        pair = (f"{name}_blocks", f"{name}_scales")
+        return pair if name not in self.where and all(key in self.where for key in pair) else None
 
     def _fused(self, name: str) -> tuple[str, tuple] | None:
         m = _PER_EXPERT.match(name)
@@ -137,6 +159,29 @@ class SafetensorsDir:
 
     def bytes_on_disk(self) -> int:
         return sum((self.directory / f).stat().st_size for f in self.files)
+
+
+# MXFP4 (OCP Microscaling): FP4 e2m1 codes, the low nibble of each byte first, in blocks of 32 sharing one
+# E8M0 scale (2 ** (byte - 127)); these are the 16 values a code stands for (sign bit 3).
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                      np.float32)
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """gpt-oss's `*_blocks` [E, rows, G, 16] uint8 + `*_scales` [E, rows, G] uint8 -> float32 [E, G * 32, rows],
+    value by value what transformers' mxfp4 integration (convert_moe_packed_tensors) computes: each code's FP4
+    value times 2 ** (scale - 127) (torch.ldexp multiplies by that power of two; exact in float32), then the last
+    two axes swapped into the layout of the unquantized gate_up_proj [E, d, 2I] / down_proj [E, I, d]."""
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape[:-1] != scales.shape:
+        raise HFError(f"MXFP4 tensors of dtypes {blocks.dtype}/{scales.dtype} and shapes {blocks.shape}/"
+                      f"{scales.shape}: expected uint8 blocks [..., G, 16] and uint8 scales [..., G]")
+    values = _BYTE_VALUES[blocks].reshape(*scales.shape, 2 * blocks.shape[-1])  # one lookup per byte: (low, high)
+    values *= np.ldexp(np.float32(1.0), scales.astype(np.int32) - 127)[..., None]
+    return np.ascontiguousarray(np.swapaxes(values.reshape(*blocks.shape[:-2], -1), -1, -2))
+
+
+# Byte b -> (value of its low nibble, value of its high nibble): the two FP4 codes it packs, in order.
+_BYTE_VALUES = np.stack([FP4_VALUES[np.arange(256) & 0x0F], FP4_VALUES[np.arange(256) >> 4]], axis=-1)
 
 
 _DTYPES = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.float16): "F16"}

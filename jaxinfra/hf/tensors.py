@@ -25,7 +25,7 @@ import numpy as np
 from models.config import ModelConfig
 
 Convert = Callable[[Sequence[np.ndarray]], np.ndarray]
-Split = Callable[[np.ndarray], list[np.ndarray]]
+Split = Callable[..., list[np.ndarray]]  # our slice (and the slices of the params it joins) -> HF tensors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +35,13 @@ class Rule:
     names: Callable[..., list[str]]  # HF tensor names for one lead index (layer, expert)
     load: Convert  # HF tensors of one slice -> our slice
     save: Split  # our slice -> HF tensors (same order as names)
+    # Export: further params whose same slices `save` takes after this one's, save(ours, *joined) (gpt-oss's
+    # gate_up_proj interleaves w_gate and w_up); a param written that way by another rule is not `exported`.
+    joins: tuple[str, ...] = ()
+    exported: bool = True
+    # Import: the slice's first axis is the experts, as the HF tensors' first axis (one tensor per layer holds them
+    # all, gpt-oss): a device shard reads only its experts' rows (SafetensorsDir.read_experts).
+    expert_rows: bool = False
 
 
 def _t(x: np.ndarray) -> np.ndarray:
@@ -120,6 +127,8 @@ def _rules_for_block(cfg: ModelConfig, stack: str, hf_layers: list[int], family:
         add("mlp/w_up", "mlp.up_proj.weight", linear(f))
         add("mlp/w_down", "mlp.down_proj.weight", linear(d))
         return rules
+    if family == "gpt_oss":
+        return rules + _gpt_oss_experts(cfg, stack, pre, n)
     # MoE block: the routed experts have a second stacked axis, so they take their own Rule.
     e, f, d = cfg.moe_num_experts, cfg.expert_dim, cfg.d_model
     moe = "block_sparse_moe" if family == "mixtral" else "mlp"
@@ -137,6 +146,38 @@ def _rules_for_block(cfg: ModelConfig, stack: str, hf_layers: list[int], family:
         add("moe/shared/w_up", "mlp.shared_experts.up_proj.weight", linear(sf))
         add("moe/shared/w_down", "mlp.shared_experts.down_proj.weight", linear(d))
     return rules
+
+
+def _columns(start: int) -> Convert:
+    """Every other column of the last axis from `start`: one half of an interleaved gate/up tensor."""
+    return lambda ts: np.ascontiguousarray(ts[0][..., start::2])
+
+
+def _interleave(gate: np.ndarray, up: np.ndarray) -> list[np.ndarray]:
+    out = np.empty((*gate.shape[:-1], 2 * gate.shape[-1]), gate.dtype)
+    out[..., 0::2], out[..., 1::2] = gate, up
+    return [out]
+
+
+def _gpt_oss_experts(cfg: ModelConfig, stack: str, pre: Callable[[int], str], n: int) -> list[Rule]:
+    """gpt-oss's MoE, one tensor per layer for all experts: router Linear [E, d] + bias; gate_up_proj
+    [E, d, 2I] with gate and up in alternate columns (and its bias [E, 2I] alike); down_proj [E, I, d] as ours.
+    MXFP4 checkpoints (`*_blocks` + `*_scales`) are read dequantized (safetensors_io.SafetensorsDir.read)."""
+    e = cfg.moe_num_experts
+    out = []
+
+    def rule(path: str, hf: str, load: Convert, save: Split, **kw) -> None:
+        out.append(Rule(f"{stack}/moe/{path}", (n,), lambda i, hf=hf: [f"{pre(i)}.mlp.{hf}"], load, save,
+                        **{"expert_rows": hf.startswith("experts."), **kw}))
+
+    rule("router/w", "router.weight", *linear(e))
+    rule("router/logit_bias", "router.bias", *vector())
+    for gate, up, hf in (("w_gate", "w_up", "experts.gate_up_proj"), ("b_gate", "b_up", "experts.gate_up_proj_bias")):
+        rule(gate, hf, _columns(0), _interleave, joins=(f"{stack}/moe/{up}",))
+        rule(up, hf, _columns(1), _interleave, exported=False)
+    rule("w_down", "experts.down_proj", *vector())
+    rule("b_down", "experts.down_proj_bias", *vector())
+    return out
 
 
 def _add_attention(cfg: ModelConfig, add: Callable[[str, str, tuple[Convert, Split]], None],
@@ -165,6 +206,10 @@ def _add_attention(cfg: ModelConfig, add: Callable[[str, str, tuple[Convert, Spl
         add("attn/bq", "self_attn.q_proj.bias", vector(h, dh))
         add("attn/bk", "self_attn.k_proj.bias", vector(kv, dh))
         add("attn/bv", "self_attn.v_proj.bias", vector(kv, dh))
+    if cfg.attn_out_bias:  # gpt-oss
+        add("attn/bo", "self_attn.o_proj.bias", vector())
+    if cfg.attention_sinks:  # gpt-oss
+        add("attn/sinks", "self_attn.sinks", vector())
     if cfg.qk_norm:
         add("attn/q_norm", "self_attn.q_norm.weight", vector())
         add("attn/k_norm", "self_attn.k_norm.weight", vector())

@@ -36,6 +36,11 @@ def _layer_matmul_params(cfg: ModelConfig, moe: bool = False, active: bool = Fal
     return _attention_params(cfg) + experts + cfg.d_model * cfg.moe_num_experts
 
 
+def _expert_bias_params(cfg: ModelConfig) -> int:
+    """One routed expert's biases (gpt-oss: gate, up [expert_dim] and down [d_model]); 0 without them."""
+    return 2 * cfg.expert_dim + cfg.d_model if cfg.moe_expert_bias else 0
+
+
 def _layer_norm_params(cfg: ModelConfig, moe: bool = False) -> int:
     """Norm scales of one layer (the attention and MLP RMSNorms, pre, post or both, q/k or MLA latent norms),
     plus a MoE router's selection bias (not a matmul either)."""
@@ -46,7 +51,10 @@ def _layer_norm_params(cfg: ModelConfig, moe: bool = False) -> int:
         attention = qk * cfg.resolved_head_dim if cfg.qk_norm else 0
         attention += (cfg.num_heads + 2 * cfg.kv_heads) * cfg.resolved_head_dim if cfg.qkv_bias else 0
         attention += cfg.num_heads if cfg.attention_sinks else 0
+        attention += cfg.d_model if cfg.attn_out_bias else 0
     bias = cfg.moe_num_experts if moe and (cfg.moe_bias_update_rate > 0 or cfg.moe_router_bias) else 0
+    bias += cfg.moe_num_experts if moe and cfg.moe_router_logit_bias else 0
+    bias += cfg.moe_num_experts * _expert_bias_params(cfg) if moe else 0
     blocks = 4 if cfg.norm_placement == "sandwich" else 2  # sandwich: input and output norm per sub-layer
     return blocks * cfg.d_model + attention + bias
 
@@ -84,7 +92,7 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
         "matmul": matmul,
     }
     if cfg.is_moe:
-        unused = (cfg.moe_num_experts - cfg.moe_top_k) * 3 * cfg.d_model * cfg.expert_dim
+        unused = (cfg.moe_num_experts - cfg.moe_top_k) * (3 * cfg.d_model * cfg.expert_dim + _expert_bias_params(cfg))
         counts["active"] = total - unused * sum(flags)
     return counts
 
