@@ -3,7 +3,7 @@ transformers makes of multi-turn conversations with them (no network).
 
 Run with the fixture venv (transformers + tokenizers; the test suite itself never imports them):
 
-    /work/fixture-venv/bin/python scripts/make_chat_fixtures.py     # writes tests/fixtures/chat/<name>/
+    python scripts/make_chat_fixtures.py     # writes tests/fixtures/chat/<name>/
 
 Each `tests/fixtures/chat/<name>/` holds `tokenizer.json` (a small byte-level BPE trained here on
 a few sentences, with the template's special tokens added as special tokens),

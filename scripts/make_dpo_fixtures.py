@@ -1,7 +1,7 @@
 """DPO reference fixtures for tests/test_dpo.py, made with torch + trl + transformers (never by the suite).
 
-    /work/fixture-venv/bin/pip install trl
-    /work/fixture-venv/bin/python scripts/make_dpo_fixtures.py [--trl-dpo-trainer PATH]
+    pip install trl
+    python scripts/make_dpo_fixtures.py [--trl-dpo-trainer PATH]
 
 1. tests/fixtures/dpo/trl_dpo_loss.json: TRL's `DPOTrainer.dpo_loss(chosen_logps, rejected_logps,
    ref_chosen_logps, ref_rejected_logps) -> (losses, chosen_rewards, rejected_rewards)`, called unbound

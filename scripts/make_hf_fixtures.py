@@ -11,8 +11,8 @@ attention and logit soft-caps); `gemma3_mm` is Gemma3ForConditionalGeneration ar
 
 Run with the fixture venv (torch + transformers; the test suite itself never imports them):
 
-    /work/venv/hf/bin/python scripts/make_hf_fixtures.py            # writes tests/fixtures/hf/<name>/
-    /work/venv/hf/bin/python scripts/make_hf_fixtures.py --check-export EXPORT_DIR --reference tests/fixtures/hf/llama
+    python scripts/make_hf_fixtures.py            # writes tests/fixtures/hf/<name>/
+    python scripts/make_hf_fixtures.py --check-export EXPORT_DIR --reference tests/fixtures/hf/llama
 
 Each fixture dir holds what `save_pretrained(safe_serialization=True)` writes (config.json,
 model.safetensors) plus `reference.npz`: `tokens` [2, 16] int32 ([2, 32] for the Gemma ones: longer than
@@ -297,7 +297,8 @@ def build_gemma3_mm(seed: int = 34) -> None:
     text = transformers.AutoModelForCausalLM.from_pretrained(OUT / "gemma3", attn_implementation="eager").float()
     vision = transformers.SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                              num_attention_heads=2, image_size=28, patch_size=14)
-    cfg = transformers.Gemma3Config(text_config=text.config.to_dict(), vision_config=vision.to_dict(),
+    text_config = {k: v for k, v in text.config.to_dict().items() if k != "_name_or_path"}  # a local path
+    cfg = transformers.Gemma3Config(text_config=text_config, vision_config=vision.to_dict(),
                                     mm_tokens_per_image=1, torch_dtype="float32")
     torch.manual_seed(seed)
     model = transformers.Gemma3ForConditionalGeneration._from_config(cfg, attn_implementation="eager").float().eval()

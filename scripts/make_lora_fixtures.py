@@ -2,8 +2,8 @@
 
 Run with the fixture venv (torch + transformers + peft; the test suite itself never imports them):
 
-    /work/fixture-venv/bin/python scripts/make_lora_fixtures.py      # writes tests/fixtures/lora/llama/
-    /work/fixture-venv/bin/python scripts/make_lora_fixtures.py --check-export EXPORT_DIR --reference REF.npz
+    python scripts/make_lora_fixtures.py      # writes tests/fixtures/lora/llama/
+    python scripts/make_lora_fixtures.py --check-export EXPORT_DIR --reference REF.npz
 
 The adapter sits on the tiny HF Llama of tests/fixtures/hf/llama (made by scripts/make_hf_fixtures.py):
 PEFT's `LoraConfig(r=4, lora_alpha=8, target q,k,v,o,gate,up,down)`, with A and B both redrawn non-zero
