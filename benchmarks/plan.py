@@ -3,7 +3,7 @@
     python benchmarks/plan.py memory [--rows pipeline]  # analytic vs compiled memory_analysis (rows naming it)
     python benchmarks/plan.py time [--steps 5]  # predicted vs measured median step time, 4 configs
     python benchmarks/plan.py search [--top 5]  # --search's top layouts for small and mixtral-tiny, measured
-    python benchmarks/plan.py presets           # full-size presets on 8/64/256 H100 and TPU v5p (no compile)
+    python benchmarks/plan.py presets [--presets gpt-oss-20b,...]  # full-size presets on 8/64/256 H100, TPU v5p
 
 Every figure of one table comes from one process (the matmul probe that calibrates the CPU
 predictions is measured in it, next to the steps it predicts). Tables print in RESULTS.md's
@@ -209,10 +209,11 @@ PRESETS = ("llama3-8b", "deepseek-v3", "mixtral-8x7b", "qwen3-30b-a3b", "olmo2-7
 # `auto` is what the kernels pick on each device kind (kernels/facts.py: Triton on H100, Mosaic on TPU).
 
 
-def presets_table(kinds: tuple[str, ...] = ("h100", "tpu-v5p"), counts: tuple[int, ...] = (8, 64, 256)) -> None:
+def presets_table(presets: tuple[str, ...] = PRESETS, kinds: tuple[str, ...] = ("h100", "tpu-v5p"),
+                  counts: tuple[int, ...] = (8, 64, 256)) -> None:
     """Full-size presets: the preset's own layout (fsdp=-1) and --search's best, per device count."""
     rows = []
-    for preset in PRESETS:
+    for preset in presets:
         for kind in kinds:
             extra = ["model.attention_impl=auto", "model.loss_chunk_size=512"]
             cfg = load_config(preset, extra)
@@ -242,7 +243,8 @@ def main() -> int:
     parser.add_argument("what", choices=["memory", "time", "search", "presets"])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=5)
-    parser.add_argument("--presets", default="small,mixtral-tiny")
+    parser.add_argument("--presets", help="search: presets to search (default small,mixtral-tiny); presets: the "
+                        "full-size presets to price (default all of PRESETS)")
     parser.add_argument("--rows", default="", help="memory: only the layouts whose name contains this")
     args = parser.parse_args()
     if args.what == "memory":
@@ -250,10 +252,10 @@ def main() -> int:
     elif args.what == "time":
         time_table(args.steps)
     elif args.what == "search":
-        for preset in args.presets.split(","):
+        for preset in (args.presets or "small,mixtral-tiny").split(","):
             search_table(preset, args.top, args.steps)
     else:
-        presets_table()
+        presets_table(tuple(args.presets.split(",")) if args.presets else PRESETS)
     return 0
 
 
