@@ -21,7 +21,16 @@ import yaml
 
 # Only jax-free modules (tests/test_layout.py): a bad config fails before jax loads.
 from jaxinfra import storage
-from jaxinfra.config_sections import DistillConfig, DpoConfig, GrpoConfig, SftConfig, prompt_data
+from jaxinfra.config_sections import (
+    DistillConfig,
+    DpoConfig,
+    EvalTasksConfig,
+    GrpoConfig,
+    MlflowConfig,
+    SftConfig,
+    WandbConfig,
+    prompt_data,
+)
 from jaxinfra.data.config import DataConfig
 from models.config import REMAT_POLICIES, ModelConfig
 from models.lora_config import LoraConfig, model_problems
@@ -104,6 +113,9 @@ class TrainConfig:
     # Watchdog: a process that makes no progress for this long (after the first step) dumps its
     # Python stacks, names the step and phase it is stuck in, and exits. 0 disables it.
     step_timeout_s: float = 1800.0
+    # XLA's persistent compilation cache: a directory, off (false), or null for the default
+    # ($XDG_CACHE_HOME/jaxinfra/xla; the JAX_COMPILATION_CACHE_DIR environment variable wins).
+    compile_cache: str | bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +136,10 @@ class LogConfig:
     tensorboard: bool = True
     progress: bool = True
     peak_tflops: float | None = None  # per-device peak for MFU; None: table or CPU probe
+    wandb: WandbConfig = WandbConfig()  # W&B run (offline by default); off unless log.wandb.project
+    mlflow: MlflowConfig = MlflowConfig()  # MLflow run; off unless log.mlflow.experiment or tracking_uri
+    # [start, stop): a jax.profiler trace of these steps into RUN/profile (`jaxinfra profile RUN`).
+    profile_steps: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +159,7 @@ class Config:
     lora: LoraConfig = LoraConfig()  # low-rank adapters over a frozen base; off unless lora.rank > 0
     dpo: DpoConfig = DpoConfig()  # preference tuning when data.source=preference (jaxinfra/dpo/)
     grpo: GrpoConfig = GrpoConfig()  # rollouts and rewards when data.source=prompts (jaxinfra/grpo/)
+    eval: EvalTasksConfig = EvalTasksConfig()  # lm-eval tasks during training (jaxinfra/harness/)
 
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(dataclasses.asdict(self))
@@ -388,7 +405,8 @@ def validate(cfg: Config, device_count: int | None = None) -> None:
                               ("quant", cfg.quant.problems() + group_size_problem(cfg.model, cfg.quant)),
                               ("distill", cfg.distill.problems(cfg.model.vocab_size)),
                               ("lora", cfg.lora.problems() or model_problems(cfg.model, cfg.lora)),
-                              ("dpo", cfg.dpo.problems()), ("grpo", cfg.grpo.problems())):
+                              ("dpo", cfg.dpo.problems()), ("grpo", cfg.grpo.problems()),
+                              ("eval", cfg.eval.problems()), ("log", _log_problems(cfg))):
         for key, value, allowed in problems:
             raise ConfigError(f"{section}.{key}={value!r} is invalid: must be {allowed}")
     _validate_post_training(cfg)
@@ -419,6 +437,15 @@ def validate(cfg: Config, device_count: int | None = None) -> None:
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the data's vocabulary "
             f"({data_vocab} ids from data.source={cfg.data.source}); set model.vocab_size>={data_vocab}")
     validate_layout(cfg, device_count)
+
+
+def _log_problems(cfg: Config) -> list[tuple[str, object, str]]:
+    """log.profile_steps: [start, stop) inside the run (a window past the last step would never be written)."""
+    window = cfg.log.profile_steps
+    if window and (len(window) != 2 or not 0 <= window[0] < window[1] <= cfg.train.steps):
+        steps = cfg.train.steps
+        return [("profile_steps", list(window), f"[start, stop] with 0 <= start < stop <= train.steps={steps}")]
+    return []
 
 
 def _validate_post_training(cfg: Config) -> None:

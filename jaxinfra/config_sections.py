@@ -191,3 +191,61 @@ class GrpoConfig:
         if self.reference is not None and (not isinstance(self.reference, str) or not self.reference.strip()):
             out.append(("reference", self.reference, "null or a directory path"))
         return out
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalTasksConfig:
+    """lm-evaluation-harness tasks run on the live params during training (jaxinfra/harness/).
+
+    Off unless `tasks` is set. Scores go to metrics.jsonl as `eval/<task>/<metric>`, to TensorBoard
+    and to the trackers. lm-eval itself is the optional extra `jaxinfra[eval]`."""
+
+    tasks: tuple[str, ...] = ()  # lm-eval task names (or groups)
+    every: int = 0  # steps between task evals; 0: at train.eval_every
+    limit: int | None = None  # documents per task (None: all)
+    num_fewshot: int | None = None  # None: each task's own default
+    include_path: str | None = None  # a directory of local task YAMLs (offline tasks)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tasks)
+
+    def problems(self) -> list[tuple[str, object, str]]:
+        out: list[tuple[str, object, str]] = []
+        if self.every < 0:
+            out.append(("every", self.every, "an integer >= 0 (0: at train.eval_every)"))
+        if self.limit is not None and self.limit < 1:
+            out.append(("limit", self.limit, "null or a positive integer"))
+        if self.num_fewshot is not None and self.num_fewshot < 0:
+            out.append(("num_fewshot", self.num_fewshot, "null or an integer >= 0"))
+        if any(not t.strip() for t in self.tasks):
+            out.append(("tasks", list(self.tasks), "a list of task names"))
+        return out
+
+
+WandbMode = Literal["offline", "online", "disabled"]
+
+
+@dataclasses.dataclass(frozen=True)
+class WandbConfig:
+    """Weights & Biases (the optional extra `jaxinfra[wandb]`); off unless `project` is set."""
+
+    project: str | None = None
+    entity: str | None = None
+    name: str | None = None  # default: the run directory's name
+    tags: tuple[str, ...] = ()
+    group: str | None = None  # default: the sweep's name for sweep runs
+    mode: WandbMode = "offline"  # offline works with no network (`wandb sync` later)
+
+
+@dataclasses.dataclass(frozen=True)
+class MlflowConfig:
+    """MLflow (the optional extra `jaxinfra[mlflow]`); off unless `experiment` or `tracking_uri` is set."""
+
+    tracking_uri: str | None = None  # default: a local store in the run dir (sqlite:///RUN/mlflow.db)
+    experiment: str | None = None  # default: the config's name
+    group: str | None = None  # a `group` tag (default: the sweep's name for sweep runs)
+
+    @property
+    def enabled(self) -> bool:
+        return self.tracking_uri is not None or self.experiment is not None
