@@ -42,12 +42,13 @@ same way; the statuses are in jaxinfra/exits.py.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import pathlib
 import sys
 
-from jaxinfra.config import ConfigError, load_config, preset_names
+from jaxinfra.config import Config, ConfigError, load_config, preset_names
 from jaxinfra.exits import (
     EXIT_BAD_INPUT,
     EXIT_BROKEN_PIPE,
@@ -71,6 +72,7 @@ def _join_process_group(args: argparse.Namespace) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # bad input fails here: before any device, process group or compile
     _check_urls(run_dir=args.run_dir, restore=args.restore)
+    cfg = _tracker_defaults(cfg, _config_stem(args.config))
     from jaxinfra.hf.tokenizer_files import restore_defaults
 
     cfg, note = restore_defaults(cfg, args.restore, args.overrides)  # an `hf import`'s tokenizer and template
@@ -84,6 +86,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or f"runs/{_config_stem(args.config)}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     summary = train(cfg, run_dir, restore_from=args.restore)
     return int(summary.get("exit_code", 0))
+
+
+def _tracker_defaults(cfg: Config, config_name: str) -> Config:
+    """log.mlflow.experiment defaults to the config's name (the preset or YAML stem), recorded in the run's
+    config.yaml so a rerun of that file lands in the same experiment; a missing tracker package: one line."""
+    from jaxinfra.metrics.trackers import require_packages
+
+    require_packages(cfg)
+    m = cfg.log.mlflow
+    if not m.enabled or m.experiment is not None:
+        return cfg
+    mlflow = dataclasses.replace(m, experiment=pathlib.Path(config_name).name)
+    return dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, mlflow=mlflow))
 
 
 def _check_urls(**flags: str | None) -> None:

@@ -15,6 +15,11 @@ A `StepExtension` may add, each hook optional (the base class does nothing):
                                  knobs): step arguments, never differentiated, never checkpointed;
                                  `abstract_inputs()` the same as ShapeDtypeStructs (before `start`)
         eval_fields()            extra fields of each eval line
+        host_metrics(host, step) after every completed step (the last included), in every process:
+                                 {name: value} logged at `step` through the one metrics writer
+                                 (metrics.jsonl, TensorBoard, W&B, MLflow), e.g. lm-eval task scores
+                                 `eval/<task>/<metric>` every `eval.every` steps; {} (the default)
+                                 logs nothing and adds no host sync
         checkpoint_meta()        what the checkpoint's meta records under the extension's name (e.g.
                                  which teacher); `start` gets that meta back on resume
         metric_names             the step metrics the train loop logs for it
@@ -139,6 +144,12 @@ class StepExtension:
         return {}
 
     def eval_fields(self) -> dict[str, float]:
+        return {}
+
+    def host_metrics(self, host: HostContext, step: int) -> dict[str, float]:
+        """Metrics this extension computes on the host after step `step` completed (`host.current_state()`
+        is the state after it), logged at `step`; every process calls it (it may run collectives), process
+        0 writes. Return {} on steps with nothing to log: the loop then touches no device value."""
         return {}
 
     def checkpoint_meta(self) -> dict[str, Any]:

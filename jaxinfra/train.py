@@ -72,6 +72,7 @@ from jaxinfra.metrics import (
     peak_flops_per_device,
     write_summary,
 )
+from jaxinfra.metrics.trackers import open_trackers, require_packages
 from jaxinfra.optim import all_finite
 from jaxinfra.rundir import LOCK_NAME, ObjectLock, RunDirError, RunDirLock, check_run_dir
 from jaxinfra.runtime import build_runtime
@@ -110,6 +111,7 @@ class Trainer:
         """`extensions` join the train step (jaxinfra/extensions.py); None: those the config asks for."""
         self.cfg = cfg
         self.requested_extensions = extensions
+        require_packages(cfg)  # log.wandb / log.mlflow without the package: one line, nothing written or compiled
         self._open_store(run_dir, restore_from)  # a bucket that is missing or refuses us: one line, nothing written
         self.is_main = jax.process_index() == 0
         # What _close() releases, present from the start so that any exit path closes what exists.
@@ -350,7 +352,7 @@ class Trainer:
                    ("checkpoints", self._checkpoint_closer(error)),
                    ("data workers", getattr(self.train_iter, "close", None)),
                    ("progress bar", self.bar.close if self.bar else None),
-                   ("metrics", self.logger.close if self.logger else None),
+                   ("metrics", functools.partial(self.logger.close, _outcome(error)) if self.logger else None),
                    ("run-dir upload", functools.partial(self._push, True) if self.store else None),
                    ("run-dir lock", self.lock.release)]
         first: BaseException | None = None
@@ -400,12 +402,15 @@ class Trainer:
         return self._finish(loop)
 
     def _open_outputs(self, start_step: int) -> None:
-        """config.yaml, metrics.jsonl (cut back to the resumed step) and TensorBoard, process 0 only."""
+        """config.yaml, metrics.jsonl (cut back to the resumed step), TensorBoard and the trackers (a resume
+        continues their runs), process 0 only."""
         self.logger = None
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(self.cfg.to_yaml())
-            self.logger = MetricsLogger(self.run_dir, tensorboard=self.cfg.log.tensorboard, resume_step=start_step)
+            trackers = open_trackers(self.cfg, self.run_dir, start_step)  # W&B / MLflow: fed by the one writer
+            self.logger = MetricsLogger(self.run_dir, tensorboard=self.cfg.log.tensorboard, resume_step=start_step,
+                                        trackers=trackers)
         self.bar = ProgressBar(self.cfg.train.steps, initial=start_step, enabled=self.cfg.log.progress and self.is_main)
 
     def _say(self, text: str) -> None:
@@ -468,7 +473,19 @@ class Trainer:
         if self.has_eval and ((t.eval_every and step % t.eval_every == 0) or step == t.steps):
             watchdog.progress(step, "eval")
             self._record_eval(loop, step)
+        self._host_metrics(step)
         return self._checkpoint_or_stop(loop, step, sync=log_now)
+
+    def _host_metrics(self, step: int) -> None:
+        """The extensions' host metrics after step `step` (e.g. lm-eval scores), one line at that step when
+        any returns some; each extension decides when it touches the device, so {} costs no sync."""
+        self.watchdog.progress(step, "host metrics")
+        host = self.host_context()
+        line = {k: v for e in self.rt.extensions for k, v in e.host_metrics(host, step).items()}
+        if line:
+            self._log(step, line)
+            shown = ", ".join(f"{k} {float(v):.4g}" for k, v in line.items() if isinstance(v, (int, float)))
+            self._say(f"step {step}: {shown or ', '.join(line)}")
 
     def _log_point(self, loop: _Loop, step: int, metrics: dict[str, jax.Array]) -> None:
         """The loop's host sync: count skipped steps and write one metrics line."""
@@ -534,7 +551,8 @@ class Trainer:
         summary = self._summary(loop, time.perf_counter() - loop.started)
         if self.is_main:
             write_summary(self.run_dir, summary)
-            self.logger.close()
+            self.logger.log_summary(loop.step, summary)
+            self.logger.close(_EXIT_OUTCOMES.get(loop.exit_code, "failed"))
         first, final = summary["first_eval_loss"], summary["final_eval_loss"]
         if loop.exit_code == EXIT_OK and first is not None and final is not None:
             drop = summary["eval_loss_drop"]  # negative when it rose (DPO pushes the rejected replies' loss up)
@@ -592,6 +610,14 @@ def train(cfg: Config, run_dir: str | os.PathLike, devices: Sequence[jax.Device]
         _leave(EXIT_HUNG, f"jaxinfra: error: process {jax.process_index()} failed at step {step}, phase '{phase}': "
                           f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]} (a peer process may have "
                           f"died); the last committed checkpoint is in {_shown(run_dir)}/checkpoints")
+
+
+_EXIT_OUTCOMES = {EXIT_OK: "finished", EXIT_PREEMPTED: "killed"}  # how the trackers' runs end (else failed)
+
+
+def _outcome(error: BaseException | None) -> str:
+    """A tracker run's end when the loop did not finish normally: Ctrl-C is killed, an error failed."""
+    return "killed" if isinstance(error, KeyboardInterrupt) else "failed" if error is not None else "finished"
 
 
 def _shown(run_dir: str | os.PathLike) -> str:

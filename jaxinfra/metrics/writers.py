@@ -1,6 +1,8 @@
-"""Where metrics go: a JSONL file (+ TensorBoard), a console progress bar, a run summary.
+"""Where metrics go: a JSONL file (+ TensorBoard and the trackers), a console progress bar, a run summary.
 
-Only one process (process 0) should write; choosing it is the caller's job.
+`MetricsLogger` is the run's one metrics writer: W&B and MLflow (jaxinfra/metrics/trackers.py) are fed
+from it, never written to beside it. Only one process (process 0) should write; choosing it is the
+caller's job.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import tempfile
 from typing import Any
 
 from tqdm import tqdm
+
+from jaxinfra.metrics.trackers import Trackers, scalars_of
 
 
 def _json_value(value: Any) -> Any:
@@ -67,6 +71,8 @@ class MetricsLogger:
     `resume_step=S` the lines a killed run wrote after its checkpoint at step S (which the
     resumed run writes again) are dropped first, and TensorBoard is told to purge its events
     after S, so every step appears once in both (S=0, a fresh start: nothing old is kept).
+    `trackers` (W&B, MLflow; see trackers.py) get the same scalars as TensorBoard, `log_summary` the
+    run summary's, and `close(outcome)` ends their runs as finished, failed or killed.
     """
 
     def __init__(
@@ -76,6 +82,7 @@ class MetricsLogger:
         tensorboard: bool = True,
         jsonl_name: str = "metrics.jsonl",
         resume_step: int | None = None,
+        trackers: Trackers | None = None,
     ) -> None:
         self.run_dir = pathlib.Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -90,6 +97,7 @@ class MetricsLogger:
 
             purge = resume_step + 1 if resumed and resume_step else 0 if resumed else None
             self._tb = SummaryWriter(logdir=str(self.run_dir), purge_step=purge)
+        self.trackers = trackers
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Write `{"step": step, **metrics}`; nothing is added or renamed."""
@@ -102,18 +110,23 @@ class MetricsLogger:
         # Flush per line: a crash (OOM, preemption, NaN abort) must not lose logged lines.
         self._file.flush()
         if self._tb is not None:
-            for key, value in metrics.items():
-                if key == "step" or isinstance(value, (str, bool)) or value is None:
-                    continue
-                try:
-                    scalar = float(value)
-                except (TypeError, ValueError):
-                    continue  # not a scalar: JSONL only
+            for key, scalar in scalars_of(metrics).items():
                 self._tb.add_scalar(key, scalar, global_step=int(step))
             self._tb.flush()
+        if self.trackers is not None:
+            self.trackers.log(int(step), metrics)
 
-    def close(self) -> None:
-        """Flush and close both outputs; safe to call twice."""
+    def log_summary(self, step: int, summary: dict[str, Any]) -> None:
+        """The run summary's numbers to the trackers (W&B's run summary, MLflow `summary/<key>` metrics)."""
+        if self.trackers is not None:
+            self.trackers.summary(int(step), summary)
+
+    def close(self, outcome: str = "finished") -> None:
+        """Flush and close every output (the trackers' runs end as `outcome`: finished, failed or killed);
+        safe to call twice."""
+        if self.trackers is not None:
+            trackers, self.trackers = self.trackers, None
+            trackers.close(outcome)
         if self._file is not None:
             self._file.close()
             self._file = None
