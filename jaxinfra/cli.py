@@ -91,9 +91,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _tracker_defaults(cfg: Config, config_name: str) -> Config:
     """log.mlflow.experiment defaults to the config's name (the preset or YAML stem), recorded in the run's
     config.yaml so a rerun of that file lands in the same experiment; a missing tracker package: one line."""
-    from jaxinfra.metrics.trackers import require_packages
+    from jaxinfra.metrics.trackers import missing_package
 
-    require_packages(cfg)
+    if problem := missing_package(cfg.log.wandb, cfg.log.mlflow):
+        raise ConfigError(problem)
     m = cfg.log.mlflow
     if not m.enabled or m.experiment is not None:
         return cfg

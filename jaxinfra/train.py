@@ -48,7 +48,7 @@ from jaxinfra.checkpoint import (
 from jaxinfra.checkpoint import (
     CheckpointWriteError as CheckpointWriteError,  # re-exported: train() raises it
 )
-from jaxinfra.config import Config
+from jaxinfra.config import Config, ConfigError
 from jaxinfra.data import make_eval_sets, make_train_iterator, row_states, set_row_states
 from jaxinfra.exits import (
     EXIT_BAD_INPUT,
@@ -72,7 +72,7 @@ from jaxinfra.metrics import (
     peak_flops_per_device,
     write_summary,
 )
-from jaxinfra.metrics.trackers import open_trackers, require_packages
+from jaxinfra.metrics.trackers import missing_package, open_trackers
 from jaxinfra.optim import all_finite
 from jaxinfra.rundir import LOCK_NAME, ObjectLock, RunDirError, RunDirLock, check_run_dir
 from jaxinfra.runtime import build_runtime
@@ -111,7 +111,8 @@ class Trainer:
         """`extensions` join the train step (jaxinfra/extensions.py); None: those the config asks for."""
         self.cfg = cfg
         self.requested_extensions = extensions
-        require_packages(cfg)  # log.wandb / log.mlflow without the package: one line, nothing written or compiled
+        if problem := missing_package(cfg.log.wandb, cfg.log.mlflow):  # one line; nothing written or compiled
+            raise ConfigError(problem)
         self._open_store(run_dir, restore_from)  # a bucket that is missing or refuses us: one line, nothing written
         self.is_main = jax.process_index() == 0
         # What _close() releases, present from the start so that any exit path closes what exists.
@@ -408,7 +409,8 @@ class Trainer:
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(self.cfg.to_yaml())
-            trackers = open_trackers(self.cfg, self.run_dir, start_step)  # W&B / MLflow: fed by the one writer
+            log = self.cfg.log  # W&B / MLflow, fed by the one writer
+            trackers = open_trackers(log.wandb, log.mlflow, self.cfg.to_dict(), self.run_dir, start_step)
             self.logger = MetricsLogger(self.run_dir, tensorboard=self.cfg.log.tensorboard, resume_step=start_step,
                                         trackers=trackers)
         self.bar = ProgressBar(self.cfg.train.steps, initial=start_step, enabled=self.cfg.log.progress and self.is_main)

@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
-from jaxinfra.config import Config, ConfigError
+from jaxinfra.config_sections import MlflowConfig, WandbConfig
 
 STATE_FILE = "trackers.json"
 OUTCOMES = ("finished", "failed", "killed")
@@ -56,25 +56,25 @@ class Tracker:
         return {"run_id": self.run_id}
 
 
-def requested(cfg: Config) -> list[tuple[str, str]]:
-    """(package, the config key that asks for it) of each tracker the config turns on."""
+def requested(wandb: WandbConfig, mlflow: MlflowConfig) -> list[tuple[str, str]]:
+    """(package, the config key that asks for it) of each tracker `log.wandb` / `log.mlflow` turn on."""
     out = []
-    if cfg.log.wandb.project is not None:
+    if wandb.project is not None:
         out.append(("wandb", "log.wandb.project"))
-    if cfg.log.mlflow.enabled:
-        out.append(("mlflow", "log.mlflow.tracking_uri" if cfg.log.mlflow.tracking_uri else "log.mlflow.experiment"))
+    if mlflow.enabled:
+        out.append(("mlflow", "log.mlflow.tracking_uri" if mlflow.tracking_uri else "log.mlflow.experiment"))
     return out
 
 
-def require_packages(cfg: Config) -> None:
-    """A tracker the config asks for whose package does not import: one line naming the extra to install
-    (called before anything is compiled or written)."""
-    for package, key in requested(cfg):
+def missing_package(wandb: WandbConfig, mlflow: MlflowConfig) -> str | None:
+    """The line for a tracker asked for whose package does not import (naming the extra to install), or
+    None; callers raise it as a ConfigError before anything is compiled or written."""
+    for package, key in requested(wandb, mlflow):
         try:
             __import__(package)
         except ImportError:
-            raise ConfigError(f"{key} is set but {package} is not installed: "
-                              f"pip install 'jaxinfra[{package}]'") from None
+            return f"{key} is set but {package} is not installed: pip install 'jaxinfra[{package}]'"
+    return None
 
 
 # ---------------------------------------------------------------- W&B
@@ -88,15 +88,14 @@ class WandbTracker(Tracker):
 
     name = "wandb"
 
-    def __init__(self, cfg: Config, run_dir: pathlib.Path, run_id: str | None = None):
+    def __init__(self, w: WandbConfig, config: dict[str, Any], run_dir: pathlib.Path, run_id: str | None = None):
         import wandb
 
-        w = cfg.log.wandb
         # No console capture, system stats or environment scan: the run's lines stay plain and tests fast.
         settings = wandb.Settings(mode=w.mode, console="off", x_disable_stats=True, x_disable_meta=True,
                                   x_save_requirements=False, silent=True)
         self.run = wandb.init(project=w.project, entity=w.entity, name=w.name or run_dir.name,
-                              tags=list(w.tags) or None, group=w.group, config=cfg.to_dict(), dir=str(run_dir),
+                              tags=list(w.tags) or None, group=w.group, config=config, dir=str(run_dir),
                               id=run_id, resume="allow", settings=settings,
                               reinit="create_new")
         self.run_id = self.run.id
@@ -139,13 +138,13 @@ class MlflowTracker(Tracker):
 
     name = "mlflow"
 
-    def __init__(self, cfg: Config, run_dir: pathlib.Path, saved: dict[str, Any] | None = None):
+    def __init__(self, m: MlflowConfig, config: dict[str, Any], run_dir: pathlib.Path,
+                 saved: dict[str, Any] | None = None):
         from mlflow.tracking import MlflowClient
 
-        m = cfg.log.mlflow
         self.uri = m.tracking_uri or default_tracking_uri(run_dir)
         self.client = MlflowClient(self.uri)
-        params = dict(flat_params(cfg.to_dict()))
+        params = dict(flat_params(config))
         if saved and saved.get("tracking_uri") == self.uri:
             self.run_id = saved["run_id"]
             self.client.update_run(self.run_id, status="RUNNING")
@@ -265,19 +264,21 @@ def _warn(text: str) -> None:
     print(f"jaxinfra: warning: {text}", file=sys.stderr, flush=True)
 
 
-def open_trackers(cfg: Config, run_dir: str | os.PathLike, start_step: int) -> Trackers | None:
-    """The config's trackers for a run starting after `start_step` (None when it asks for none); a resume
-    (start_step > 0) continues the runs RUN/trackers.json names."""
-    wanted = [package for package, _ in requested(cfg)]
+def open_trackers(wandb: WandbConfig, mlflow: MlflowConfig, config: dict[str, Any], run_dir: str | os.PathLike,
+                  start_step: int) -> Trackers | None:
+    """The trackers `log.wandb` / `log.mlflow` ask for (None: none), logging `config` (the resolved run
+    config) for a run starting after `start_step`; a resume (start_step > 0) continues the runs
+    RUN/trackers.json names."""
+    wanted = [package for package, _ in requested(wandb, mlflow)]
     if not wanted:
         return None
     run_dir = pathlib.Path(run_dir)
     saved = _read_state(run_dir / STATE_FILE) if start_step > 0 else {}
     trackers: list[Tracker] = []
     if "wandb" in wanted:
-        trackers.append(WandbTracker(cfg, run_dir, saved.get("wandb", {}).get("run_id")))
+        trackers.append(WandbTracker(wandb, config, run_dir, saved.get("wandb", {}).get("run_id")))
     if "mlflow" in wanted:
-        trackers.append(MlflowTracker(cfg, run_dir, saved.get("mlflow")))
+        trackers.append(MlflowTracker(mlflow, config, run_dir, saved.get("mlflow")))
     floors = {t.name: int(saved[t.name].get("last_step", -1)) for t in trackers
               if saved.get(t.name, {}).get("run_id") == t.run_id}
     return Trackers(run_dir, trackers, floors)
