@@ -3,8 +3,9 @@
     jaxinfra sweep SPEC [--dry-run] [--launcher local|slurm|k8s|jobset] [--out DIR] [--no-fit] [KEY=VALUE ...]
     jaxinfra sweep SPEC --launcher slurm --submit [--wait]     # sbatch; follow, retry, collect + fit
     jaxinfra sweep SPEC --status [--out DIR]                   # one line per run, from any process
-    jaxinfra scaling collect OUT_DIR
+    jaxinfra scaling collect OUT_DIR [--metric NAME ...]
     jaxinfra scaling fit RESULTS [--plot DIR] [--out FIT.json] [--bootstrap N] [--n-column N_nonemb]
+                                 [--metric eval/<task>/<metric> [--higher-is-better]]
     jaxinfra scaling predict --fit FIT.json --compute C
 
 KEY=VALUE after `sweep SPEC` are overrides of the spec's base config. Bad input raises
@@ -56,7 +57,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
     _no_overrides(args)
     from jaxinfra.scaling.workflow import collect_results
 
-    collect_results(args.out_dir)
+    collect_results(args.out_dir, metrics=args.metric)
     return 0
 
 
@@ -64,8 +65,10 @@ def cmd_fit(args: argparse.Namespace) -> int:
     _no_overrides(args)
     from jaxinfra.scaling.workflow import fit_results
 
+    if args.higher_is_better and not args.metric:
+        raise ConfigError("--higher-is-better goes with --metric NAME (the final eval loss is lower-is-better)")
     fit_results(args.results, plot_dir=args.plot, out=args.out, bootstrap=args.bootstrap, seed=args.seed,
-                n_column=args.n_column)
+                n_column=args.n_column, metric=args.metric, higher_is_better=args.higher_is_better)
     return 0
 
 
@@ -122,6 +125,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     ssub = p.add_subparsers(dest="scaling_command", required=True)
     q = ssub.add_parser("collect", help="rebuild OUT_DIR/results.csv and .jsonl from its run directories")
     q.add_argument("out_dir")
+    q.add_argument("--metric", action="append", default=[], metavar="NAME",
+                   help="also collect this metrics.jsonl key's last value (task metrics eval/... always are)")
     q.set_defaults(func=cmd_collect)
 
     q = ssub.add_parser("fit", help="fit approaches 3 and 2 of Hoffmann et al. 2022 and an L(C) frontier")
@@ -131,6 +136,10 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--bootstrap", type=_count, default=100, help="bootstrap resamples (default 100)")
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--n-column", default="N", help="the parameter-count column (default N; e.g. N_nonemb)")
+    q.add_argument("--metric", metavar="NAME", help="fit this column (e.g. eval/<task>/<metric>, collected from "
+                   "the runs' metrics.jsonl) in place of eval_loss")
+    q.add_argument("--higher-is-better", action="store_true",
+                   help="the metric is a score in [0, 1] (accuracy): fit its error 1 - metric")
     q.set_defaults(func=cmd_fit)
 
     q = ssub.add_parser("predict", help="compute-optimal N, D and loss at a compute budget from a saved fit")

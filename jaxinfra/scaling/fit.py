@@ -420,17 +420,18 @@ def fit_frontier(compute: Any, loss: Any) -> FrontierFit:
 
 
 def fit_all(table: dict[str, np.ndarray], *, bootstrap: int = 100, seed: int = 0,
-            n_column: str = "N") -> dict[str, Any]:
+            n_column: str = "N", target: str = "eval_loss") -> dict[str, Any]:
     """Every approach the table allows: {"approach3", "approach2", "frontier", "notes", ...}.
 
     `table` maps column names to arrays and needs `n_column` (default N), `D` and
-    `eval_loss`; `C` defaults to 6 N D; `C_budget` (the IsoFLOP profile label) defaults to
+    `target` (the quantity fitted as the loss: eval_loss, or e.g. a task's error); `C` defaults to
+    6 N D; `C_budget` (the IsoFLOP profile label) defaults to
     grouping runs whose C agree within 10%.
     Approaches the data cannot support are left out with a line in "notes".
     """
-    n, d, loss = table[n_column], table["D"], table["eval_loss"]
+    n, d, loss = table[n_column], table["D"], table[target]
     compute = table["C"] if "C" in table else 6.0 * n * d
-    out: dict[str, Any] = {"n_column": n_column, "n_points": int(len(n)), "notes": []}
+    out: dict[str, Any] = {"n_column": n_column, "target": target, "n_points": int(len(n)), "notes": []}
     try:
         out["approach3"] = fit_parametric(n, d, loss, bootstrap=bootstrap, seed=seed).to_dict()
     except (ValueError, FloatingPointError) as e:

@@ -38,13 +38,19 @@ def _plain_log_labels(axis: Any) -> None:
     axis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
 
 
+def _label(fit: dict[str, Any]) -> str:
+    """The fitted quantity's axis label: the final eval loss, or the task metric (or its error) fitted."""
+    target = fit.get("target", "eval_loss")
+    return "final eval loss" if target == "eval_loss" else target
+
+
 def plot_all(table: dict[str, np.ndarray], fit: dict[str, Any], out_dir: str | pathlib.Path) -> list[pathlib.Path]:
     """Writes the three PNGs (those the fit supports) into out_dir; returns their paths."""
     plt = _pyplot()
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     n = table[fit.get("n_column", "N")]
-    d, loss = table["D"], table["eval_loss"]
+    d, loss = table["D"], table[fit.get("target", "eval_loss")]
     compute = table["C"] if "C" in table else 6.0 * n * d
     paths = []
     for name, draw in (("isoflop.png", _isoflop), ("frontier.png", _frontier),
@@ -97,7 +103,7 @@ def _isoflop(plt: Any, n: np.ndarray, d: np.ndarray, loss: np.ndarray, compute: 
         ax2.plot(grid, n_opt, "C3--", lw=1, label=f"approach 3: N_opt ∝ C^{a3['a']:.3f}")
     ax.set_xscale("log")
     ax.set_xlabel("parameters N")
-    ax.set_ylabel("final eval loss")
+    ax.set_ylabel(_label(fit))
     ax.legend(fontsize=7)
     ax2.set_xscale("log")
     ax2.set_yscale("log")
@@ -135,7 +141,7 @@ def _frontier(plt: Any, n: np.ndarray, d: np.ndarray, loss: np.ndarray, compute:
     ax.set_yscale("log")
     _plain_log_labels(ax.yaxis)
     ax.set_xlabel("compute C (FLOPs)")
-    ax.set_ylabel("final eval loss")
+    ax.set_ylabel(_label(fit))
     ax.set_title("compute-efficient frontier")
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -155,7 +161,7 @@ def _predicted(plt: Any, n: np.ndarray, d: np.ndarray, loss: np.ndarray, compute
     ax.plot([lo, hi], [lo, hi], "k--", lw=1)
     rel = np.abs(pred / loss - 1)
     ax.set_title(f"approach 3 fit: mean |error| {rel.mean():.2%}, max {rel.max():.2%}")
-    ax.set_xlabel("observed final eval loss")
+    ax.set_xlabel(f"observed {_label(fit)}")
     ax.set_ylabel("predicted E + A/N^α + B/D^β")
     fig.tight_layout()
     return fig

@@ -2,8 +2,10 @@
 
 Each row is computed from the run directory alone -- its `config.yaml` (N, D, C from the
 FLOPs accounting of jaxinfra.metrics.flops: C = flops_per_token x D) and its
-`summary.json` (final eval loss, tokens/s, wall time) -- so a table can be rebuilt
-after runs finish anywhere (local, SLURM, Kubernetes) with `jaxinfra scaling collect`.
+`summary.json` (final eval loss, tokens/s, wall time) and its `metrics.jsonl` (the last value of
+each task metric `eval/<task>/<metric>` logged during training, and of any `--metric` named) -- so a
+table can be rebuilt after runs finish anywhere (local, SLURM, Kubernetes) with `jaxinfra scaling
+collect`, and `jaxinfra scaling fit --metric NAME` can fit a task metric in place of the loss.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import io
 import json
 import math
 import pathlib
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -24,15 +27,32 @@ from jaxinfra.storage import as_path, check_bucket, is_url
 
 COLUMNS = ("run", "N", "N_nonemb", "D", "C", "eval_loss", "tokens_per_s", "wall_s", "steps", "batch_size",
            "seq_len", "flops_per_token", "lr", "num_layers", "d_model", "C_budget")
-REQUIRED = ("N", "D", "eval_loss")
 PLAN_FILE = "plan.jsonl"
 
 
-def run_row(run_dir: str | pathlib.Path, c_budget: float | None = None) -> dict[str, Any] | None:
+def last_metrics(run_dir: str | pathlib.Path, names: Sequence[str] = ()) -> dict[str, float]:
+    """The last logged value of each task metric (`eval/...`) and of each of `names` in the run's
+    metrics.jsonl (a resumed run's later lines win); {} without the file."""
+    path = as_path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return {}
+    out: dict[str, float] = {}
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a killed run's torn last line
+        out.update({k: float(v) for k, v in row.items() if (k.startswith("eval/") or k in names)
+                    and isinstance(v, (int, float)) and not isinstance(v, bool)})
+    return out
+
+
+def run_row(run_dir: str | pathlib.Path, c_budget: float | None = None,
+            metrics: Sequence[str] = ()) -> dict[str, Any] | None:
     """The table row of one run directory; None while it has no summary.json (not finished).
 
     c_budget: the IsoFLOP compute budget the run belongs to (the profile label approach 2
-    groups by); None for grid runs.
+    groups by); None for grid runs. The row also holds `last_metrics` (task scores, `metrics`).
     """
     run_dir = as_path(run_dir)
     summary_path = run_dir / "summary.json"
@@ -50,12 +70,13 @@ def run_row(run_dir: str | pathlib.Path, c_budget: float | None = None) -> dict[
         "tokens_per_s": summary.get("tokens_per_s"), "wall_s": summary.get("wall_s"), "steps": cfg.train.steps,
         "batch_size": cfg.train.batch_size, "seq_len": cfg.train.seq_len, "flops_per_token": fpt,
         "lr": cfg.optimizer.lr, "num_layers": cfg.model.num_layers, "d_model": cfg.model.d_model,
-        "C_budget": c_budget,
+        "C_budget": c_budget, **last_metrics(run_dir, metrics),
     }
 
 
-def collect(out_dir: str | pathlib.Path) -> tuple[list[dict[str, Any]], list[str]]:
-    """Rows of every finished run of a sweep, and the names of the unfinished ones.
+def collect(out_dir: str | pathlib.Path, metrics: Sequence[str] = ()) -> tuple[list[dict[str, Any]], list[str]]:
+    """Rows of every finished run of a sweep (with the last value of each of `metrics` and of every task
+    metric from its metrics.jsonl), and the names of the unfinished ones.
 
     The runs are those listed in out_dir/plan.jsonl (written by `jaxinfra sweep`), or
     failing that every subdirectory holding a config.yaml.
@@ -73,7 +94,7 @@ def collect(out_dir: str | pathlib.Path) -> tuple[list[dict[str, Any]], list[str
         raise ConfigError(f"sweep directory not found: {out_dir}")
     rows, missing = [], []
     for run_dir, budget in runs:
-        row = run_row(run_dir, budget)
+        row = run_row(run_dir, budget, metrics)
         if row is None:
             missing.append(run_dir.name)
         else:
@@ -104,12 +125,12 @@ def _json(v: Any) -> Any:
     return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
-def read_table(path: str | pathlib.Path) -> tuple[dict[str, np.ndarray], list[str]]:
+def read_table(path: str | pathlib.Path, target: str = "eval_loss") -> tuple[dict[str, np.ndarray], list[str]]:
     """A CSV or JSONL (.jsonl / .json lines) results file -> ({column: array}, notes).
 
-    Needs the columns N, D and eval_loss; numeric columns become float arrays, others
-    object arrays. Rows whose N, D or eval_loss is missing, non-finite or not positive
-    are dropped (a note says how many).
+    Needs the columns N, D and `target` (the fitted metric: eval_loss, or a task metric);
+    numeric columns become float arrays, others object arrays. Rows whose N, D or target
+    is missing or non-finite, or whose N or D is not positive, are dropped (a note says how many).
     """
     path = as_path(path)
     if not path.is_file():
@@ -130,20 +151,21 @@ def read_table(path: str | pathlib.Path) -> tuple[dict[str, np.ndarray], list[st
     if not records:
         raise ConfigError(f"{path}: no rows")
     columns = list(dict.fromkeys(k for r in records for k in r))
-    missing = [c for c in REQUIRED if c not in columns]
+    required = ("N", "D", target)
+    missing = [c for c in required if c not in columns]
     if missing:
-        raise ConfigError(f"{path}: missing column(s) {', '.join(missing)}; need {', '.join(REQUIRED)} "
+        raise ConfigError(f"{path}: missing column(s) {', '.join(missing)}; need {', '.join(required)} "
                           f"(found: {', '.join(columns)})")
     table = {c: _column([r.get(c) for r in records]) for c in columns}
     ok = np.ones(len(records), bool)
-    for c in REQUIRED:
+    for c in required:
         col = table[c]
         if col.dtype == object:
             raise ConfigError(f"{path}: column {c} must hold numbers")
-        ok &= np.isfinite(col) & (col > 0)
+        ok &= np.isfinite(col) & ((col > 0) if c != target else True)
     notes = []
     if not ok.all():
-        notes.append(f"dropped {int((~ok).sum())} row(s) with a missing or non-positive N, D or eval_loss")
+        notes.append(f"dropped {int((~ok).sum())} row(s) with a missing or non-positive N or D, or no {target}")
     return {c: v[ok] for c, v in table.items()}, notes
 
 

@@ -14,6 +14,7 @@ A spec is a base config plus the runs to derive from it:
     lr: {base: 3e-3, reference_d_model: 128, width_exponent: 1.0}
     schedule: {warmup_fraction: 0.1}
     launcher: {slurm: {...}, k8s: {...}, jobset: {...}, retries: 2}  # runner.py, jaxinfra/cluster/
+    fit: {metric: eval/hellaswag/acc, higher_is_better: true}  # fit a task metric (default: final eval loss)
 
 Budgets become steps with the base config's global batch and sequence length
 (tokens per step = train.batch_size x train.seq_len), rounded to whole steps; the table
@@ -29,6 +30,11 @@ flops_per_token from `jaxinfra.metrics.flops` (6N + attention, the same count MF
 * schedule rule: every run decays over its own length (train.steps is set per run, and
   the base schedule -- cosine by default -- decays to it, as Hoffmann et al. 2022 found
   necessary, section 3.1); warmup_fraction sets warmup_steps = round(fraction x steps).
+
+Every run's trackers are grouped under the sweep's name: `log.wandb.group` and `log.mlflow.group`
+default to it (and `log.mlflow.experiment`, when MLflow is on); explicit settings win.
+`fit.metric` names a metric of the runs' metrics.jsonl (e.g. an lm-eval score `eval/<task>/<metric>`
+logged during training) to fit in place of the final eval loss (jaxinfra/scaling/results.py).
 
 Every mistake raises `ConfigError` with one line naming the spec key.
 """
@@ -76,6 +82,12 @@ class GridSpec:
 class IsoflopSpec:
     compute: tuple[float, ...] = ()  # compute budgets C in FLOPs
     min_steps: int = 1  # runs that would be shorter are dropped
+
+
+@dataclasses.dataclass(frozen=True)
+class FitSpec:
+    metric: str | None = None  # a metrics.jsonl key (its last value per run); None: the final eval loss
+    higher_is_better: bool = False  # an accuracy-like score in [0, 1]: the fit is on 1 - metric (the error)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +160,7 @@ class SweepSpec:
     launcher: LauncherSpec
     out: str | None
     source: str | None = None
+    fit: FitSpec = FitSpec()
 
     @property
     def mode(self) -> str:
@@ -162,6 +175,7 @@ class _Top:  # the keys of a spec file other than base/sizes/grid/isoflop (parse
     schedule: ScheduleRule = ScheduleRule()
     launcher: LauncherSpec = LauncherSpec()
     out: str | None = None
+    fit: FitSpec = FitSpec()
 
 
 _SPECIAL = ("base", "sizes", "grid", "isoflop")
@@ -230,7 +244,7 @@ def _parse(data: dict[str, Any], spec_dir: pathlib.Path, cli_overrides: list[str
     _check_rules(top, base_config)
     return SweepSpec(name=top.name, base=base_tree, base_config=base_config, sizes=tuple(sizes), grid=grid,
                      isoflop=isoflop, lr=top.lr, schedule=top.schedule, launcher=top.launcher, out=top.out,
-                     source=where)
+                     source=where, fit=top.fit)
 
 
 def _base_tree(base: Any, spec_dir: pathlib.Path) -> dict[str, Any]:
@@ -292,6 +306,9 @@ def _check_rules(top: _Top, base: Config) -> None:
     if k.gpus < 0:
         raise ConfigError(f"launcher.k8s.gpus={k.gpus} is invalid: must be >= 0")
     check_spec(top.launcher.jobset, "launcher.jobset.")
+    if top.fit.metric is not None and not top.fit.metric.strip():
+        raise ConfigError("fit.metric: give a metrics.jsonl key such as eval/<task>/<metric>, or leave it out "
+                          "(the final eval loss)")
     if top.launcher.retries < 0:
         raise ConfigError(f"launcher.retries={top.launcher.retries} is invalid: must be >= 0")
 
@@ -360,7 +377,7 @@ def expand(spec: SweepSpec, out: str | pathlib.Path | None = None) -> Plan:
     out_dir = as_path(out or spec.out or f"sweeps/{spec.name}")  # an epath.Path for gs:// / s3://
     if is_url(out_dir):
         check_bucket(str(out_dir), "--out")
-    base = spec.base_config
+    base = _grouped(spec.base_config, spec.name)
     t = base.train
     tokens_per_step = t.batch_size * t.seq_len
     runs: list[RunPlan] = []
@@ -396,6 +413,17 @@ def expand(spec: SweepSpec, out: str | pathlib.Path | None = None) -> Plan:
         raise ConfigError("the sweep has no runs" + (f" ({len(dropped)} dropped for isoflop.min_steps)"
                                                      if dropped else ""))
     return Plan(spec=spec, out=out_dir, runs=tuple(runs), dropped=tuple(dropped))
+
+
+def _grouped(base: Config, sweep: str) -> Config:
+    """The runs' trackers grouped under the sweep's name (W&B group, MLflow `group` tag and experiment
+    when MLflow is on); what the spec or an override sets explicitly wins."""
+    log = base.log
+    wandb = dataclasses.replace(log.wandb, group=log.wandb.group or sweep)
+    mlflow = dataclasses.replace(log.mlflow, group=log.mlflow.group or sweep)
+    if mlflow.enabled and mlflow.experiment is None:
+        mlflow = dataclasses.replace(mlflow, experiment=sweep)
+    return dataclasses.replace(base, log=dataclasses.replace(log, wandb=wandb, mlflow=mlflow))
 
 
 def _model_config(base: Config, size: ModelSize) -> ModelConfig:

@@ -5,6 +5,7 @@
     sweep_status(spec_path, out=None)                            # one line per run of a submitted sweep
     collect_results(out_dir)                                     # results.csv + results.jsonl
     fit_results(results_path, plot_dir=None, out=None)           # fit.json (+ PNGs)
+    fit_results(results_path, metric="eval/arc_easy/acc", higher_is_better=True)   # a task metric's error
     predict_from_file(fit_path, compute)                         # N_opt, D_opt, loss at C
 """
 
@@ -30,7 +31,7 @@ from jaxinfra.scaling.runner import (
     write_k8s,
     write_slurm,
 )
-from jaxinfra.scaling.spec import Plan, expand, format_plan, load_spec
+from jaxinfra.scaling.spec import FitSpec, Plan, expand, format_plan, load_spec
 from jaxinfra.storage import as_path, is_url
 
 Echo = Callable[[str], None]
@@ -86,12 +87,13 @@ def sweep(spec_path: str | pathlib.Path, *, launcher: str = "local", out: str | 
 
 
 def _collect_and_fit(plan: Plan, result: dict[str, Any], fit: bool, bootstrap: int, echo: Echo) -> None:
-    rows, csv_path = collect_results(plan.out, echo=echo)
+    on: FitSpec = plan.spec.fit  # the spec's `fit:` (default: the final eval loss)
+    rows, csv_path = collect_results(plan.out, metrics=[on.metric] if on.metric else (), echo=echo)
     result["results"] = csv_path
     if fit and rows:
         fit_path = plan.out / "fit.json"
         result["fit"] = fit_results(csv_path, plot_dir=plan.out / "plots", out=fit_path, bootstrap=bootstrap,
-                                    echo=echo)
+                                    metric=on.metric, higher_is_better=on.higher_is_better, echo=echo)
     failed = [k for k, v in result["status"].items() if v == "failed"]
     if failed:
         echo(f"sweep: {len(failed)} run(s) failed: {', '.join(failed)}")
@@ -136,9 +138,11 @@ def sweep_status(spec_path: str | pathlib.Path, *, out: str | pathlib.Path | Non
     return now
 
 
-def collect_results(out_dir: str | pathlib.Path, echo: Echo = print) -> tuple[list[dict[str, Any]], pathlib.Path]:
-    """Rebuild out_dir/results.csv and results.jsonl from the run directories."""
-    rows, missing = collect(out_dir)
+def collect_results(out_dir: str | pathlib.Path, metrics: Sequence[str] = (),
+                    echo: Echo = print) -> tuple[list[dict[str, Any]], pathlib.Path]:
+    """Rebuild out_dir/results.csv and results.jsonl from the run directories (with each run's last task
+    metrics and `metrics` from its metrics.jsonl)."""
+    rows, missing = collect(out_dir, metrics)
     csv_path, jsonl_path = write_results(rows, out_dir)
     echo(f"results: {len(rows)} finished runs -> {csv_path}, {jsonl_path}"
          + (f"; not finished: {', '.join(missing)}" if missing else ""))
@@ -147,13 +151,17 @@ def collect_results(out_dir: str | pathlib.Path, echo: Echo = print) -> tuple[li
 
 def fit_results(results: str | pathlib.Path, *, plot_dir: str | pathlib.Path | None = None,
                 out: str | pathlib.Path | None = None, bootstrap: int = 100, seed: int = 0, n_column: str = "N",
-                echo: Echo = print) -> dict[str, Any]:
-    """Fit a results table (approaches 3, 2 and the frontier), print it, save it as JSON."""
-    table, notes = read_table(results)
+                metric: str | None = None, higher_is_better: bool = False, echo: Echo = print) -> dict[str, Any]:
+    """Fit a results table (approaches 3, 2 and the frontier), print it, save it as JSON. The fitted
+    quantity is the final eval loss, or `metric` (a column, e.g. `eval/<task>/<metric>`); with
+    `higher_is_better` (an accuracy in [0, 1]) its error 1 - metric, which falls with N and D as a loss does."""
+    table, notes = read_table(results, metric or "eval_loss")
     if n_column not in table:
         raise ConfigError(f"{results}: no column {n_column!r} for --n-column (found: {', '.join(table)})")
-    fit = fitting.fit_all(table, bootstrap=bootstrap, seed=seed, n_column=n_column)
-    fit["notes"] = notes + fit["notes"]
+    table, target, dropped = _fit_target(table, metric or "eval_loss", higher_is_better, results)
+    fit = fitting.fit_all(table, bootstrap=bootstrap, seed=seed, n_column=n_column, target=target)
+    fit.update(metric=metric or "eval_loss", higher_is_better=higher_is_better)
+    fit["notes"] = notes + dropped + fit["notes"]
     fit["source"] = str(results)
     out = as_path(out) if out else as_path(results).with_name("fit.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -164,6 +172,25 @@ def fit_results(results: str | pathlib.Path, *, plot_dir: str | pathlib.Path | N
         for path in _plot_all(table, fit, plot_dir):
             echo(f"fit: plot {path}")
     return fit
+
+
+def _fit_target(table: dict[str, Any], metric: str, higher_is_better: bool,
+                results: str | pathlib.Path) -> tuple[dict[str, Any], str, list[str]]:
+    """(table with the fitted column, its name, notes): `metric` itself, or `1 - metric` when higher is
+    better; rows where it is not positive (a power law's loss must be) are dropped with a note."""
+    values, target = table[metric], metric
+    if higher_is_better:
+        if not ((values >= 0) & (values <= 1)).all():
+            raise ConfigError(f"{results}: --higher-is-better fits the error 1 - {metric}, which needs scores in "
+                              f"[0, 1]; found {float(values.min()):.4g} .. {float(values.max()):.4g}")
+        values, target = 1.0 - values, f"1 - {metric}"
+    ok = values > 0
+    table = {k: v[ok] for k, v in {**table, target: values}.items()}
+    bad = int((~ok).sum())
+    notes = [f"dropped {bad} row(s) whose {target} is not positive"] if bad else []
+    if not ok.any():
+        raise ConfigError(f"{results}: no row has a positive {target} to fit")
+    return table, target, notes
 
 
 def _plot_all(table: dict[str, Any], fit: dict[str, Any], plot_dir: str | pathlib.Path) -> list[Any]:
@@ -185,7 +212,9 @@ def _plot_all(table: dict[str, Any], fit: dict[str, Any], plot_dir: str | pathli
 
 def format_fit(fit: dict[str, Any]) -> str:
     """The fitted parameters with their intervals, as printed by `jaxinfra scaling fit`."""
-    lines = [f"{fit['n_points']} runs (N = column {fit['n_column']})"]
+    target = fit.get("target", "eval_loss")
+    lines = [f"{fit['n_points']} runs (N = column {fit['n_column']}"
+             + (f"; fitted as the loss: {target})" if target != "eval_loss" else ")")]
     p = fit.get("approach3")
     if p:
         lines.append(f"approach 3 (Hoffmann et al. 2022): L(N, D) = E + A/N^alpha + B/D^beta, Huber "
