@@ -253,6 +253,45 @@ def test_fit_reads_jsonl_and_names_missing_columns(tmp_path, capsys):
     assert cli.main(["scaling", "predict", "--fit", str(tmp_path / "nope.json"), "--compute", "1e20"]) == 2
 
 
+def test_fit_on_a_task_metric_fits_its_error(tmp_path, capsys):
+    """`--metric NAME --higher-is-better` fits the error 1 - metric: with acc = 1 - L/5 of the Chinchilla
+    law the fit must give E/5, A/5, B/5 and the same exponents (the eval_loss column is ignored)."""
+    n, d, c, loss = _isoflop_data()
+    results = tmp_path / "results.csv"
+    _write_csv(results, {"N": n, "D": d, "C": c, "eval_loss": np.full_like(n, 3.0), "eval/fake/acc": 1 - loss / 5})
+    args = ["scaling", "fit", str(results), "--metric", "eval/fake/acc", "--bootstrap", "0"]
+    assert cli.main([*args, "--higher-is-better"]) == 0
+    assert "fitted as the loss: 1 - eval/fake/acc" in capsys.readouterr().out
+    fit = json.loads((tmp_path / "fit.json").read_text())
+    assert (fit["metric"], fit["target"], fit["higher_is_better"]) == ("eval/fake/acc", "1 - eval/fake/acc", True)
+    expected = {**{k: CHINCHILLA[k] / 5 for k in ("E", "A", "B")}, "alpha": 0.34, "beta": 0.28}
+    for k, v in expected.items():
+        assert fit["approach3"][k] == pytest.approx(v, rel=1e-2), k
+    assert fit["approach2"]["a"] == pytest.approx(0.28 / (0.34 + 0.28), abs=0.05)
+
+    _write_csv(results, {"N": n, "D": d, "eval/fake/acc": loss})  # not a score in [0, 1]
+    for bad, needle in ((args + ["--higher-is-better"], "needs scores in [0, 1]"),
+                        (["scaling", "fit", str(results), "--higher-is-better"], "goes with --metric NAME"),
+                        (["scaling", "fit", str(results), "--metric", "eval/other/acc"], "missing column(s) eval/other")):
+        assert cli.main(bad) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], err
+
+
+def test_sweep_runs_are_grouped_under_the_sweep_and_fit_spec_parsed(tmp_path):
+    overrides = ["data.source=synthetic", "log.wandb.project=p", "log.mlflow.tracking_uri=sqlite:///x.db"]
+    spec = load_spec(_spec(tmp_path, overrides=overrides, fit={"metric": "eval/t/acc", "higher_is_better": True}))
+    assert (spec.fit.metric, spec.fit.higher_is_better) == ("eval/t/acc", True)
+    for run in expand(spec, tmp_path / "out").runs:
+        log = run.config.log
+        assert (log.wandb.group, log.mlflow.group, log.mlflow.experiment) == ("t", "t", "t")
+    explicit = load_spec(_spec(tmp_path, overrides=[*overrides, "log.wandb.group=mine", "log.mlflow.experiment=e"]))
+    log = expand(explicit, tmp_path / "out").runs[0].config.log
+    assert (log.wandb.group, log.mlflow.group, log.mlflow.experiment) == ("mine", "t", "e")
+    with pytest.raises(ConfigError, match=r"fit\.metric"):
+        load_spec(_spec(tmp_path, fit={"metric": " "}))
+
+
 # ---------------------------------------------------------------- specs and sizes
 
 

@@ -122,6 +122,15 @@ def test_wandb_offline_run_is_continued_with_every_step_once_and_the_config(cras
     assert [(s, row["loss"]) for s, row in rows if "loss" in row] == _jsonl(run_dir, "loss")
 
 
+def test_sweep_collect_reads_the_last_task_metric_of_a_run(crashed_and_resumed):
+    from jaxinfra.scaling.results import run_row
+
+    run_dir = crashed_and_resumed["dir"]
+    row = run_row(run_dir, metrics=["grad_norm"])
+    assert row[KEY] == SCORES[4] and row["grad_norm"] == _jsonl(run_dir, "grad_norm")[-1][1]
+    assert row["eval_loss"] == crashed_and_resumed["summary"]["final_eval_loss"]
+
+
 def test_missing_tracker_package_is_one_line_exit_2_before_anything_runs(tmp_path, monkeypatch, capsys):
     from jaxinfra.cli import main
 
