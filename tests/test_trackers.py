@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import signal
 import struct
 import sys
 
@@ -21,7 +22,7 @@ from fake_eval import KEY, FakeEval
 
 from jaxinfra.config import ConfigError, load_config
 from jaxinfra.metrics.trackers import default_tracking_uri
-from jaxinfra.train import Trainer
+from jaxinfra.train import EXIT_PREEMPTED, Trainer
 
 STEPS, CRASH = 6, 3
 SCORES = {2: 0.02, 4: 0.04}
@@ -120,6 +121,24 @@ def test_wandb_offline_run_is_continued_with_every_step_once_and_the_config(cras
     assert len(steps) == len(set(steps))  # no step twice across the two attempts
     assert [(s, row[KEY]) for s, row in rows if KEY in row] == sorted(SCORES.items())
     assert [(s, row["loss"]) for s, row in rows if "loss" in row] == _jsonl(run_dir, "loss")
+
+
+def test_a_preempted_run_ends_its_tracker_runs_as_killed(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    ext = FakeEval({}, sigterm_at=2)
+    cfg = load_config("tiny", [*BASE, "log.tensorboard=false"])
+    previous = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    try:
+        summary = Trainer(cfg, tmp_path, jax.devices()[:1], extensions=[ext]).run()
+    finally:
+        signal.signal(signal.SIGTERM, previous[0])
+        signal.signal(signal.SIGINT, previous[1])
+    assert summary["exit_code"] == EXIT_PREEMPTED and summary["steps"] == 2
+    state = json.loads((tmp_path / "trackers.json").read_text())
+    assert MlflowClient(default_tracking_uri(tmp_path)).get_run(state["mlflow"]["run_id"]).info.status == "KILLED"
+    (wandb_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    assert [r.exit.exit_code for r in _wandb_records(wandb_file) if r.WhichOneof("record_type") == "exit"] == [75]
 
 
 def test_sweep_collect_reads_the_last_task_metric_of_a_run(crashed_and_resumed):
