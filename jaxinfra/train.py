@@ -410,7 +410,8 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(self.cfg.to_yaml())
             log = self.cfg.log  # W&B / MLflow, fed by the one writer
-            trackers = open_trackers(log.wandb, log.mlflow, self.cfg.to_dict(), self.run_dir, start_step)
+            trackers = open_trackers(log.wandb, log.mlflow, self.cfg.to_dict(), self.run_dir, start_step,
+                                     name=self.run_root.name)  # a bucket run: its URL's name, not the staging dir's
             self.logger = MetricsLogger(self.run_dir, tensorboard=self.cfg.log.tensorboard, resume_step=start_step,
                                         trackers=trackers)
         self.bar = ProgressBar(self.cfg.train.steps, initial=start_step, enabled=self.cfg.log.progress and self.is_main)

@@ -166,6 +166,18 @@ def test_missing_tracker_package_is_one_line_exit_2_before_anything_runs(tmp_pat
     assert not (tmp_path / "api").exists() and not (tmp_path / "cli").exists()
 
 
+def test_cli_defaults_the_mlflow_experiment_to_the_config_name_and_explicit_wins():
+    from jaxinfra.cli import _config_stem, _tracker_defaults
+
+    on = load_config("tiny", ["log.mlflow.tracking_uri=sqlite:///x.db"])
+    assert _tracker_defaults(on, _config_stem("configs/my-run.yaml")).log.mlflow.experiment == "my-run"
+    assert _tracker_defaults(on, _config_stem("tiny")).log.mlflow.experiment == "tiny"
+    mine = load_config("tiny", ["log.mlflow.experiment=mine"])
+    assert _tracker_defaults(mine, "tiny").log.mlflow.experiment == "mine"
+    off = load_config("tiny", [])
+    assert _tracker_defaults(off, "tiny") == off  # MLflow stays off
+
+
 # ---------------------------------------------------------------- readers
 
 

@@ -3,6 +3,8 @@
 Step profiles and memory (docs/profiling.md), imported by module: `hlo` (what each op of a
 compiled program is), `trace` (a jax.profiler trace -> each category's share of the step),
 `memory` (compiled memory estimates, the allocator's peak, the largest batch that fits).
+`writers.MetricsLogger` is the run's one metrics writer (JSONL, TensorBoard) and feeds the experiment
+trackers of `trackers` (W&B, MLflow; docs/evaluation.md).
 
 The FLOP counts are jax-free and load with the package; the rest loads on first use (PEP 562),
 so the planner, the scaling tools and the CLI's parser can count FLOPs without loading jax.

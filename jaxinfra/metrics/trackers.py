@@ -88,13 +88,14 @@ class WandbTracker(Tracker):
 
     name = "wandb"
 
-    def __init__(self, w: WandbConfig, config: dict[str, Any], run_dir: pathlib.Path, run_id: str | None = None):
+    def __init__(self, w: WandbConfig, config: dict[str, Any], run_dir: pathlib.Path, name: str,
+                 run_id: str | None = None):
         import wandb
 
         # No console capture, system stats or environment scan: the run's lines stay plain and tests fast.
         settings = wandb.Settings(mode=w.mode, console="off", x_disable_stats=True, x_disable_meta=True,
                                   x_save_requirements=False, silent=True)
-        self.run = wandb.init(project=w.project, entity=w.entity, name=w.name or run_dir.name,
+        self.run = wandb.init(project=w.project, entity=w.entity, name=w.name or name,
                               tags=list(w.tags) or None, group=w.group, config=config, dir=str(run_dir),
                               id=run_id, resume="allow", settings=settings,
                               reinit="create_new")
@@ -138,7 +139,7 @@ class MlflowTracker(Tracker):
 
     name = "mlflow"
 
-    def __init__(self, m: MlflowConfig, config: dict[str, Any], run_dir: pathlib.Path,
+    def __init__(self, m: MlflowConfig, config: dict[str, Any], run_dir: pathlib.Path, name: str,
                  saved: dict[str, Any] | None = None):
         from mlflow.tracking import MlflowClient
 
@@ -153,7 +154,7 @@ class MlflowTracker(Tracker):
         else:
             tags = {"group": m.group} if m.group else {}
             run = self.client.create_run(self._experiment(m.experiment or "jaxinfra", run_dir),
-                                         run_name=run_dir.name, tags=tags)
+                                         run_name=name, tags=tags)
             self.run_id = run.info.run_id
         self._log_params(params)
 
@@ -265,20 +266,22 @@ def _warn(text: str) -> None:
 
 
 def open_trackers(wandb: WandbConfig, mlflow: MlflowConfig, config: dict[str, Any], run_dir: str | os.PathLike,
-                  start_step: int) -> Trackers | None:
+                  start_step: int, name: str | None = None) -> Trackers | None:
     """The trackers `log.wandb` / `log.mlflow` ask for (None: none), logging `config` (the resolved run
-    config) for a run starting after `start_step`; a resume (start_step > 0) continues the runs
+    config) for a run starting after `start_step`, their files in `run_dir`, named `name` (default: the
+    run dir's name; a bucket run passes its URL's); a resume (start_step > 0) continues the runs
     RUN/trackers.json names."""
     wanted = [package for package, _ in requested(wandb, mlflow)]
     if not wanted:
         return None
     run_dir = pathlib.Path(run_dir)
+    name = name or run_dir.name
     saved = _read_state(run_dir / STATE_FILE) if start_step > 0 else {}
     trackers: list[Tracker] = []
     if "wandb" in wanted:
-        trackers.append(WandbTracker(wandb, config, run_dir, saved.get("wandb", {}).get("run_id")))
+        trackers.append(WandbTracker(wandb, config, run_dir, name, saved.get("wandb", {}).get("run_id")))
     if "mlflow" in wanted:
-        trackers.append(MlflowTracker(mlflow, config, run_dir, saved.get("mlflow")))
+        trackers.append(MlflowTracker(mlflow, config, run_dir, name, saved.get("mlflow")))
     floors = {t.name: int(saved[t.name].get("last_step", -1)) for t in trackers
               if saved.get(t.name, {}).get("run_id") == t.run_id}
     return Trackers(run_dir, trackers, floors)
