@@ -412,8 +412,13 @@ class Trainer:
             log = self.cfg.log  # W&B / MLflow, fed by the one writer
             trackers = open_trackers(log.wandb, log.mlflow, self.cfg.to_dict(), self.run_dir, start_step,
                                      name=self.run_root.name)  # a bucket run: its URL's name, not the staging dir's
-            self.logger = MetricsLogger(self.run_dir, tensorboard=self.cfg.log.tensorboard, resume_step=start_step,
-                                        trackers=trackers)
+            try:
+                self.logger = MetricsLogger(self.run_dir, tensorboard=log.tensorboard, resume_step=start_step,
+                                            trackers=trackers)
+            except BaseException:
+                if trackers is not None:  # their runs are open: end them as failed
+                    trackers.close("failed")
+                raise
         self.bar = ProgressBar(self.cfg.train.steps, initial=start_step, enabled=self.cfg.log.progress and self.is_main)
 
     def _say(self, text: str) -> None:
