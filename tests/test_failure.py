@@ -101,7 +101,7 @@ def test_an_error_in_the_loop_is_raised_as_is_and_everything_is_closed(tmp_path,
 
     closed = []
     monkeypatch.setattr(Trainer, "_log_point", fail_at_step_2)
-    monkeypatch.setattr(MetricsLogger, "close", lambda self: closed.append(self) or 1 / 0)
+    monkeypatch.setattr(MetricsLogger, "close", lambda self, *outcome: closed.append(self) or 1 / 0)
     with pytest.raises(type(error)) as caught:
         train(cfg("train.steps=4", "checkpoint.every=1"), tmp_path, jax.devices()[:1])
     assert caught.value is error and closed
