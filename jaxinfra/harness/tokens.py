@@ -1,0 +1,66 @@
+"""The run's tokenizer as lm-eval needs it: encode/decode, the end-of-text id, the chat template."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from collections.abc import Callable, Mapping, Sequence
+
+from jaxinfra.config import Config
+from jaxinfra.infer.text import generation_stop_ids, text_codec
+
+
+@dataclasses.dataclass
+class RunTokenizer:
+    """What JaxinfraLM tokenizes with. `eot_id` ends a generation (and its text joins `until`, as
+    lm-eval's HF model adds the EOS text) and prefixes rolling windows and empty contexts."""
+
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+    eot_id: int
+    stop_ids: list[int]  # ids that end generate_until early (the eot, an imported eos list)
+    name: str  # the tokenizer's identity, for lm-eval's request cache fingerprint
+    cfg: Config
+    run_dir: pathlib.Path | None
+
+    def eot_text(self) -> str:
+        return self.decode([self.eot_id])
+
+    def chat_text(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+        """The messages rendered by the run's chat template (jaxinfra/infer/chat.py run_chat_template)."""
+        from jaxinfra.data.chat import render
+        from jaxinfra.infer.chat import run_chat_template
+
+        template, _ = run_chat_template(self.cfg, self.run_dir)
+        return render(template, messages, add_generation_prompt=add_generation_prompt)[0]
+
+    def template_source(self) -> str | None:
+        """The chat template's Jinja source, or None when the run has none."""
+        from jaxinfra.infer.chat import run_chat_template
+        from jaxinfra.infer.loading import InferenceError
+
+        try:
+            return run_chat_template(self.cfg, self.run_dir)[0].source
+        except InferenceError:
+            return None
+
+
+def run_tokenizer(cfg: Config, run_dir: str | pathlib.Path | None = None) -> RunTokenizer:
+    """The tokenizer of a run: its data.tokenizer (tokenizer.json) or byte-level UTF-8 (ids 0..255).
+
+    The end-of-text id: an `hf import`'s generation_config eos, else the data's end-of-document id
+    (jaxinfra/data/encode.py: the tokenizer's EOD token, or 256 for `data prepare --bytes`) when the
+    vocabulary holds it, else 0 (a byte-level model trained on raw text has no such id: NUL stands in,
+    as the byte-level HF tokenizer of tests/fixtures/lm_eval/ declares it)."""
+    from jaxinfra.data.encode import make_encoder
+    from jaxinfra.infer.chat import run_file
+
+    run_dir = pathlib.Path(run_dir) if run_dir is not None else None
+    encode, decode = text_codec(cfg, run_dir)
+    tokenizer = run_file(cfg.data.tokenizer, run_dir) if cfg.data.tokenizer is not None else None
+    stops = generation_stop_ids(cfg, run_dir)
+    eod = make_encoder(tokenizer).eod_id
+    vocab = cfg.model.vocab_size
+    eot = stops[0] if stops else (eod if eod < vocab else 0)
+    name = "bytes" if tokenizer is None else str(pathlib.Path(tokenizer).resolve())
+    return RunTokenizer(encode, decode, eot, sorted({eot, *stops}), name, cfg, run_dir)
