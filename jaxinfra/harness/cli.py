@@ -1,0 +1,56 @@
+"""`jaxinfra eval RUN --tasks T1,T2 ...`: lm-evaluation-harness tasks on a run (the `jaxinfra` model).
+
+Dispatched from jaxinfra/infer/cli.py cmd_eval. Task names and --include-path are checked before the
+model loads (bad input fails fast, one line, exit 2); lm-eval's table goes to stdout, its results JSON
+to --output (default RUN/eval/lm_eval-<UTC time>.json), the path to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import sys
+
+from jaxinfra.harness import HarnessError, require_lm_eval
+
+
+def output_path(args: argparse.Namespace) -> pathlib.Path:
+    """--output, else RUN/eval/lm_eval-<UTC time>.json beside the run's checkpoints."""
+    if args.output:
+        return pathlib.Path(args.output)
+    from jaxinfra.infer import resolve_checkpoint
+
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return pathlib.Path(resolve_checkpoint(args.ckpt)[0]) / "eval" / f"lm_eval-{stamp}.json"
+
+
+def cmd_eval_tasks(args: argparse.Namespace) -> int:
+    require_lm_eval()
+    from lm_eval.utils import handle_non_serializable, make_table
+
+    from jaxinfra.harness.tasks import check_tasks, run_tasks, task_manager
+
+    for flag in ("batch_size", "limit"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise HarnessError(f"--{flag.replace('_', '-')}={value} is invalid: must be >= 1")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise HarnessError(f"--num-fewshot={args.num_fewshot} is invalid: must be >= 0")
+    tasks = args.tasks.split(",")
+    manager = task_manager(args.include_path, tasks)
+    names = check_tasks(manager, tasks)
+    out = output_path(args)
+    from jaxinfra.harness.model import JaxinfraLM
+
+    lm = JaxinfraLM(pretrained=args.ckpt, overrides=list(args.overrides), batch_size=args.batch_size)
+    results = run_tasks(lm, names, limit=args.limit, num_fewshot=args.num_fewshot, include_path=args.include_path,
+                        log_samples=args.log_samples, apply_chat_template=args.apply_chat_template, manager=manager)
+    print(make_table(results))
+    if results.get("groups"):
+        print(make_table(results, "groups"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1, default=handle_non_serializable, ensure_ascii=False) + "\n")
+    print(f"jaxinfra eval: lm-eval results -> {out}", file=sys.stderr)
+    return 0
