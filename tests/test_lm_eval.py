@@ -14,9 +14,9 @@ import pytest
 
 pytest.importorskip("lm_eval")
 
-from jaxinfra import cli  # noqa: E402
-from jaxinfra.harness import HarnessError, require_lm_eval  # noqa: E402
-from jaxinfra.harness.tasks import check_tasks, flat_scores, run_tasks, task_manager  # noqa: E402
+from jaxinfra import cli
+from jaxinfra.harness import HarnessError, require_lm_eval
+from jaxinfra.harness.tasks import check_tasks, flat_scores, run_tasks, task_manager
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "lm_eval"
 REF = json.loads((FIXTURES / "reference.json").read_text())

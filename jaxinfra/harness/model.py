@@ -114,8 +114,8 @@ class JaxinfraLM(TemplateLM):
             width = bucket(len(rows[chunk[0]][0]), self.max_length)
             scores = self.scorer.score([rows[i][:2] for i in chunk], width)
             for i, (logps, greedy) in zip(chunk, scores):
-                n = rows[i][2]
-                out[i] = (float(np.sum(logps[len(logps) - n:], dtype=np.float64)), bool(np.all(greedy[len(greedy) - n:])))
+                n = len(logps) - rows[i][2]  # the continuation is the last targets
+                out[i] = (float(np.sum(logps[n:], dtype=np.float64)), bool(np.all(greedy[n:])))
         for (key, _, _), answer in zip(requests, out):
             if key is not None:
                 self.cache_hook.add_partial("loglikelihood", key, answer)

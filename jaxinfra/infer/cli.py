@@ -4,8 +4,6 @@
                       [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop-ids 10,13] [--no-absorb]
                       [--kv-cache int8] [KEY=VALUE ...]
     jaxinfra eval CKPT (--tokens FILE.npy | --text FILE.txt) [--seq-len N] [--batch-size N] [KEY=VALUE ...]
-    jaxinfra eval CKPT --tasks T1,T2 [--num-fewshot K] [--limit N] [--include-path DIR] [--output PATH]
-                  [--log-samples] [--apply-chat-template] [--batch-size N] [KEY=VALUE ...]   (jaxinfra/harness/cli.py)
 
 CKPT is a run directory (newest readable checkpoint) or RUN/checkpoints/<step>; KEY=VALUE
 overrides the run's config (e.g. mesh.tensor=2). stdout carries only the result (the text,
@@ -19,9 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
+from typing import Any
 
 
-def add_subcommands(sub: argparse._SubParsersAction) -> None:
+def add_subcommands(sub: argparse._SubParsersAction,
+                    extend_eval: Callable[[argparse.ArgumentParser, Any], None] | None = None) -> None:
+    """`generate` and `eval`; `extend_eval(eval_parser, source_group)` may add another eval source (it then
+    sets the parser's func, dispatching back to `cmd_eval` for --tokens / --text)."""
     p = sub.add_parser("generate", help="generate from a checkpoint with a KV cache (text or token ids)")
     p.add_argument("ckpt", help="run directory or RUN/checkpoints/<step>")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. mesh.tensor=2")
@@ -45,7 +48,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                    "per-token-per-head scales (as quant.kv_cache=int8); none: the compute dtype")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("eval", help="mean next-token cross-entropy of a token file, or lm-eval tasks, under a checkpoint")
+    p = sub.add_parser("eval", help="mean next-token cross-entropy of a token file, or lm-eval tasks (--tasks), "
+                       "under a checkpoint")
     p.add_argument("ckpt", help="run directory or RUN/checkpoints/<step>")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     source = p.add_mutually_exclusive_group(required=True)
@@ -53,27 +57,12 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                         "1-D array (as data.source=tokens reads) cut into rows of --seq-len + 1, the remainder dropped")
     source.add_argument("--text", help="a UTF-8 text file, encoded with the run's tokenizer (data.tokenizer: an "
                         "`hf import` carries the model's) and cut into rows like a 1-D --tokens file")
-    source.add_argument("--tasks", help="comma-separated lm-evaluation-harness tasks (jaxinfra[eval]): prints "
-                        "lm-eval's table and writes its JSON (jaxinfra/harness/cli.py)")
     p.add_argument("--seq-len", type=int, help="1-D token files: predictions per row (default: the run's "
                    "train.seq_len)")
     p.add_argument("--batch-size", type=int, default=8, help="rows per forward pass")
-    _add_task_options(p)
     p.set_defaults(func=cmd_eval)
-
-
-# `eval --tasks` only (jaxinfra/harness/cli.py); None/False = not given, so --tokens/--text can refuse them
-TASK_OPTIONS = ("num_fewshot", "limit", "include_path", "output", "log_samples", "apply_chat_template")
-
-
-def _add_task_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-fewshot", type=int, help="--tasks: few-shot examples per prompt (default: each task's)")
-    p.add_argument("--limit", type=int, help="--tasks: documents per task (default: all)")
-    p.add_argument("--include-path", help="--tasks: a folder of local task YAMLs (offline tasks on local data files)")
-    p.add_argument("--output", help="--tasks: where lm-eval's results JSON goes (default RUN/eval/lm_eval-<time>.json)")
-    p.add_argument("--log-samples", action="store_true", help="--tasks: every request and response in the JSON")
-    p.add_argument("--apply-chat-template", action="store_true", help="--tasks: prompts through the run's chat "
-                   "template (data.chat_template)")
+    if extend_eval is not None:  # e.g. lm-eval tasks: another source of the same group (jaxinfra/harness/cli.py)
+        extend_eval(p, source)
 
 
 def _ids(text: str, what: str) -> list[int]:
@@ -138,13 +127,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from jaxinfra.infer import InferenceError, load_model, score, token_rows
 
-    if args.tasks is not None:
-        from jaxinfra.harness.cli import cmd_eval_tasks
-
-        return cmd_eval_tasks(args)
-    given = [o for o in TASK_OPTIONS if getattr(args, o) not in (None, False)]
-    if given:
-        raise InferenceError(f"--{given[0].replace('_', '-')} applies to --tasks only")
     if args.batch_size < 1:
         raise InferenceError(f"--batch-size={args.batch_size} is invalid: must be >= 1")
     if args.seq_len is not None and args.seq_len < 1:
