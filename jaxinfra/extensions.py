@@ -15,6 +15,9 @@ A `StepExtension` may add, each hook optional (the base class does nothing):
                                  knobs): step arguments, never differentiated, never checkpointed;
                                  `abstract_inputs()` the same as ShapeDtypeStructs (before `start`)
         eval_fields()            extra fields of each eval line
+        host_metrics(host, step) after every completed step: {name: float} logged at that step to
+                                 metrics.jsonl, TensorBoard and the trackers ({} at the other steps;
+                                 lm-eval task scores: jaxinfra/harness/extension.py)
         checkpoint_meta()        what the checkpoint's meta records under the extension's name (e.g.
                                  which teacher); `start` gets that meta back on resume
         metric_names             the step metrics the train loop logs for it
@@ -142,6 +145,12 @@ class StepExtension:
         return {}
 
     def checkpoint_meta(self) -> dict[str, Any]:
+        return {}
+
+    def host_metrics(self, host: HostContext, step: int) -> dict[str, float]:
+        """Metrics computed on the host after completed step `step` (the Trainer calls it after every
+        step): a non-empty dict is logged at that step to metrics.jsonl, TensorBoard and the trackers;
+        {} (the default) at the steps where the extension has nothing to report."""
         return {}
 
     # ---- state

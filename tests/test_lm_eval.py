@@ -140,3 +140,59 @@ def test_flat_scores_names():
     results = {"results": {"t": {"alias": "t", "acc,none": 0.5, "acc_stderr,none": 0.1, "exact_match,strict": 1.0,
                                  "exact_match_stderr,strict": "N/A", "samples": 4}}}
     assert flat_scores(results) == {"eval/t/acc": 0.5, "eval/t/acc_stderr": 0.1, "eval/t/exact_match_strict": 1.0}
+
+
+# ---------------------------------------------------------------- evals during training
+
+
+def _reference_acc(cfg, variables, docs: list[dict]) -> float:
+    """Multiple-choice accuracy from the training forward's per-token log-probs (jaxinfra/infer/logprobs.py),
+    an independent path: each choice's summed log-prob after its context's bytes."""
+    from jaxinfra.infer.logprobs import policy_token_logps
+
+    hits = []
+    for doc in docs:
+        rows = [list(doc["context"].encode()) + list(c.encode()) for c in doc["choices"]]
+        width = max(map(len, rows))
+        tokens = np.zeros((len(rows), width), np.int32)
+        for i, r in enumerate(rows):
+            tokens[i, :len(r)] = r
+        logps = policy_token_logps(cfg, variables, tokens, lengths=np.asarray([len(r) for r in rows]))
+        n = len(doc["context"].encode())
+        sums = [logps[i, n - 1:len(r) - 1].sum() for i, r in enumerate(rows)]
+        hits.append(int(np.argmax(sums)) == doc["answer"])
+    return float(np.mean(hits))
+
+
+def test_extension_scores_at_its_steps(tasks_dir, monkeypatch):
+    import jax
+
+    from jaxinfra.config import load_config
+    from jaxinfra.extensions import HostContext, extensions_for
+    from jaxinfra.harness.extension import TaskEvals, for_config
+    from jaxinfra.runtime import build_runtime
+    from jaxinfra.state import model_state
+
+    cfg = load_config("tiny", ["model.d_model=64", "model.num_layers=2", "model.mlp_dim=192", "train.steps=5",
+                               "train.batch_size=2", "train.seq_len=64", "mesh.data=1", "eval.tasks=[jaxinfra_mc]",
+                               f"eval.include_path={tasks_dir}", "eval.limit=4", "eval.every=2"])
+    assert for_config(load_config("tiny", [])) is None
+    ext = for_config(cfg)
+    assert isinstance(ext, TaskEvals) and [e.name for e in extensions_for(cfg)].count("eval") <= 1
+    rt = build_runtime(cfg, jax.devices()[:1], extensions=[ext])
+    state = rt.init_state()
+    host = HostContext(rt, [], 0, 2, current_state=lambda: state)
+    docs = [json.loads(line) for line in (FIXTURES / "tasks" / "mc.jsonl").read_text().splitlines()[:4]]
+    assert ext.host_metrics(host, 1) == {} and ext.host_metrics(host, 3) == {}
+    with jax.set_mesh(rt.mesh):  # inside the train loop's mesh context too
+        first = ext.host_metrics(host, 2)
+    assert set(first) == {"eval/jaxinfra_mc/acc"}  # bootstrap_iters=0: no stderr (N/A is dropped)
+    assert first["eval/jaxinfra_mc/acc"] == _reference_acc(cfg, jax.device_get(model_state(state)), docs)
+    lm, compiled = ext.lm, ext.lm.scorer._fn._cache_size()
+    state = state.replace(params=jax.tree.map(lambda x: x * 3.0, state.params))  # "trained": other params
+    last = ext.host_metrics(host, 5)  # the last step, not a multiple of every
+    assert ext.lm is lm and ext.lm.scorer._fn._cache_size() == compiled  # no rebuild, no recompile
+    assert last["eval/jaxinfra_mc/acc"] == _reference_acc(cfg, jax.device_get(model_state(state)), docs)
+    monkeypatch.setitem(__import__("sys").modules, "lm_eval", None)
+    with pytest.raises(HarnessError, match=r"^eval.tasks needs lm-evaluation-harness: pip install 'jaxinfra\[eval\]'$"):
+        for_config(cfg).setup(rt)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,12 @@ from jaxinfra.state import model_graphdef, sharding_rules
 from sharding.plan import plan_for
 
 MIN_BUCKET = 16
+
+
+def no_ambient_mesh() -> Any:
+    """A context without the caller's mesh: building an abstract model (nnx.eval_shape with logical
+    sharding names) under a training loop's `jax.set_mesh` fails, and nothing here should depend on it."""
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
 
 
 def bucket(length: int, max_length: int) -> int:
@@ -45,7 +52,8 @@ class TokenScorer:
             self.mesh, self.rules = mesh, sharding_rules(cfg.parallelism)
         self.plan = plan_for(self.mesh, self.rules)
         self.model_cfg = inference_model_config(cfg.model)
-        self.graphdef = model_graphdef(self.model_cfg, cfg.quant, cfg.lora)
+        with no_ambient_mesh():
+            self.graphdef = model_graphdef(self.model_cfg, cfg.quant, cfg.lora)
         shards = math.prod(self.mesh.shape[a] for a in ("data", "fsdp", "expert"))
         self.batch = -(-max(1, batch_size) // shards) * shards  # rows split evenly over the batch shards
         self.params = _place_params(params, self.mesh, self.rules)

@@ -24,7 +24,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from jaxinfra.config import Config
-from jaxinfra.harness.forward import TokenScorer, bucket
+from jaxinfra.harness.forward import TokenScorer, bucket, no_ambient_mesh
 from jaxinfra.harness.generate import generate_texts
 from jaxinfra.harness.tokens import RunTokenizer, run_tokenizer
 
@@ -143,7 +143,8 @@ class JaxinfraLM(TemplateLM):
         if self._generator is None:
             from jaxinfra.infer.generation import Generator
 
-            self._generator = Generator(self.cfg, self.scorer.params, mesh=self.scorer.mesh)
+            with no_ambient_mesh():
+                self._generator = Generator(self.cfg, self.scorer.params, mesh=self.scorer.mesh)
         out = generate_texts(self, [req.args for req in requests])
         for req, text in zip(requests, out):
             self.cache_hook.add_partial("generate_until", req.args, text)
