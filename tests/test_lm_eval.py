@@ -196,3 +196,23 @@ def test_extension_scores_at_its_steps(tasks_dir, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "lm_eval", None)
     with pytest.raises(HarnessError, match=r"^eval.tasks needs lm-evaluation-harness: pip install 'jaxinfra\[eval\]'$"):
         for_config(cfg).setup(rt)
+
+
+def test_run_tokenizer_bytes_tokenizer_and_chat():
+    """Byte-level runs: UTF-8 ids, NUL as end-of-text, no template; a chat run's tokenizer.json: its
+    tokenizer_config eos spelled out (the text lm-eval adds to `until`) and its chat template rendered."""
+    from jaxinfra.config import load_config
+    from jaxinfra.harness.tokens import run_tokenizer
+
+    tok = run_tokenizer(load_config("tiny", []))
+    assert tok.encode("é\n") == [0xC3, 0xA9, 10] and tok.decode([0xC3, 0xA9]) == "é"
+    assert (tok.eot_id, tok.eot_text(), tok.template_source()) == (0, "\x00", None)
+    qwen = FIXTURES.parent / "chat" / "qwen"
+    cfg = load_config("tiny", ["data.source=chat", "data.chat_template=tokenizer", f"data.tokenizer={qwen}/tokenizer.json",
+                               "data.paths=[x.jsonl]"])
+    tok = run_tokenizer(cfg)
+    eos = json.loads((qwen / "tokenizer_config.json").read_text())["eos_token"]
+    assert tok.eot_text() == eos and tok.encode(eos) == [tok.eot_id]
+    text = tok.chat_text([{"role": "user", "content": "hi"}])
+    assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.decode(tok.encode("hello world")) == "hello world"
