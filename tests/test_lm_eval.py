@@ -51,7 +51,7 @@ def _lm(run_dir: pathlib.Path, *overrides: str):
     require_lm_eval()
     from jaxinfra.harness.model import JaxinfraLM
 
-    return JaxinfraLM(pretrained=str(run_dir), overrides=["mesh.data=1", *overrides], batch_size=4)
+    return JaxinfraLM(pretrained=str(run_dir), overrides=["mesh.data=1", *overrides], batch_size=8)
 
 
 def _check_against_hf(lm, tasks_dir: str) -> None:

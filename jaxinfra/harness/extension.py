@@ -36,8 +36,11 @@ class TaskEvals(StepExtension):
     def setup(self, rt: Any) -> None:
         """Refuse a missing lm-eval or bad task names now, not at the first eval."""
         require_lm_eval("eval.tasks")
+        from jaxinfra.harness import HarnessError
         from jaxinfra.harness.tasks import check_tasks, task_manager
 
+        if dict(rt.mesh.shape).get("stage", 1) > 1:  # the inference forward has no pipeline schedule
+            raise HarnessError(f"eval.tasks does not run on pipeline stages (mesh.stage={rt.mesh.shape['stage']})")
         ev = self.cfg.eval
         self.manager = task_manager(ev.include_path, ev.tasks)
         self.tasks = check_tasks(self.manager, ev.tasks)
