@@ -206,7 +206,7 @@ def test_run_tokenizer_bytes_tokenizer_and_chat():
 
     tok = run_tokenizer(load_config("tiny", []))
     assert tok.encode("é\n") == [0xC3, 0xA9, 10] and tok.decode([0xC3, 0xA9]) == "é"
-    assert (tok.eot_id, tok.eot_text(), tok.template_source()) == (0, "\x00", None)
+    assert (tok.eot_id, tok.prefix_id, tok.eot_text(), tok.template_source()) == (0, 0, "\x00", None)
     qwen = FIXTURES.parent / "chat" / "qwen"
     cfg = load_config("tiny", ["data.source=chat", "data.chat_template=tokenizer", f"data.tokenizer={qwen}/tokenizer.json",
                                "data.paths=[x.jsonl]"])
@@ -215,4 +215,7 @@ def test_run_tokenizer_bytes_tokenizer_and_chat():
     assert tok.eot_text() == eos and tok.encode(eos) == [tok.eot_id]
     text = tok.chat_text([{"role": "user", "content": "hi"}])
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
-    assert tok.decode(tok.encode("hello world")) == "hello world"
+    assert tok.decode(tok.encode("hello world")) == "hello world" and tok.prefix_id == tok.eot_id  # no bos_token
+    llama = FIXTURES.parent / "chat" / "llama3"
+    tok = run_tokenizer(load_config("tiny", [f"data.tokenizer={llama}/tokenizer.json", "data.paths=[x.txt]"]))
+    assert tok.encode("<|begin_of_text|>") == [tok.prefix_id] != [tok.eot_id]  # its BOS, as lm-eval's HF model

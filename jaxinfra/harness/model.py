@@ -75,6 +75,10 @@ class JaxinfraLM(TemplateLM):
         return self.tok.eot_id
 
     @property
+    def prefix_token_id(self) -> int:
+        return self.tok.prefix_id
+
+    @property
     def max_length(self) -> int:
         return self._max_length
 

@@ -18,7 +18,7 @@ TEXT_SOURCES = ("text", "jsonl", "parquet", "chat", "preference", "prompts")
 @dataclasses.dataclass
 class RunTokenizer:
     """What JaxinfraLM tokenizes with. `eot_id` ends a generation (and its text joins `until`, as
-    lm-eval's HF model adds the EOS text) and prefixes rolling windows and empty contexts."""
+    lm-eval's HF model adds the EOS text); `prefix_id` prefixes rolling windows and empty contexts."""
 
     encode: Callable[[str], list[int]]
     decode: Callable[[list[int]], str]
@@ -28,6 +28,7 @@ class RunTokenizer:
     cfg: Config
     run_dir: pathlib.Path | None
     eot_string: str = ""  # the end-of-text id's text, special tokens spelled out (HF: skip_special_tokens=False)
+    prefix_id: int | None = None  # what precedes an empty context / a rolling window: the BOS, else the eot
 
     def eot_text(self) -> str:
         return self.eot_string
@@ -70,11 +71,14 @@ def run_tokenizer(cfg: Config, run_dir: str | pathlib.Path | None = None) -> Run
     tokenizer = run_file(cfg.data.tokenizer, run_dir) if cfg.data.tokenizer is not None else None
     stops = generation_stop_ids(cfg, run_dir)
     vocab = cfg.model.vocab_size
-    found = [i for i in (*stops, _config_eos(tokenizer), make_encoder(tokenizer).eod_id) if i is not None and i < vocab]
+    candidates = (*stops, _config_token(tokenizer), make_encoder(tokenizer).eod_id)
+    found = [i for i in candidates if i is not None and i < vocab]
     eot = found[0] if found else 0
     name = "bytes" if tokenizer is None else str(pathlib.Path(tokenizer).resolve())
+    bos = _config_token(tokenizer, "bos_token")  # lm-eval's HF model: the BOS when the tokenizer has one
     return RunTokenizer(encode, decode, eot, sorted({eot, *stops}), name, cfg, run_dir,
-                        eot_string=_spelled(tokenizer, eot, decode))
+                        eot_string=_spelled(tokenizer, eot, decode),
+                        prefix_id=bos if bos is not None and bos < vocab else eot)
 
 
 def _spelled(tokenizer: str | None, token: int, decode: Callable[[list[int]], str]) -> str:
@@ -85,13 +89,13 @@ def _spelled(tokenizer: str | None, token: int, decode: Callable[[list[int]], st
     return load_tokenizer(tokenizer).decode([token], skip_special_tokens=False)
 
 
-def _config_eos(tokenizer: str | None) -> int | None:
-    """The id of tokenizer_config.json's eos_token beside a tokenizer.json (None: no file, no token)."""
+def _config_token(tokenizer: str | None, key: str = "eos_token") -> int | None:
+    """The id of tokenizer_config.json's `key` token beside a tokenizer.json (None: no file, no token)."""
     if tokenizer is None:
         return None
     path = pathlib.Path(tokenizer).parent / "tokenizer_config.json"
     try:
-        eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token")
+        eos = json.loads(path.read_text(encoding="utf-8")).get(key)
     except (OSError, ValueError, AttributeError):
         return None
     eos = eos.get("content") if isinstance(eos, dict) else eos
