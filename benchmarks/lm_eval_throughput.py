@@ -59,14 +59,16 @@ def main() -> None:
     adapter_s = _median_seconds(lambda: lm._loglikelihood_tokens(requests), args.repeats)
     devices = list(lm.scorer.mesh.devices.flat)
     score_s = _median_seconds(lambda: score(cfg, params, tokens, args.batch_size, devices), args.repeats)
-    # the same numbers both ways: the adapter's sum over a row's continuation vs score's per-row mean
-    got = lm._loglikelihood_tokens(requests[:1])[0][0]
+    # the same numbers both ways: row 0 as one request whose continuation is every id after the first,
+    # against score's mean cross-entropy x predictions on that row
+    got = lm._loglikelihood_tokens([(None, list(tokens[0, :1]), list(tokens[0, 1:]))])[0][0]
+    want = -score(cfg, params, tokens[:1], 1, devices)[0] * t
     rows = [("jaxinfra model (lm-eval)", args.rows / adapter_s, adapter_s),
             ("eval --tokens (score)", args.rows / score_s, score_s)]
     print(format_table(rows, [Column("path"), Column("requests/s", ".1f", ">"), Column("seconds", ".3f", ">")]))
     print(f"ratio adapter / eval --tokens: {score_s / adapter_s:.2f} ({args.rows} rows of {t + 1} ids, batch "
-          f"{args.batch_size}, {jax.devices()[0].platform} x {len(devices)}); first request's continuation "
-          f"log-prob {got:.3f}")
+          f"{args.batch_size}, {jax.devices()[0].platform} x {len(devices)}); row 0's log-likelihood: adapter "
+          f"{got:.4f}, eval --tokens {want:.4f}")
 
 
 if __name__ == "__main__":
