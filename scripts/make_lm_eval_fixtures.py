@@ -1,7 +1,7 @@
 """lm-evaluation-harness reference results of lm-eval's own `hf` model, for tests/test_lm_eval.py.
 
-Run with the fixture venv (torch + transformers + lm-eval + accelerate) and a Python with jax for
-the jaxinfra steps (the test suite itself never imports torch):
+Run with the fixture venv (torch + transformers + lm-eval + accelerate, which lm-eval's hf model
+imports) and a Python with jax for the jaxinfra steps (the test suite itself never imports torch):
 
     HF_HUB_OFFLINE=1 PYTHONPATH=. python scripts/make_lm_eval_fixtures.py --jax-python /work/venv/bin/python
 

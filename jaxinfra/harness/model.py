@@ -44,7 +44,8 @@ class JaxinfraLM(TemplateLM):
 
         overrides = overrides.split() if isinstance(overrides, str) else list(overrides)
         cfg, params = load_model(pretrained, overrides)
-        self._setup(cfg, params, resolve_checkpoint(pretrained)[0], None, int(batch_size), max_length, max_gen_toks)
+        rows = int(batch_size) if str(batch_size).isdigit() else 8  # lm-eval's "auto": our default
+        self._setup(cfg, params, resolve_checkpoint(pretrained)[0], None, rows, max_length, max_gen_toks)
 
     @classmethod
     def from_memory(cls, cfg: Config, params: nnx.State, *, run_dir: str | pathlib.Path | None = None,
