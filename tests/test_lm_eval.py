@@ -102,6 +102,14 @@ def test_rolling_matches_eval_tokens(run_dir, tmp_path, capsys):
     assert line["tokens"] == len(ids) - 1
     assert abs(got + line["eval_loss"] * line["tokens"]) < 1e-3 * len(ids)
     assert got < 0
+    # a context past max_length keeps its last ids (left truncation, as lm-eval's HF model): the request
+    # scores as the one whose context is already cut to max_length + 1 - len(continuation) ids
+    ids = list((text * 4).encode())
+    context, continuation = ids[:-10], ids[-10:]
+    keep = lm.max_length + 1 - len(continuation)
+    long, cut, short = lm._loglikelihood_tokens([(None, context, continuation), (None, context[-keep:], continuation),
+                                                 (None, context[-keep + 40:], continuation)])
+    assert len(context) > keep and long == cut and abs(long[0] - short[0]) > 1e-6
 
 
 def test_cli_table_and_json(run_dir, tasks_dir, tmp_path, capsys):
