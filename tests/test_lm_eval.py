@@ -138,6 +138,8 @@ def test_bad_input(run_dir, tasks_dir, tmp_path, capsys, monkeypatch):
     assert status == 2 and err.count("\n") == 1 and "--include-path" in err and "no such directory" in err
     status, _, err = _main(capsys, "eval", str(run_dir), "--tokens", "x.npy", "--num-fewshot", "2")
     assert status == 2 and "--num-fewshot applies to --tasks only" in err
+    status, _, err = _main(capsys, "eval", str(run_dir), "--tasks", "jaxinfra_mc", "--seq-len", "8")
+    assert status == 2 and "--seq-len applies to --tokens / --text only" in err
     monkeypatch.setitem(__import__("sys").modules, "lm_eval", None)  # as if the extra were not installed
     status, _, err = _main(capsys, "eval", str(run_dir), "--tasks", "jaxinfra_mc")
     assert status == 2 and err == ("jaxinfra: error: jaxinfra eval --tasks needs lm-evaluation-harness: "

@@ -41,6 +41,8 @@ def add_task_source(p: argparse.ArgumentParser, source: argparse._MutuallyExclus
 def cmd_eval(args: argparse.Namespace) -> int:
     """--tasks here; --tokens / --text to jaxinfra/infer/cli.py cmd_eval (the task options refused there)."""
     if args.tasks is not None:
+        if args.seq_len is not None:
+            raise HarnessError("--seq-len applies to --tokens / --text only (--tasks rows are lm-eval's requests)")
         return cmd_eval_tasks(args)
     given = [o for o in TASK_OPTIONS if getattr(args, o) not in (None, False)]
     if given:
