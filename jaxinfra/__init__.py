@@ -34,6 +34,7 @@ Modules of `jaxinfra/` (see docs/architecture.md for how one run goes through th
 
   features: tools over the core; each may import the core and other features, never the CLI
     infer/         inference: checkpoint loading, generation with a KV cache, eval of token files
+    harness/       lm-evaluation-harness: the `jaxinfra` model, `eval --tasks`, the in-training `eval` extension
     quantize.py    `jaxinfra quantize`: weight-only int8 checkpoints
     distill/       knowledge distillation: online teacher or saved top-k logits, `distill save-logits`
     lora/          LoRA / QLoRA: the adapters as the trained subset over a frozen base, `lora merge`

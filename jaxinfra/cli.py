@@ -25,6 +25,7 @@ train, info and bench also take --coordinator HOST:PORT --num-processes N --proc
     jaxinfra generate CKPT (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N] [--temperature T]
                       [--top-k K] [--top-p P] [--stop-ids ...]   sampling with a KV cache
     jaxinfra eval CKPT (--tokens FILE.npy | --text FILE.txt) [--batch-size B]   mean next-token loss, one JSON line
+    jaxinfra eval CKPT --tasks T1,T2 [--include-path DIR] [--limit N] ...    lm-evaluation-harness table + JSON
     jaxinfra data prepare INPUT... --out DIR (--tokenizer PATH | --bytes) [--workers N] [--shard-tokens N]
     jaxinfra data inspect DIR [CONFIG] [KEY=VALUE ...]   counts, lengths, a decoded sample, checks
     jaxinfra quantize RUN_OR_CKPT OUT --weights int8 [--group-size N]   weight-only int8 checkpoint for inference
@@ -205,6 +206,7 @@ def _add_package_commands(sub: argparse._SubParsersAction) -> None:
     from jaxinfra.data_cli import add_subcommands as add_data  # data {prepare,inspect}
     from jaxinfra.distill.cli import add_subcommands as add_distill  # distill save-logits
     from jaxinfra.dpo.cli import add_subcommands as add_dpo  # dpo save-reference
+    from jaxinfra.harness.cli import add_task_source  # eval --tasks (lm-evaluation-harness)
     from jaxinfra.hf.cli import add_subcommands as add_hf  # hf {import,export,check}
     from jaxinfra.infer.cli import add_subcommands as add_inference  # generate, eval
     from jaxinfra.lora.cli import add_subcommands as add_lora  # lora merge
@@ -212,7 +214,8 @@ def _add_package_commands(sub: argparse._SubParsersAction) -> None:
     from jaxinfra.scaling.cli import add_subcommands as add_scaling  # sweep, scaling {collect,fit,predict}
 
     # In this order: `jaxinfra --help` lists the subcommands as they are added.
-    for add in (add_scaling, add_hf, add_inference, add_plan, add_data, add_distill, add_dpo, add_lora):
+    for add in (add_scaling, add_hf, lambda s: add_inference(s, extend_eval=add_task_source), add_plan, add_data,
+                add_distill, add_dpo, add_lora):
         add(sub)
 
 

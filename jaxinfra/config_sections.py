@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 # Sections whose `enabled` turns on a step extension of the same name (jaxinfra/extensions.py
 # check_sections_claimed: a section that is on with no extension to run it is refused).
-FEATURE_SECTIONS: tuple[str, ...] = ("distill", "lora")  # lora: models/lora_config.py LoraConfig
+FEATURE_SECTIONS: tuple[str, ...] = ("distill", "lora", "eval")  # lora: models/lora_config.py LoraConfig
 
 
 def chat_data(cfg: Any) -> bool:

@@ -17,9 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
+from typing import Any
 
 
-def add_subcommands(sub: argparse._SubParsersAction) -> None:
+def add_subcommands(sub: argparse._SubParsersAction,
+                    extend_eval: Callable[[argparse.ArgumentParser, Any], None] | None = None) -> None:
+    """`generate` and `eval`; `extend_eval(eval_parser, source_group)` may add another eval source (it then
+    sets the parser's func, dispatching back to `cmd_eval` for --tokens / --text)."""
     p = sub.add_parser("generate", help="generate from a checkpoint with a KV cache (text or token ids)")
     p.add_argument("ckpt", help="run directory or RUN/checkpoints/<step>")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. mesh.tensor=2")
@@ -43,7 +48,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                    "per-token-per-head scales (as quant.kv_cache=int8); none: the compute dtype")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("eval", help="mean next-token cross-entropy of a token file under a checkpoint")
+    p = sub.add_parser("eval", help="mean next-token cross-entropy of a token file, or lm-eval tasks (--tasks), "
+                       "under a checkpoint")
     p.add_argument("ckpt", help="run directory or RUN/checkpoints/<step>")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     source = p.add_mutually_exclusive_group(required=True)
@@ -55,6 +61,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                    "train.seq_len)")
     p.add_argument("--batch-size", type=int, default=8, help="rows per forward pass")
     p.set_defaults(func=cmd_eval)
+    if extend_eval is not None:  # e.g. lm-eval tasks: another source of the same group (jaxinfra/harness/cli.py)
+        extend_eval(p, source)
 
 
 def _ids(text: str, what: str) -> list[int]:
