@@ -164,9 +164,10 @@ def _report(caught: list[warnings.WarningMessage], events: CacheEvents) -> None:
     for w in caught:
         text = str(w.message)
         if text.startswith(_READ_ERROR):
-            reason = text.split("': ", 1)[-1].splitlines()[0][:200]
+            module, _, reason = text.partition("for '")[2].partition("': ")
             replaced = events.replaced[len(events.notes)] if len(events.replaced) > len(events.notes) else None
-            events.notes.append(f"jaxinfra: warning: compile cache entry unreadable ({reason}); compiled afresh"
+            events.notes.append(f"jaxinfra: warning: compile cache entry of {module} unreadable "
+                                f"({reason.splitlines()[0][:200] if reason else text[:200]}); compiled afresh"
                                 + (f" and replaced {replaced}" if replaced else ""))
         else:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)

@@ -27,6 +27,7 @@ from jaxinfra.metrics.trace import StepProfile, load_events, op_events, summariz
 PROFILE_DIR = "profile"
 WINDOW_FILE = "window.json"
 HLO_FILE = "train_step.hlo.txt.gz"
+_ACCELERATORS = ("/device:GPU", "/device:TPU")  # the trace's process names of device lines
 
 
 class ProfileWindow:
@@ -107,12 +108,8 @@ def read_run_profile(run_dir: str | os.PathLike) -> tuple[StepProfile, dict[str,
         raise NoProfileError(f"{run / PROFILE_DIR}: the trace or the step's HLO text is missing")
     with gzip.open(hlo_path, "rt") as f:
         module = parse_hlo(f.read())
-    events = op_events(load_events(run / PROFILE_DIR / trace), module.name,
-                       device=jax.devices()[0].platform != "cpu" and _traced_on_device(run / PROFILE_DIR / trace))
-    return summarize(events, module, window["steps"]), window
-
-
-def _traced_on_device(trace: pathlib.Path) -> bool:
-    """Whether the trace came from an accelerator (its xplane sits beside it; a device line is named /device:)."""
-    return any(e.get("ph") == "M" and str(e.get("args", {}).get("name", "")).startswith("/device:")
-               for e in load_events(trace)[:2000])
+    events = load_events(run / PROFILE_DIR / trace)
+    # An accelerator's trace must hold device op events (host launches alone are no profile of the step).
+    on_device = any(e.get("ph") == "M" and str(e.get("args", {}).get("name", "")).startswith(_ACCELERATORS)
+                    for e in events)
+    return summarize(op_events(events, module.name, device=on_device), module, window["steps"]), window
