@@ -97,16 +97,13 @@ class CacheEvents:
     notes: list[str] = dataclasses.field(default_factory=list)  # one warning line per bad entry
 
 
-_active: list[CacheEvents] = []
-_listening = False
-
-
-def _on_event(event: str, **_: Any) -> None:
-    for events in _active:
+def _counter(events: CacheEvents):
+    def count(event: str, **_: Any) -> None:
         if event == "/jax/compilation_cache/cache_hits":
             events.hits += 1
         elif event == "/jax/compilation_cache/cache_misses":  # jax records it when it writes an entry
             events.writes += 1
+    return count
 
 
 class _BadEntryFilter(logging.Filter):
@@ -138,23 +135,20 @@ def watch() -> Iterator[CacheEvents]:
     Other warnings raised inside are passed on unchanged."""
     import jax
 
-    global _listening
-    if not _listening:
-        jax.monitoring.register_event_listener(_on_event)
-        _listening = True
     events = CacheEvents()
+    count = _counter(events)
+    jax.monitoring.register_event_listener(count)
     logger = logging.getLogger("jax._src.compiler")
     level, shown = logger.level, logger.getEffectiveLevel()
     bad_entries = _BadEntryFilter(shown, events, jax.process_index() == 0)
     logger.addFilter(bad_entries)
     logger.setLevel(logging.DEBUG)
-    _active.append(events)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             yield events
     finally:
-        _active.remove(events)
+        jax.monitoring.unregister_event_listener(count)
         logger.removeFilter(bad_entries)
         logger.setLevel(level)
     _report(caught, events)
