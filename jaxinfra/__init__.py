@@ -18,7 +18,8 @@ Modules of `jaxinfra/` (see docs/architecture.md for how one run goes through th
     watchdog.py    ends a process whose step or collective hangs (exit 70)
     data/          grain input pipeline (text, token files, prepared dirs, jsonl/parquet, synthetic,
                    mixtures) packed into batches; `data prepare` / `data inspect`'s machinery
-    metrics/       FLOP counts, device peaks, MFU, JSONL/TensorBoard writers, table formatting
+    metrics/       FLOP counts, device peaks, MFU, JSONL/TensorBoard writers, table formatting; step
+                   profiles (HLO classes, trace shares) and a run's profile window (log.profile_steps)
     optim.py       learning-rate schedules and AdamW with its decay mask and clipping
     loss.py        token-sum cross-entropy with z-loss; MoE router losses and metrics
     state.py       TrainState (params, opt state, model stats, extension state) created in its sharded
@@ -30,6 +31,7 @@ Modules of `jaxinfra/` (see docs/architecture.md for how one run goes through th
                    as a LoRA run's frozen base)
     runtime.py     build_runtime: mesh, sharding rules, optimizer and jitted steps, built once
     checkpoint.py  Orbax checkpoints of state + data position + config; restore, export-params
+    compile_cache.py  XLA's persistent compilation cache (train.compile_cache), bad entries replaced
     train.py       the training loop: resume, logging, evaluation, checkpoints, signals
 
   features: tools over the core; each may import the core and other features, never the CLI

@@ -10,6 +10,7 @@ train, info and bench also take --coordinator HOST:PORT --num-processes N --proc
                                                     memory per device, step time, bottleneck; --search ranks layouts
     jaxinfra export-params RUN OUT [--dtype D]      a run's newest params alone (optionally cast)
     jaxinfra bench collectives [KEY=VALUE ...] [--min-bytes N] [--max-bytes N] [--ops a,b]   collective timings
+    jaxinfra profile RUN [--top N]                  a run's profile window (log.profile_steps): category shares, top ops
     jaxinfra launch --local-processes N [--devices-per-process M] -- COMMAND ...   N local processes
     jaxinfra launch k8s CONFIG --hosts N [--image IMAGE] [--run-dir DIR | --pvc CLAIM] [--tpu-type T --tpu-topology AxB
                     | --gpus-per-host G] [--max-restarts R] [--queue Q] [--out FILE] [KEY=VALUE ...]
@@ -124,6 +125,22 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from jaxinfra.metrics.run_profile import NoProfileError, read_run_profile
+    from jaxinfra.metrics.trace import format_profile
+
+    if args.top < 1:
+        raise ConfigError(f"--top={args.top} is invalid: must be >= 1")
+    try:
+        profile, window = read_run_profile(args.run_dir)
+    except NoProfileError as e:  # bad input: one line, exit 2
+        raise ConfigError(str(e)) from None
+    print(f"{args.run_dir}: steps {window['start'] + 1}..{window['stop']} (log.profile_steps=[{window['start']}, "
+          f"{window['stop']}]), trace {window['trace']}")
+    print(format_profile(profile, args.top))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxinfra", description="JAX/XLA training stack for LLMs")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -132,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_info(sub, presets)
     _add_checkpoint_tools(sub)
     _add_bench(sub)
+    _add_profile(sub)
     _add_launch(sub)
     _add_package_commands(sub)
     return parser
@@ -189,6 +207,13 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ops", default=",".join(("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute")))
     _add_process_flags(p)
     p.set_defaults(func=cmd_bench)
+
+
+def _add_profile(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="a run's profile window (log.profile_steps): per-category shares and top ops")
+    p.add_argument("run_dir", metavar="RUN", help="a run directory trained with log.profile_steps=[START,STOP]")
+    p.add_argument("--top", type=int, default=12, help="ops listed, longest first (default 12)")
+    p.set_defaults(func=cmd_profile)
 
 
 def _add_launch(sub: argparse._SubParsersAction) -> None:

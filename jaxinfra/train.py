@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from jaxinfra import storage
+from jaxinfra import compile_cache, storage
 from jaxinfra.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -73,6 +73,7 @@ from jaxinfra.metrics import (
     write_summary,
 )
 from jaxinfra.metrics.trackers import missing_package, open_trackers
+from jaxinfra.metrics.run_profile import ProfileWindow
 from jaxinfra.optim import all_finite
 from jaxinfra.rundir import LOCK_NAME, ObjectLock, RunDirError, RunDirLock, check_run_dir
 from jaxinfra.runtime import build_runtime
@@ -94,7 +95,10 @@ class _Loop:
     bad_in_a_row: int = 0
     skipped: int = 0
     started: float = 0.0
-    compile_s: float | None = None
+    first_step_s: float | None = None  # the first step's wall time (its compile included)
+    compile_trace_s: float | None = None  # the train step's tracing + lowering (runtime.compile_train_step)
+    compile_xla_s: float | None = None  # XLA's compile, or the load from the persistent cache
+    compile_hit: bool | None = None
     window_start: float = 0.0
     window_steps: int = 0
     last: dict[str, float] = dataclasses.field(default_factory=dict)  # the newest metrics line
@@ -121,6 +125,7 @@ class Trainer:
         self.logger: MetricsLogger | None = None
         self.bar: ProgressBar | None = None
         self.watchdog = Watchdog(0)
+        self.window: ProfileWindow | None = None
         self._previous_handlers: dict[int, Any] = {}
         self._take_lock()  # before the Checkpointer, which cleans up temporary directories of a live run
         try:
@@ -172,6 +177,8 @@ class Trainer:
     def _build(self, devices: Sequence[jax.Device] | None, restore_from: str | os.PathLike | None) -> None:
         cfg, t = self.cfg, self.cfg.train
         self.devices = list(devices) if devices is not None else jax.devices()
+        self.cache_dir = compile_cache.configure(cfg)  # before anything compiles
+        self.window = ProfileWindow(self.run_dir, cfg.log.profile_steps, enabled=self.is_main)
         self.rt = build_runtime(cfg, self.devices, self.requested_extensions)
         self.mesh = self.rt.mesh
         self.restore_from = restore_from
@@ -350,6 +357,7 @@ class Trainer:
         stops reporting progress. A closer that fails never hides `error` (its failure becomes a note
         on it) nor keeps the later closers from running; with no `error`, the first failure is raised."""
         closers = [("watchdog", self.watchdog.close), ("signal handlers", self._restore_signal_handlers),
+                   ("profiler", self.window.close if self.window else None),
                    ("checkpoints", self._checkpoint_closer(error)),
                    ("data workers", getattr(self.train_iter, "close", None)),
                    ("progress bar", self.bar.close if self.bar else None),
@@ -382,16 +390,19 @@ class Trainer:
         return functools.partial(self.ckpt.close_within, timeout_s)
 
     def _run(self) -> dict[str, Any]:
-        start_step, state, meta = self.initial_state()  # before anything is written: a refusal changes nothing
-        self.state = state  # host.current_state() in `start` (e.g. a reference taken from the start)
-        notes = self.start_extensions(meta)
-        self._open_outputs(start_step)
-        loop = _Loop(start_step=start_step, step=start_step, state=state)
-        self.state = state
-        self._header(start_step)
-        for note in notes:
+        with compile_cache.watch() as startup:  # init, restore and evaluation programs: bad cache entries replaced
+            start_step, state, meta = self.initial_state()  # before anything is written: a refusal changes nothing
+            self.state = state  # host.current_state() in `start` (e.g. a reference taken from the start)
+            notes = self.start_extensions(meta)
+            self._open_outputs(start_step)
+            loop = _Loop(start_step=start_step, step=start_step, state=state)
+            self.state = state
+            self._header(start_step)
+            for note in notes:
+                self._say(note)
+            self._first_eval(loop, meta)
+        for note in startup.notes:
             self._say(note)
-        self._first_eval(loop, meta)
         self._install_signal_handlers()
         self.watchdog = Watchdog(self.cfg.train.step_timeout_s, process_index=jax.process_index())
         batches = self.batches(start_step + 1)
@@ -459,16 +470,22 @@ class Trainer:
         t, watchdog = self.cfg.train, self.watchdog
         watchdog.progress(step, "data")
         batch = next(batches)
+        if loop.first_step_s is None:
+            self._compile_step(loop, batch)
+        self.window.before(step, loop.state)
         watchdog.progress(step, "step")
         loop.state, metrics = self.rt.train_step(loop.state, batch)
         self.state = loop.state  # what host.current_state() gives the next batch (the old one was donated)
         loop.pending_flags.append(metrics["nonfinite"])
         loop.window_steps += 1
-        if loop.compile_s is None:  # the first step compiles; time the rest from its end
+        if loop.first_step_s is None:  # the first step compiles; time the rest from its end
             jax.block_until_ready(metrics)
-            loop.compile_s = time.perf_counter() - loop.started
+            loop.first_step_s = time.perf_counter() - loop.started
             loop.window_start, loop.window_steps = time.perf_counter(), 0
             watchdog.arm()
+        profiled = self.window.after(step, (loop.state, metrics))
+        if profiled:
+            self._say(profiled)
         log_now = step % self.cfg.log.every == 0 or step == t.steps
         if log_now:
             self._log_point(loop, step, metrics)
@@ -495,6 +512,19 @@ class Trainer:
             shown = ", ".join(f"{k} {float(v):.4g}" for k, v in line.items() if isinstance(v, (int, float)))
             self._say(f"step {step}: {shown or ', '.join(line)}")
 
+    def _compile_step(self, loop: _Loop, batch: dict[str, jax.Array]) -> None:
+        """Compile the train step before its first call (the call reuses it), timed and checked against
+        the persistent cache; one startup line says how long and whether the cache served it."""
+        self.watchdog.progress(loop.step, "compile")
+        with compile_cache.watch() as cache:
+            compiled, loop.compile_trace_s, loop.compile_xla_s = self.rt.compile_train_step(loop.state, batch)
+        loop.compile_hit = bool(cache.hits)
+        self.window.keep_program(compiled)  # a profile window classifies its ops from this program's HLO
+        for note in cache.notes:
+            self._say(note)
+        self._say("jaxinfra: " + compile_cache.describe(loop.compile_trace_s, loop.compile_xla_s, cache,
+                                                        self.cache_dir))
+
     def _log_point(self, loop: _Loop, step: int, metrics: dict[str, jax.Array]) -> None:
         """The loop's host sync: count skipped steps and write one metrics line."""
         self.watchdog.progress(step, "sync (device step / collectives)")
@@ -504,10 +534,10 @@ class Trainer:
             loop.bad_in_a_row = loop.bad_in_a_row + 1 if flag else 0
             loop.skipped += int(flag)
         now = time.perf_counter()
-        step_time = (now - loop.window_start) / loop.window_steps if loop.window_steps else loop.compile_s
+        step_time = (now - loop.window_start) / loop.window_steps if loop.window_steps else loop.first_step_s
         loop.window_start, loop.window_steps = now, 0
         line = self._metrics_line(host, step_time, loop.skipped)
-        if step_time != loop.compile_s:
+        if step_time != loop.first_step_s:
             loop.step_rates.append(line["tokens_per_s"])
         self._log(step, line)
         self.bar.update(step, line)
@@ -585,7 +615,7 @@ class Trainer:
             "flops_per_token": self.fpt,
             "peak_flops_per_device": self.peak,
             "peak_source": self.peak_source,
-            "compile_s": loop.compile_s,
+            **_compile_fields(loop, self.cache_dir),
             "wall_s": wall,
             "params": self.counts,
             "param_bytes_per_device": bytes_per_device(loop.state.params),
@@ -593,6 +623,14 @@ class Trainer:
             "mesh": dict(self.mesh.shape),
             "devices": len(self.devices),
         }
+
+
+def _compile_fields(loop: _Loop, cache_dir: str | None) -> dict[str, Any]:
+    """summary.json's account of the train step's compile (None: no step ran)."""
+    trace_s, xla_s = loop.compile_trace_s, loop.compile_xla_s
+    return {"compile_s": None if trace_s is None else trace_s + xla_s, "compile_trace_s": trace_s,
+            "compile_xla_s": xla_s, "compile_cache": cache_dir, "compile_cache_hit": loop.compile_hit,
+            "first_step_s": loop.first_step_s}
 
 
 def train(cfg: Config, run_dir: str | os.PathLike, devices: Sequence[jax.Device] | None = None,

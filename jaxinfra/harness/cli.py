@@ -18,6 +18,7 @@ import json
 import pathlib
 import sys
 
+from jaxinfra.compile_cache import configure as configure_compile_cache
 from jaxinfra.harness import HarnessError, require_lm_eval
 
 # `eval --tasks` only; None/False = not given, so --tokens/--text can refuse them
@@ -81,6 +82,7 @@ def cmd_eval_tasks(args: argparse.Namespace) -> int:
     from jaxinfra.harness.model import JaxinfraLM
 
     lm = JaxinfraLM(pretrained=args.ckpt, overrides=list(args.overrides), batch_size=args.batch_size)
+    configure_compile_cache(lm.cfg)  # before the first request compiles: the run's train.compile_cache
     results = run_tasks(lm, names, limit=args.limit, num_fewshot=args.num_fewshot, include_path=args.include_path,
                         log_samples=args.log_samples, apply_chat_template=args.apply_chat_template, manager=manager)
     print(make_table(results))

@@ -20,6 +20,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from jaxinfra.compile_cache import configure as configure_compile_cache
+
 
 def add_subcommands(sub: argparse._SubParsersAction,
                     extend_eval: Callable[[argparse.ArgumentParser, Any], None] | None = None) -> None:
@@ -89,6 +91,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise InferenceError("--system needs --chat")
     overrides = list(args.overrides) + ([f"quant.kv_cache={args.kv_cache}"] if args.kv_cache is not None else [])
     cfg, params = load_model(args.ckpt, overrides)
+    configure_compile_cache(cfg)  # the run's train.compile_cache (or an override): prefill/decode from the cache
     if stop_ids is None:
         from jaxinfra.infer.text import generation_stop_ids
 
@@ -134,6 +137,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.tokens is not None:
         tokens = _token_file(args.tokens, args.seq_len)
     cfg, params = load_model(args.ckpt, args.overrides)
+    configure_compile_cache(cfg)
     if args.text is not None:
         from jaxinfra.infer import resolve_checkpoint
         from jaxinfra.infer.text import text_ids

@@ -2,7 +2,8 @@
 
 Step profiles and memory (docs/profiling.md), imported by module: `hlo` (what each op of a
 compiled program is), `trace` (a jax.profiler trace -> each category's share of the step),
-`memory` (compiled memory estimates, the allocator's peak, the largest batch that fits).
+`memory` (compiled memory estimates, the allocator's peak, the largest batch that fits),
+`run_profile` (a training run's profile window, log.profile_steps, and `jaxinfra profile RUN`).
 `writers.MetricsLogger` is the run's one metrics writer (JSONL, TensorBoard) and feeds the experiment
 trackers of `trackers` (W&B, MLflow; docs/evaluation.md).
 
