@@ -72,8 +72,8 @@ from jaxinfra.metrics import (
     peak_flops_per_device,
     write_summary,
 )
-from jaxinfra.metrics.trackers import missing_package, open_trackers
 from jaxinfra.metrics.run_profile import ProfileWindow
+from jaxinfra.metrics.trackers import missing_package, open_trackers
 from jaxinfra.optim import all_finite
 from jaxinfra.rundir import LOCK_NAME, ObjectLock, RunDirError, RunDirLock, check_run_dir
 from jaxinfra.runtime import build_runtime

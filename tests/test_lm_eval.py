@@ -229,3 +229,36 @@ def test_run_tokenizer_bytes_tokenizer_and_chat():
     llama = FIXTURES.parent / "chat" / "llama3"
     tok = run_tokenizer(load_config("tiny", [f"data.tokenizer={llama}/tokenizer.json", "data.paths=[x.txt]"]))
     assert tok.encode("<|begin_of_text|>") == [tok.prefix_id] != [tok.eot_id]  # its BOS, as lm-eval's HF model
+
+
+def test_training_logs_task_scores_to_every_sink(tasks_dir, tmp_path):
+    """Acceptance 3 end to end: `eval.tasks` in a training run (the `eval` extension found by its entry point)
+    puts the task score at its steps into metrics.jsonl, TensorBoard, the offline W&B run and the MLflow
+    store, each read back through its own reader (the readers of tests/test_trackers.py)."""
+    import jax
+    from mlflow.tracking import MlflowClient
+    from test_trackers import _tensorboard_scalars, _wandb_records
+
+    from jaxinfra.config import load_config
+    from jaxinfra.metrics.trackers import default_tracking_uri
+    from jaxinfra.train import Trainer
+
+    key = "eval/jaxinfra_mc/acc"
+    cfg = load_config("tiny", ["model.d_model=64", "model.num_layers=2", "model.mlp_dim=192", "train.steps=4",
+                               "train.batch_size=2", "train.seq_len=64", "mesh.data=1", "train.eval_every=0",
+                               "log.progress=false", "checkpoint.enabled=false", "eval.tasks=[jaxinfra_mc]",
+                               f"eval.include_path={tasks_dir}", "eval.limit=4", "eval.every=2",
+                               "log.wandb.project=jaxinfra-tests", "log.mlflow.experiment=task-evals"])
+    run_dir = tmp_path / "run"
+    Trainer(cfg, run_dir, jax.devices()[:1]).run()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    jsonl = [(r["step"], r[key]) for r in rows if key in r]
+    assert [s for s, _ in jsonl] == [2, 4] and all(0 <= v <= 1 for _, v in jsonl)
+    assert [(s, pytest.approx(v)) for s, v in _tensorboard_scalars(run_dir)[key]] == jsonl
+    state = json.loads((run_dir / "trackers.json").read_text())
+    client = MlflowClient(default_tracking_uri(run_dir))
+    assert [(m.step, m.value) for m in client.get_metric_history(state["mlflow"]["run_id"], key)] == jsonl
+    records = _wandb_records(next(run_dir.glob("wandb/offline-run-*/run-*.wandb")))
+    history = [(r.history.step.num, {i.nested_key[0]: json.loads(i.value_json) for i in r.history.item})
+               for r in records if r.WhichOneof("record_type") == "history"]
+    assert [(s, row[key]) for s, row in history if key in row] == jsonl
