@@ -35,7 +35,9 @@ written as `.`.
 (markdown links to files; `path.py: name` mentions name a def or class in that file) and that
 every measured-looking number in a page's prose (a decimal, a number with thousands separators,
 or one followed by a unit such as MiB, GB/s, ms or %) either appears in an output block of the
-same page or sits in a paragraph that cites benchmarks/RESULTS.md.
+same page or sits in a paragraph that cites benchmarks/RESULTS.md or links an outside source
+(`[NVIDIA H100 data sheet](https://...)`). In a table each row is judged alone: a row of
+data-sheet figures links its source in a cell of its own.
 """
 
 from __future__ import annotations
@@ -234,7 +236,7 @@ def prose_paragraphs(lines: list[str]) -> list[tuple[int, str]]:
     for n, line in enumerate(lines + [""]):
         if n in inside or not line.strip() or line.lstrip().startswith("<!--"):
             if current:
-                paragraphs.append((first + 1, " ".join(current)))
+                paragraphs.append((first + 1, "\n".join(current)))
             current = []
             continue
         if not current:
@@ -268,20 +270,38 @@ def reference_problems(page: pathlib.Path) -> list[str]:
     return problems
 
 
+OUTSIDE_SOURCE = re.compile(r"\]\(https?://")
+
+
+def cited(text: str) -> bool:
+    """Whether a paragraph (or one table row) cites where its numbers come from: benchmarks/RESULTS.md
+    or an outside source linked by its address (a data sheet, a paper, a report)."""
+    return "RESULTS.md" in text or OUTSIDE_SOURCE.search(text) is not None
+
+
+def _claims(para: str) -> list[str]:
+    """The parts of a paragraph judged one by one: each row of a table, else the whole paragraph."""
+    return para.splitlines() if para.startswith("|") else [para]
+
+
 def number_problems(page: pathlib.Path) -> list[str]:
-    """Measured-looking numbers in prose that neither an output block of the page prints nor RESULTS.md backs."""
+    """Measured-looking numbers in prose that no output block of the page prints and no citation backs
+    (benchmarks/RESULTS.md, or an outside source linked in the same paragraph or table row)."""
     lines = page.read_text().splitlines()
     outputs = "\n".join(b.output for b in parse_page(page))
     problems = []
     for line_no, para in prose_paragraphs(lines):
-        if "RESULTS.md" in para:
-            continue
-        prose = INLINE_CODE.sub(" ", LINK.sub(lambda m: m.group(0).split("](")[0], para))
-        for number in MEASURED.findall(prose):
-            if number not in outputs and number.replace(",", "") not in outputs:
-                problems.append(f"{page.name}:{line_no}: {number!r} is in the prose but in no output on the page "
-                                "(quote an output, or cite benchmarks/RESULTS.md)")
+        for claim in _claims(para):
+            if not cited(claim):
+                problems += _unbacked(page, line_no, claim, outputs)
     return problems
+
+
+def _unbacked(page: pathlib.Path, line_no: int, para: str, outputs: str) -> list[str]:
+    prose = INLINE_CODE.sub(" ", LINK.sub(lambda m: m.group(0).split("](")[0], " ".join(para.split())))
+    return [f"{page.name}:{line_no}: {number!r} is in the prose but in no output on the page (quote an output, "
+            "cite benchmarks/RESULTS.md, or link the outside source in the same paragraph or table row)"
+            for number in MEASURED.findall(prose) if number not in outputs and number.replace(",", "") not in outputs]
 
 
 # ---------------------------------------------------------------- main

@@ -97,3 +97,13 @@ def test_prose_checks_catch_unbacked_numbers_and_dead_references(builder, tmp_pa
     refs = builder.reference_problems(page)
     assert any("no def/class no_such_function" in p for p in refs) and any("missing.md" in p for p in refs)
 
+
+
+def test_an_outside_source_backs_the_numbers_of_its_paragraph_or_table_row_only(builder, tmp_path):
+    page = tmp_path / "04-d.md"
+    page.write_text("An H100 SXM has 3.35 TB/s of HBM3 ([data sheet](https://www.nvidia.com/h100)).\n\n"
+                    "| part | HBM | source |\n|---|---|---|\n"
+                    "| H200 | 4.8 TB/s | [data sheet](https://www.nvidia.com/h200) |\n"
+                    "| B200 | 8.0 TB/s | ours |\n")
+    problems = builder.number_problems(page)
+    assert len(problems) == 1 and "'8.0'" in problems[0]  # the unsourced row only; the linked ones pass
