@@ -77,9 +77,9 @@ def test_fit_recovers_alpha_and_bandwidth_and_the_bus_factor_ratio():
 
 
 def test_measured_collective_time_grows_with_the_message():
-    rows = measure(8, [MIB, 4 * MIB], ops=("all_gather",), repeats=2)
+    rows = measure(8, [MIB, 8 * MIB], ops=("all_gather",), repeats=3)
     times = {r["bytes"]: r["time_us"] for r in rows}
-    assert times[4 * MIB] > times[MIB]  # loose on purpose: see the module doc
+    assert times[8 * MIB] > times[MIB]  # loose on purpose (8x the bytes): see the module doc
     (_, slope), = fit_per_op(rows).values()
     assert slope > 0
 
