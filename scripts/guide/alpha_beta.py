@@ -132,8 +132,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.ring_vs_tree:
         link = LINKS[args.link]
-        print(f"link {args.link} ({link.name}): alpha {link.latency * 1e6:g} us per hop, "
-              f"B {link.bandwidth / 1e9:g} GB/s per device (jaxinfra/plan/links.py)")
+        print(f"link {args.link} ({link.name}, jaxinfra/plan/links.py): its latency {link.latency * 1e6:g} us "
+              f"as alpha per hop, B {link.bandwidth / 1e9:g} GB/s per device")
         print(ring_vs_tree(link, [65536, 256 * MIB], [8, 64, 512, 4096]))
         return
     sizes = [int(s) for s in args.sizes.split(",")]
