@@ -1,7 +1,7 @@
 """Decode tokens/s against batch size on this machine, next to the plan's roofline for the same batches.
 
     python scripts/guide/serving_batches.py [--preset small] [--batches 1,2,4,8,16] [--prompt-len 16]
-                                            [--new-tokens 32] [--repeats 2] [KEY=VALUE ...]
+                                            [--new-tokens 32] [--repeats 5] [KEY=VALUE ...]
 
 Random weights (no checkpoint), greedy decoding, no stop id, so every row runs every step. For
 each batch size: one compiling call, then the fastest of `--repeats` timed calls of
@@ -35,16 +35,17 @@ from jaxinfra.state import init_params
 
 
 def measure(gen: Generator, cfg: Config, batch: int, prompt_len: int, new_tokens: int,
-            repeats: int) -> tuple[float, float]:
-    """(decode step seconds, decode tokens/s) for `batch` random prompts: the fastest of `repeats` calls
-    (on a shared machine other jobs only ever add time, so the fastest call is the least disturbed)."""
+            repeats: int) -> tuple[float, float, float]:
+    """(decode step seconds, decode tokens/s, prefill tokens/s) for `batch` random prompts: the fastest of
+    `repeats` calls (on a shared machine other jobs only ever add time: the fastest is the least disturbed)."""
     rng = np.random.default_rng(batch)
     prompts = rng.integers(0, cfg.model.vocab_size, (batch, prompt_len)).tolist()
     greedy = Sampling()
     gen.generate(prompts, max_new_tokens=new_tokens, sampling=greedy)  # compile + warm-up
     runs = [gen.generate(prompts, max_new_tokens=new_tokens, sampling=greedy) for _ in range(repeats)]
     best = min(runs, key=lambda r: r.decode_s)
-    return best.decode_s / best.decode_steps, best.decode_tokens_per_s
+    prefill = max(r.prefill_tokens_per_s for r in runs)
+    return best.decode_s / best.decode_steps, best.decode_tokens_per_s, prefill
 
 
 def planned_step(preset: str, overrides: list[str], spec: DeviceSpec, batch: int,
@@ -61,7 +62,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,2,4,8,16")
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
 
@@ -73,16 +74,18 @@ def main() -> None:
     spec = cpu_spec(1, measure_matmul_flops(), nbytes / stream_s)
     print(f"{args.preset}: {nbytes / 2**20:.0f} MiB of parameters ({cfg.model.dtype}); read once in "
           f"{stream_s * 1e3:.2f} ms ({nbytes / stream_s / 1e9:.1f} GB/s); matmul probe "
-          f"{spec.peak('float32') / 1e12:.3f} TFLOP/s x efficiency {spec.efficiency}")
+          f"{spec.peak('float32') / 1e12:.3f} TFLOP/s x efficiency {spec.efficiency}; ridge "
+          f"{spec.throughput('float32') / spec.memory_bandwidth:.1f} FLOP/byte")
     print(f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, fastest of {args.repeats} calls")
     positions = args.prompt_len + args.new_tokens
     rows, base = [], None
     for batch in [int(b) for b in args.batches.split(",")]:
-        step, tok_s = measure(gen, cfg, batch, args.prompt_len, args.new_tokens, args.repeats)
+        step, tok_s, prefill = measure(gen, cfg, batch, args.prompt_len, args.new_tokens, args.repeats)
         est, bound = planned_step(args.preset, overrides, spec, batch, positions)
         base = base or tok_s / batch
-        rows.append((batch, step * 1e3, tok_s, tok_s / base, est * 1e3, batch / est, bound))
-    print(format_table(rows, [Column("batch"), Column("step ms", ".2f"), Column("tokens/s", ",.0f"),
+        rows.append((batch, prefill, step * 1e3, tok_s, tok_s / base, est * 1e3, batch / est, bound))
+    print(format_table(rows, [Column("batch"), Column("prefill tok/s", ",.0f"), Column("step ms", ".2f"),
+                              Column("decode tok/s", ",.0f"),
                               Column("x batch 1", ".2f"), Column("plan step ms", ".2f"),
                               Column("plan tokens/s", ",.0f"), Column("plan bound")]))
 

@@ -167,8 +167,10 @@ def main() -> None:
     if args.what == "sequences":
         kinds = args.devices.split(",")
         for kind in kinds:
-            print(f"{kind}: {DEVICES[kind].name}, {DEVICES[kind].memory_bytes / GIB:.1f} GiB, "
-                  f"{DEVICES[kind].memory_bandwidth / 1e12:.2f} TB/s (jaxinfra/plan/devices.py)")
+            d = DEVICES[kind]
+            print(f"{kind}: {d.name}, {d.memory_bytes / GIB:.1f} GiB, {d.memory_bandwidth / 1e12:.2f} TB/s, "
+                  f"bf16 {d.peak('bfloat16') / 1e12:.0f} TFLOP/s x efficiency {d.efficiency}: ridge "
+                  f"{d.throughput('bfloat16') / d.memory_bandwidth:.0f} FLOP/byte (jaxinfra/plan/devices.py)")
         print(sequences_table(args.specs, kinds, args.seq_len))
     else:
         print(speculative_table([float(a) for a in args.acceptance.split(",")],
