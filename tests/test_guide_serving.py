@@ -8,6 +8,7 @@ pass against a Monte-Carlo draw. Abstract shapes only: nothing is compiled.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import pathlib
 import re
@@ -19,9 +20,20 @@ from jaxinfra.info import inference_lines
 from jaxinfra.metrics import param_counts
 from jaxinfra.plan.devices import DEVICES
 from models import cache
-from scripts.guide import serving_capacity as sc
 
-PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "guide" / "20-serving.md"
+REPO = pathlib.Path(__file__).resolve().parents[1]
+PAGE = REPO / "docs" / "guide" / "20-serving.md"
+
+
+def _load_script(path: pathlib.Path):
+    """scripts/ is not an installed package: load the page's script from its file."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+sc = _load_script(REPO / "scripts" / "guide" / "serving_capacity.py")
 BF16 = ["model.param_dtype=bfloat16"]
 
 
