@@ -5,7 +5,8 @@
 
 Random weights (no checkpoint), greedy decoding, no stop id, so every row runs every step. For
 each batch size: one compiling call, then the fastest of `--repeats` timed calls of
-`jaxinfra.infer.Generator.generate` (what `jaxinfra generate` and benchmarks/decode.py run).
+`jaxinfra.infer.Generator.generate` (what `jaxinfra generate` and benchmarks/decode.py run),
+timed in rounds that visit every batch size and the probes once each (`measure`).
 The estimate is jaxinfra/plan/inference.py `decode_time` for the same rows and positions, on
 this host described by two probes measured in this process: the time to read every parameter
 once (benchmarks/decode.py `param_stream_seconds`, the bandwidth a decode step needs) and a
@@ -26,7 +27,8 @@ import numpy as np
 
 from benchmarks.decode import param_stream_seconds
 from jaxinfra.config import Config, load_config
-from jaxinfra.infer import Generator, Sampling
+from jaxinfra.infer import Generator
+from jaxinfra.infer.generation import GenerationResult
 from jaxinfra.metrics import measure_matmul_flops
 from jaxinfra.metrics.table import Column, format_table
 from jaxinfra.plan.devices import DeviceSpec, cpu_spec
@@ -34,18 +36,28 @@ from jaxinfra.plan.estimate import make_plan
 from jaxinfra.state import init_params
 
 
-def measure(gen: Generator, cfg: Config, batch: int, prompt_len: int, new_tokens: int,
-            repeats: int) -> tuple[float, float, float]:
-    """(decode step seconds, decode tokens/s, prefill tokens/s) for `batch` random prompts: the fastest of
-    `repeats` calls (on a shared machine other jobs only ever add time: the fastest is the least disturbed)."""
-    rng = np.random.default_rng(batch)
-    prompts = rng.integers(0, cfg.model.vocab_size, (batch, prompt_len)).tolist()
-    greedy = Sampling()
-    gen.generate(prompts, max_new_tokens=new_tokens, sampling=greedy)  # compile + warm-up
-    runs = [gen.generate(prompts, max_new_tokens=new_tokens, sampling=greedy) for _ in range(repeats)]
-    best = min(runs, key=lambda r: r.decode_s)
-    prefill = max(r.prefill_tokens_per_s for r in runs)
-    return best.decode_s / best.decode_steps, best.decode_tokens_per_s, prefill
+def measure(gen: Generator, cfg: Config, batches: list[int], prompt_len: int, new_tokens: int,
+            repeats: int) -> tuple[dict[int, GenerationResult], float, int, float]:
+    """The fastest call per batch size, and the probes (parameter-read seconds, bytes, matmul FLOP/s).
+
+    One compiling call per batch, then `repeats` rounds that time every batch and both probes
+    once each. On a shared machine other jobs only ever add time, so each figure keeps its least
+    disturbed measurement, and interleaving the rounds spreads a burst of load over every batch
+    instead of landing on one."""
+    rng = np.random.default_rng(0)
+    prompts = {b: rng.integers(0, cfg.model.vocab_size, (b, prompt_len)).tolist() for b in batches}
+    for b in batches:
+        gen.generate(prompts[b], max_new_tokens=new_tokens)  # compile + warm-up (greedy)
+    best: dict[int, GenerationResult] = {}
+    stream_s, matmul, nbytes = float("inf"), 0.0, 0
+    for _ in range(repeats):
+        seconds, nbytes = param_stream_seconds(gen.params)
+        stream_s, matmul = min(stream_s, seconds), max(matmul, measure_matmul_flops())
+        for b in batches:
+            run = gen.generate(prompts[b], max_new_tokens=new_tokens)
+            if b not in best or run.decode_s < best[b].decode_s:
+                best[b] = run
+    return best, stream_s, nbytes, matmul
 
 
 def planned_step(preset: str, overrides: list[str], spec: DeviceSpec, batch: int,
@@ -70,22 +82,21 @@ def main() -> None:
     cfg = load_config(args.preset, overrides)
     params = jax.jit(init_params, static_argnums=0)(cfg.model, jax.random.key(0))
     gen = Generator(cfg, params, devices=jax.devices()[:1])
-    # Probes, like the decode calls, keep their least disturbed figure: the best of three medians
-    # for the parameter read, the best of ten runs for the matmul.
-    stream_s, nbytes = min(param_stream_seconds(gen.params) for _ in range(3))
-    spec = cpu_spec(1, measure_matmul_flops(repeats=10), nbytes / stream_s)
+    batches = [int(b) for b in args.batches.split(",")]
+    best, stream_s, nbytes, matmul = measure(gen, cfg, batches, args.prompt_len, args.new_tokens, args.repeats)
+    spec = cpu_spec(1, matmul, nbytes / stream_s)
     print(f"{args.preset}: {nbytes / 2**20:.0f} MiB of parameters ({cfg.model.dtype}); read once in "
           f"{stream_s * 1e3:.2f} ms ({nbytes / stream_s / 1e9:.1f} GB/s); matmul probe "
           f"{spec.peak('float32') / 1e12:.3f} TFLOP/s x efficiency {spec.efficiency}; ridge "
           f"{spec.throughput('float32') / spec.memory_bandwidth:.1f} FLOP/byte")
-    print(f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, fastest of {args.repeats} calls")
+    print(f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, fastest of {args.repeats} rounds")
     positions = args.prompt_len + args.new_tokens
-    rows, base = [], None
-    for batch in [int(b) for b in args.batches.split(",")]:
-        step, tok_s, prefill = measure(gen, cfg, batch, args.prompt_len, args.new_tokens, args.repeats)
+    rows = []
+    for batch in batches:
+        run = best[batch]
         est, bound = planned_step(args.preset, overrides, spec, batch, positions)
-        base = base or tok_s / batch
-        rows.append((batch, prefill, step * 1e3, tok_s, tok_s / base, est * 1e3, batch / est, bound))
+        rows.append((batch, run.prefill_tokens_per_s, run.decode_s / run.decode_steps * 1e3, run.decode_tokens_per_s,
+                     run.decode_tokens_per_s / best[batches[0]].decode_tokens_per_s, est * 1e3, batch / est, bound))
     print(format_table(rows, [Column("batch"), Column("prefill tok/s", ",.0f"), Column("step ms", ".2f"),
                               Column("decode tok/s", ",.0f"),
                               Column("x batch 1", ".2f"), Column("plan step ms", ".2f"),
