@@ -107,8 +107,9 @@ class TrainConfig:
     seed: int = 0
     grad_accum_steps: int = 1  # microbatches per step; batch_size must divide evenly
     eval_every: int = 50  # 0: evaluate only at the end
-    # A step whose loss or gradients are not finite leaves the state unchanged; this many in a
-    # row stop the run (checked at log points), keeping the last good checkpoint.
+    # A step whose loss or gradients are not finite leaves the state unchanged. The run stops (exit 3,
+    # the last good checkpoint kept) at the first log step (every log.every steps) at which at least
+    # this many consecutive steps were bad: flags are read only there, to avoid a host sync per step.
     max_bad_steps: int = 10
     # Watchdog: a process that makes no progress for this long (after the first step) dumps its
     # Python stacks, names the step and phase it is stuck in, and exits. 0 disables it.

@@ -2,7 +2,8 @@
 
     0   done
     2   bad input: a config, data, mesh, checkpoint or run-directory problem, told in one line
-    3   diverged: `train.max_bad_steps` consecutive non-finite steps
+    3   diverged: at a log step (every `log.every` steps), at least `train.max_bad_steps`
+        consecutive steps were non-finite (flags are read only at log steps: no per-step sync)
     70  hung, or a peer process lost (the watchdog, a failed collective)
     74  a write failed: a checkpoint (disk full, no permission, an object-store error) or the run
         dir (disk full); one line names the step and the path. The previous committed

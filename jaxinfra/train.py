@@ -6,7 +6,7 @@ the device runs the current step.
 
 Exits (`summary["exit_code"]`, also the CLI's status): 0 done; 75 preempted (SIGTERM /
 SIGINT: the current step finished, a checkpoint committed, rerun the same command to
-resume); 3 diverged (`train.max_bad_steps` consecutive non-finite steps); 70 hung
+resume); 3 diverged (see below); 70 hung
 (the watchdog, see jaxinfra/watchdog.py). A checkpoint that cannot be written raises
 `CheckpointWriteError` (the CLI: one line, exit 74); the previous committed one is kept.
 
@@ -14,6 +14,13 @@ Every way out of `Trainer.run` (the end, an exception, a stop signal, Ctrl-C) go
 `Trainer._close`: the watchdog stops, the caller's SIGTERM/SIGINT handlers come back, and the
 checkpoint manager, data workers and metric writers close, without hiding the original error
 (in-process callers such as sweeps, notebooks and benchmarks survive a failed run).
+
+The divergence rule (exit 3): a step whose loss, gradients or updates are not finite is skipped on
+the device; the host reads the steps' non-finite flags only at log steps (every `log.every` steps
+and the last), so the run stops at the first log step at which at least `train.max_bad_steps`
+consecutive steps were bad, up to `log.every - 1` steps after the limit was reached. Reading the
+flag every step would force a host sync per step and stall dispatch (the host runs ahead of the
+device on an accelerator); every skipped step's update was discarded, so stopping late loses nothing.
 """
 
 from __future__ import annotations
@@ -490,9 +497,10 @@ class Trainer:
         if log_now:
             self._log_point(loop, step, metrics)
             if loop.bad_in_a_row >= t.max_bad_steps:
-                self._say(f"jaxinfra: error: {loop.bad_in_a_row} consecutive steps had non-finite loss, gradients "
-                          f"or updates (train.max_bad_steps={t.max_bad_steps}); stopping at step {step}; updates "
-                          f"from those steps were skipped and the last good checkpoint is kept")
+                self._say(f"jaxinfra: error: the last {loop.bad_in_a_row} consecutive steps had non-finite loss, "
+                          f"gradients or updates, at least train.max_bad_steps={t.max_bad_steps} (checked at log "
+                          f"steps, every log.every={self.cfg.log.every}); stopping at step {step}; updates from "
+                          f"those steps were skipped and the last good checkpoint is kept")
                 loop.exit_code = EXIT_DIVERGED
                 return False
         if self.has_eval and ((t.eval_every and step % t.eval_every == 0) or step == t.steps):

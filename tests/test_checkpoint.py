@@ -203,6 +203,15 @@ def test_persistent_nans_stop_with_last_good_checkpoint(tmp_path):
     assert step == 4 and all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
 
 
+def test_divergence_is_checked_at_log_steps(tmp_path, capsys):
+    """The rule the docs state: stop at the first log step at which >= max_bad_steps consecutive steps
+    were bad. NaNs from step 5, limit 3, log.every=2: step 6 has seen 2 bad steps, step 8 has seen 4."""
+    summary = train(cfg("train.max_bad_steps=3", "log.every=2", "checkpoint.enabled=false"), tmp_path,
+                    one_device(), extensions=[NanSteps(range(5, 13))])
+    assert summary["exit_code"] == EXIT_DIVERGED and summary["steps"] == 8
+    assert "the last 4 consecutive steps had non-finite" in capsys.readouterr().out
+
+
 def test_reshard_on_restore_is_bitwise(tmp_path):
     """Saved under fsdp=8, restored under tensor=2 x fsdp=2 (4 devices) and on 1 device."""
     saved = train(cfg("mesh.fsdp=8", "train.steps=3"), tmp_path, jax.devices())
