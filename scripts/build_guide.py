@@ -29,7 +29,7 @@ it the way a reader would check one: `jaxinfra train ... || echo "exit status $?
 
 Outputs are cleaned before they are written: ANSI colours dropped, carriage-return progress
 redraws reduced to their last state, trailing spaces stripped, the repository's absolute path
-written as `.`.
+written as `.` and the home directory as `~`.
 
 `--check` also checks, without running anything, that every page's code references resolve
 (markdown links to files; `path.py: name` mentions name a def or class in that file) and that
@@ -150,7 +150,7 @@ def child_env(block: Block) -> dict[str, str]:
 
 
 def clean(text: str) -> str:
-    text = ANSI.sub("", text).replace(str(REPO), ".")
+    text = ANSI.sub("", text).replace(str(REPO), ".").replace(str(pathlib.Path.home()), "~")
     lines = []
     for line in text.replace("\r\n", "\n").split("\n"):
         parts = [p for p in line.split("\r") if p.strip()]
