@@ -108,10 +108,10 @@ def _describe(r: roofline.LinkRoofline, lay: Layout) -> None:
     tokens = roofline.tokens_per_device(lay)
     print(f"{r.what} on {r.link.name} ({r.link.bandwidth / GB:g} GB/s), {tokens:,.0f} tokens per device:")
     share = f", 1/{lay.tp} of the matmuls" if lay.tp > 1 else ""
-    print(f"  FLOPs per token: model {model / 1e9:.1f} G (6N + attention), executed here {r.flops / tokens / 1e9:.1f} G "
-          f"(remat {lay.model.remat_policy}{share})")
-    print(f"  compute {r.compute_s * 1e3:,.1f} ms at {r.throughput / 1e12:.4g} TFLOP/s; link {r.link_bytes / GB:,.2f} GB "
-          f"in {r.calls:g} collectives: {r.comm_s * 1e3:,.1f} ms")
+    print(f"  FLOPs per token: model {model / 1e9:.1f} G (6N + attention), executed here "
+          f"{r.flops / tokens / 1e9:.1f} G (remat {lay.model.remat_policy}{share})")
+    print(f"  compute {r.compute_s * 1e3:,.1f} ms at {r.throughput / 1e12:.4g} TFLOP/s; link "
+          f"{r.link_bytes / GB:,.2f} GB in {r.calls:g} collectives: {r.comm_s * 1e3:,.1f} ms")
     print(f"  intensity {r.intensity:,.0f} FLOPs per link byte vs ridge {r.ridge:,.0f}: {r.bound}-bound")
 
 
@@ -132,7 +132,8 @@ def tensor(args: argparse.Namespace) -> None:
 
 
 def _parsers() -> dict[str, argparse.ArgumentParser]:
-    parsers = {name: argparse.ArgumentParser(prog=f"roofline.py {name}") for name in ("ridges", "matmul", "fsdp", "tensor")}
+    names = ("ridges", "matmul", "fsdp", "tensor")
+    parsers = {name: argparse.ArgumentParser(prog=f"roofline.py {name}") for name in names}
     parsers["ridges"].add_argument("--cpu", action="store_true", help="add this machine (matmul and bandwidth probes)")
     p = parsers["matmul"]
     p.add_argument("--device-kind", default="h100")
