@@ -4,6 +4,7 @@
     python scripts/guide/roofline.py matmul --device-kind h100 --d 4096 --f 14336 [--measure]
     python scripts/guide/roofline.py fsdp CONFIG --device-kind h100 --devices 8 [KEY=VALUE ...]
     python scripts/guide/roofline.py tensor CONFIG --device-kind h100 --devices 8 [KEY=VALUE ...]
+    python scripts/guide/roofline.py compiled CONFIG --devices 8 [KEY=VALUE ...]   plan vs compiled collectives
 
 `matmul --measure` times the matmul on this machine's CPU instead (float32, best of 5 runs) and
 prints the FLOP/s and bytes/s it reached: noisy, on a shared host; read the trend, not the values.
@@ -12,6 +13,7 @@ prints the FLOP/s and bytes/s it reached: noisy, on a shared host; read the tren
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -131,8 +133,33 @@ def tensor(args: argparse.Namespace) -> None:
           f"{r.compute_s / r.comm_s:.2f}")
 
 
+def compiled(args: argparse.Namespace) -> None:
+    """The plan's collective bytes per step beside those of the compiled train step (fake CPU devices)."""
+    from jaxinfra.plan.compiled import compiled_figures
+    from jaxinfra.plan.estimate import make_plan
+
+    cfg = load_config(args.config, args.overrides)
+    spec = device_spec("cpu", args.devices, matmul_flops=1.0, bandwidth=1.0)  # bytes only: skip the probes
+    plan = make_plan(cfg, args.devices, spec)
+    found = compiled_figures(cfg, args.devices)["collectives"]
+    # XLA:CPU lowers a reduce-scatter as an all-reduce followed by a slice (page 2).
+    names = {"all_gather": ("all-gather",), "reduce_scatter": ("reduce-scatter", "all-reduce"),
+             "all_reduce": ("all-reduce",)}
+    rows = []
+    for c in plan.time.collectives:
+        n = math.prod(plan.layout.sizes[a] for a in c.axes)
+        key = next((f"{op} x{n}" for op in names[c.op] if f"{op} x{n}" in found), None)
+        calls, total = found[key] if key else (0, 0)
+        rows.append((c.label, c.calls, c.calls * c.size, key or "-", calls, total, total / (c.calls * c.size)))
+    print(f"{args.config} on {args.devices} fake CPU devices, mesh "
+          + " x ".join(f"{a}={s}" for a, s in plan.layout.sizes.items() if s > 1) + "; bytes per step per device")
+    print(format_table(rows, [Column("plan: collective"), Column("calls", "g", ">"), Column("bytes", ",.0f", ">"),
+                              Column("compiled: op x group"), Column("calls", "g", ">"), Column("bytes", ",.0f", ">"),
+                              Column("compiled / plan", ".2f", ">")]))
+
+
 def _parsers() -> dict[str, argparse.ArgumentParser]:
-    names = ("ridges", "matmul", "fsdp", "tensor")
+    names = ("ridges", "matmul", "fsdp", "tensor", "compiled")
     parsers = {name: argparse.ArgumentParser(prog=f"roofline.py {name}") for name in names}
     parsers["ridges"].add_argument("--cpu", action="store_true", help="add this machine (matmul and bandwidth probes)")
     p = parsers["matmul"]
@@ -141,11 +168,12 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
     p.add_argument("--f", type=int, default=14336)
     p.add_argument("--batches", default="1,16,64,256,1024,4096")
     p.add_argument("--measure", action="store_true")
-    for name in ("fsdp", "tensor"):
+    for name in ("fsdp", "tensor", "compiled"):
         p = parsers[name]
         p.add_argument("config")
         p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-        p.add_argument("--device-kind", default="h100")
+        if name != "compiled":  # compiled: the fake CPU devices
+            p.add_argument("--device-kind", default="h100")
         p.add_argument("--devices", type=int, required=True)
     return parsers
 
@@ -164,7 +192,7 @@ def main(argv: list[str]) -> None:
         else:
             matmul(device_spec(args.device_kind, 1), args.d, args.f, batches)
     else:
-        {"fsdp": fsdp, "tensor": tensor}[what](args)
+        {"fsdp": fsdp, "tensor": tensor, "compiled": compiled}[what](args)
 
 
 if __name__ == "__main__":
