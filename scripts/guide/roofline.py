@@ -38,13 +38,13 @@ def ridges(cpu: bool) -> None:
     for spec in specs:
         dtype = "float32" if spec.kind == "cpu" else "bfloat16"
         fast, slow = LINKS[spec.fast_link], LINKS[spec.slow_link]
-        rows.append((spec.kind, dtype, spec.peak(dtype) / 1e12, spec.memory_bandwidth / GB,
+        rows.append((spec.kind, dtype, spec.peak(dtype) / 1e12, spec.efficiency, spec.memory_bandwidth / GB,
                      roofline.device_ridge(spec, dtype), f"{spec.fast_link} {fast.bandwidth / GB:g}",
                      roofline.ridge_point(spec.throughput(dtype), fast.bandwidth),
                      f"{spec.slow_link} {slow.bandwidth / GB:g}",
                      roofline.ridge_point(spec.throughput(dtype), slow.bandwidth)))
     print(format_table(rows, [Column("kind"), Column("dtype"), Column("peak TFLOP/s", ".4g", ">"),
-                              Column("HBM GB/s", ",.0f", ">"), Column("HBM ridge", ",.0f", ">"),
+                              Column("efficiency", "g", ">"), Column("HBM GB/s", ",.0f", ">"), Column("HBM ridge", ",.0f", ">"),
                               Column("fast link GB/s"), Column("its ridge", ",.0f", ">"),
                               Column("slow link GB/s"), Column("its ridge", ",.0f", ">")]))
     print("ridge = FLOPs per byte; HBM ridge = peak / HBM bandwidth; a link's ridge = peak x efficiency / "
