@@ -150,3 +150,13 @@ def tensor_roofline(lay: Layout, spec: DeviceSpec) -> LinkRoofline:
     moved = calls * stream * bus_factor("all_reduce", n)
     return LinkRoofline("tensor-parallel all-reduces", link_of(lay, spec, "tensor"), step_flops(lay).executed,
                         spec.throughput(m.dtype), moved, calls)
+
+
+def tensor_crossover_mlp_dim(lay: Layout, spec: DeviceSpec) -> float:
+    """The MLP width (model.mlp_dim) at which the tensor all-reduces take as long as the compute: the
+    compute grows linearly with the width, the all-reduces (of d_model-wide activations) do not."""
+    r = tensor_roofline(lay, spec)
+    width = lay.model.mlp_dim
+    wider = lay.with_config(dataclasses.replace(lay.cfg, model=dataclasses.replace(lay.model, mlp_dim=2 * width)))
+    per_width = (tensor_roofline(wider, spec).compute_s - r.compute_s) / width
+    return width + (r.comm_s - r.compute_s) / per_width

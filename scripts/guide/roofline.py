@@ -44,7 +44,8 @@ def ridges(cpu: bool) -> None:
                      f"{spec.slow_link} {slow.bandwidth / GB:g}",
                      roofline.ridge_point(spec.throughput(dtype), slow.bandwidth)))
     print(format_table(rows, [Column("kind"), Column("dtype"), Column("peak TFLOP/s", ".4g", ">"),
-                              Column("efficiency", "g", ">"), Column("HBM GB/s", ",.0f", ">"), Column("HBM ridge", ",.0f", ">"),
+                              Column("efficiency", "g", ">"), Column("HBM GB/s", ",.0f", ">"),
+                              Column("HBM ridge", ",.0f", ">"),
                               Column("fast link GB/s"), Column("its ridge", ",.0f", ">"),
                               Column("slow link GB/s"), Column("its ridge", ",.0f", ">")]))
     print("ridge = FLOPs per byte; HBM ridge = peak / HBM bandwidth; a link's ridge = peak x efficiency / "
@@ -131,6 +132,10 @@ def tensor(args: argparse.Namespace) -> None:
     _describe(r, lay)
     print(f"  all-reduces per layer {roofline.tensor_all_reduces_per_layer(lay)}; compute / communication "
           f"{r.compute_s / r.comm_s:.2f}")
+    width = roofline.tensor_crossover_mlp_dim(lay, spec)
+    start = f"model.mlp_dim = {width:,.0f}" if width > 0 else "any model.mlp_dim (attention alone outweighs them)"
+    m = lay.model
+    print(f"  compute-bound from {start} (this model: {m.mlp_dim:,}; {m.mlp_dim // lay.tp:,} per device)")
 
 
 def compiled(args: argparse.Namespace) -> None:
