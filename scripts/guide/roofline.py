@@ -133,9 +133,10 @@ def tensor(args: argparse.Namespace) -> None:
     print(f"  all-reduces per layer {roofline.tensor_all_reduces_per_layer(lay)}; compute / communication "
           f"{r.compute_s / r.comm_s:.2f}")
     width = roofline.tensor_crossover_mlp_dim(lay, spec)
-    start = f"model.mlp_dim = {width:,.0f}" if width > 0 else "any model.mlp_dim (attention alone outweighs them)"
+    start = (f"from model.mlp_dim = {width:,.0f}" if width > 0
+             else "at any model.mlp_dim, attention alone outweighs them")
     m = lay.model
-    print(f"  compute-bound from {start} (this model: {m.mlp_dim:,}; {m.mlp_dim // lay.tp:,} per device)")
+    print(f"  compute-bound {start} (this model: {m.mlp_dim:,}; {m.mlp_dim // lay.tp:,} per device)")
 
 
 def compiled(args: argparse.Namespace) -> None:
