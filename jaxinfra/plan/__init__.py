@@ -8,6 +8,7 @@ Modules (each imports only the ones before it):
     devices.py      the device table (memory, peak FLOP/s, bandwidth, efficiency); CPU from the matmul probe
     links.py        the link table, which link a mesh axis uses, collective times; measured links
     time.py         executed FLOPs, collectives per mesh axis, overlap, bubble, step time, bottleneck
+    roofline.py     ridge points, a matmul's intensity, the FSDP and tensor link rooflines and crossovers
     estimate.py     Plan: memory + step time + throughput, MFU, bottleneck, JSON
     inference.py    --inference: params + KV cache, decode step
     search.py       --search: layouts that fit, ranked by predicted step time
