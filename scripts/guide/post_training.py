@@ -21,8 +21,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 from jaxinfra.config import load_config
-from jaxinfra.data.chat import load_chat_template, render
-from jaxinfra.data.chat import encode_chat as encode_chat_row
+from jaxinfra.data.chat import encode_chat, load_chat_template, render
 from jaxinfra.data.encode import make_encoder
 from jaxinfra.metrics.flops import param_counts
 from jaxinfra.metrics.table import Column, format_table
@@ -41,7 +40,7 @@ REWARDS = '''def word_letters(prompts, completions, answers):
 def trained_mask(messages: Sequence[dict]) -> tuple[str, list[int], list[int]]:
     """The ChatML rendering of a conversation, its byte ids and their role codes (0 = not trained)."""
     template = load_chat_template("chatml", None)
-    ids, codes = encode_chat_row(template, make_encoder(None), messages)
+    ids, codes = encode_chat(template, make_encoder(None), messages)
     text, _ = render(template, messages)
     return text, [int(i) for i in ids], [int(c) for c in codes]
 
