@@ -80,6 +80,13 @@ class CheckpointWriteError(RuntimeError):
         return type(self), (self.step, self.path, self.reason, self.committed)
 
 
+class CheckpointReadError(RuntimeError):
+    """Checkpoints exist but none could be read (a storage fault or damage): an I/O failure, exit 74.
+
+    Not a CheckpointError (bad input, exit 2), and never a reason to start afresh on its own: nothing
+    is moved, so a rerun once the storage is back resumes; `train --allow-fresh-start` sets them aside."""
+
+
 def _write_reason(error: BaseException) -> str:
     """What the storage said, in a few words: the OS error's text when one is in the chain or in
     tensorstore's message (`[os_error_code='28']`), else the error's first line."""
@@ -166,6 +173,81 @@ def _reason(error: Exception) -> str:
     text = str(error).strip()
     first = text.splitlines()[0] if text else type(error).__name__
     return first.split(" See full")[0][:160]
+
+
+# What Orbax writes into a step directory when, and only when, it commits it (checked on the pinned
+# orbax-checkpoint 0.12: both, on a local disk and on a bucket). A step directory without them is
+# an interrupted or copied write, whatever its name says.
+COMMIT_MARKERS = ("_CHECKPOINT_METADATA", "commit_success.txt")
+UNREADABLE = ".unreadable-"  # `<step>.unreadable-<time>`: a checkpoint set aside because it could not be read
+
+
+def is_committed(step_dir: Any) -> bool:
+    """Whether `step_dir` (RUN/checkpoints/<step>) holds Orbax's commit markers."""
+    return all((step_dir / name).exists() for name in COMMIT_MARKERS)
+
+
+def _step_dirs(directory: Any) -> list[Any]:
+    """RUN/checkpoints/<digits> directories, committed or not."""
+    if not directory.is_dir():
+        return []
+    return [p for p in directory.iterdir() if p.name.isdigit() and p.is_dir()]
+
+
+def committed_steps(directory: Any, warn: bool = False) -> list[int]:
+    """The committed steps under a checkpoints directory, oldest first; with `warn`, one line per
+    uncommitted step directory (never restored from)."""
+    steps = []
+    for path in _step_dirs(directory):
+        if is_committed(path):
+            steps.append(int(path.name))
+        elif warn:
+            print(f"jaxinfra: warning: {path} has no Orbax commit markers ({', '.join(COMMIT_MARKERS)}): an "
+                  f"interrupted or copied write, ignored", flush=True)
+    return sorted(steps)
+
+
+def set_aside_uncommitted(directory: Any) -> None:
+    """Rename step directories without commit markers to `<step>.uncommitted-<time>` (one warning line
+    each): Orbax would list them as steps, delete them as old ones, or refuse to save over them. A local
+    run dir under its lock only (on a bucket Orbax's own listing already needs the marker file)."""
+    if jax.process_index() == 0 and not storage.is_url(directory):
+        for path in _step_dirs(directory):
+            if not is_committed(path):
+                aside = directory / f"{path.name}.uncommitted-{int(time.time())}"
+                path.rename(aside)
+                print(f"jaxinfra: warning: {path} has no Orbax commit markers ({', '.join(COMMIT_MARKERS)}): an "
+                      f"interrupted or copied write, never restored; moved to {aside}", flush=True)
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("jaxinfra-checkpoint-uncommitted")
+
+
+def set_aside_checkpoints(directory: Any) -> list[str]:
+    """Every committed step directory renamed `<step>.unreadable-<time>` (a fresh start the user asked
+    for, after none could be read); returns the new names. Process 0 renames, the others wait."""
+    stamp = int(exchange_json({"t": int(time.time())} if jax.process_index() == 0 else {})["t"])
+    names = [f"{step}{UNREADABLE}{stamp}" for step in committed_steps(directory)]
+    if jax.process_index() == 0:
+        for name in names:
+            (directory / name.split(".")[0]).rename(directory / name)
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("jaxinfra-checkpoint-set-aside")
+    return names
+
+
+def set_aside_only(directory: Any) -> list[str]:
+    """The names of checkpoints set aside as unreadable when no committed one is left (else [])."""
+    if not directory.is_dir() or committed_steps(directory):
+        return []
+    return sorted(p.name for p in directory.iterdir() if UNREADABLE in p.name and p.name.split(".")[0].isdigit())
+
+
+def _silence_async_noise() -> None:
+    """Orbax's reads and writes fail in asyncio tasks and tensorstore callbacks that outlive them: the
+    failure is reported in one line by the caller; the pages asyncio and Python print about those
+    leftovers (late callbacks on a closed loop, futures never retrieved) are dropped, once per process."""
+    _DropLateWriteCallbacks.install()
+    _DropOrphanWriteTasks.install()
 
 
 def abstract_with_shardings(abstract: TrainState, shardings: TrainState) -> TrainState:
@@ -267,32 +349,57 @@ class Checkpointer:
     A failed write raises `CheckpointWriteError` for the step it belongs to, at whichever call
     Orbax reports it (`save` of that step or of the next one, `wait`, `close`)."""
 
-    def __init__(self, directory: str | pathlib.Path, cfg: CheckpointConfig):
+    def __init__(self, directory: str | pathlib.Path, cfg: CheckpointConfig, read_only: bool = False):
+        """`read_only`: another run's checkpoints (`--restore`): nothing there is written, moved or cleaned."""
         self.directory = _absolute(directory)
-        policies: list[Any] = [ocp.checkpoint_managers.LatestN(n=cfg.keep)]
-        if cfg.keep_best:
-            policies.append(ocp.checkpoint_managers.BestN(
-                get_metric_fn=lambda m: m["eval_loss"], reverse=False, n=1, keep_checkpoints_without_metrics=False))
-        options = ocp.CheckpointManagerOptions(
-            preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
-            enable_async_checkpointing=cfg.async_save, cleanup_tmp_directories=True, create=True,
-            **storage.orbax_options(self.directory))
-        _DropLateWriteCallbacks.install()
-        _DropOrphanWriteTasks.install()
+        self.read_only = read_only
+        _silence_async_noise()
         self._quiet = _DropOrbaxErrors()
         logging.getLogger("absl").addFilter(self._quiet)  # removed by close(): Orbax's threads log until then
         self._pending: int | None = None  # the step whose async write has not been confirmed yet
         self._keep = cfg.keep
         self._failed = False
         try:
-            self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data", "meta"))
+            if read_only:
+                committed_steps(self.directory, warn=True)  # one line per uncommitted step dir, ignored
+            else:
+                set_aside_uncommitted(self.directory)  # before Orbax lists them as steps
+            with _quiet_orbax():  # read_only=True makes Orbax log "Given directory is read only"
+                self.manager = ocp.CheckpointManager(self.directory, options=self._options(cfg),
+                                                     item_names=("state", "data", "meta"))
         except BaseException:
             logging.getLogger("absl").removeFilter(self._quiet)
             raise
 
+    def _options(self, cfg: CheckpointConfig) -> ocp.CheckpointManagerOptions:
+        if self.read_only:
+            return ocp.CheckpointManagerOptions(read_only=True, create=False)
+        policies: list[Any] = [ocp.checkpoint_managers.LatestN(n=cfg.keep)]
+        if cfg.keep_best:
+            policies.append(ocp.checkpoint_managers.BestN(
+                get_metric_fn=lambda m: m["eval_loss"], reverse=False, n=1, keep_checkpoints_without_metrics=False))
+        return ocp.CheckpointManagerOptions(
+            preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
+            enable_async_checkpointing=cfg.async_save, cleanup_tmp_directories=True, create=True,
+            **storage.orbax_options(self.directory))
+
     def steps(self) -> list[int]:
+        """The committed steps, oldest first (Orbax lists any step-named directory; only these restore)."""
         self.manager.reload()  # another process (or an earlier run) may have written since
-        return sorted(self.manager.all_steps())
+        return [s for s in sorted(self.manager.all_steps()) if is_committed(self.directory / str(s))]
+
+    def set_aside_all(self) -> list[str]:
+        """Every committed checkpoint moved to `<step>.unreadable-<time>` (a fresh start the user asked for
+        after none could be read); returns the new names."""
+        names = set_aside_checkpoints(self.directory)
+        self.manager.reload()
+        return names
+
+    def raise_if_failed(self) -> None:
+        """CheckpointWriteError now if the pending save already ended without committing; never blocks
+        (the train loop calls it at every step, so no step runs after a failed save is known)."""
+        if self._pending is not None and not self.manager.is_saving_in_progress():
+            self.wait()
 
     def save(self, step: int, state: TrainState, data_states: dict[str, Any], meta: dict[str, Any],
              metrics: dict[str, float] | None = None) -> None:
@@ -348,26 +455,48 @@ class Checkpointer:
         """Newest checkpoint that restores, or None if there is none.
 
         One that does not fit the target (another model) raises CheckpointFitError before anything
-        moves; an unreadable one is reported, moved aside, and the previous one is tried.
+        moves. Unreadable ones are skipped for the previous one; once one restores, the newer unreadable
+        ones are reported and moved aside (not in a read-only Checkpointer). If none restores, nothing
+        is moved and CheckpointReadError is raised: a storage fault must not turn into a fresh start.
         """
+        failed: list[tuple[int, Exception]] = []
         for step in reversed(self.steps()):
-            step_dir = self.directory / str(step)
             try:
-                legacy = _pre_stats_target(step_dir, target)
-                if legacy is None:
-                    check_fits(step_dir, target, config)
-                    state, data, meta = self.restore(step, target)
-                else:
-                    state, data, meta = self._restore_pre_stats(step, target, legacy)
+                found = self._restore_checked(step, target, config)
             except CheckpointFitError:
                 raise
             except Exception as e:  # noqa: BLE001 - tensorstore / json / metadata errors: the files are damaged
-                aside = self._move_aside(step)
-                print(f"jaxinfra: warning: checkpoint {step_dir} is unreadable ({_reason(e)}); moved to "
-                      f"{aside}, trying the previous one", flush=True)
+                failed.append((step, e))
                 continue
-            return step, state, data, meta
+            for bad, error in failed:
+                self._report_unreadable(bad, error)
+            return found
+        if failed:
+            step, error = failed[0]
+            raise CheckpointReadError(
+                f"no checkpoint under {self.directory} could be read ({len(failed)} tried; step {step}: "
+                f"{_reason(error)}); nothing was moved: rerun the same command once the storage is back, or "
+                f"rerun with --allow-fresh-start to set them aside and train from step 0")
         return None
+
+    def _restore_checked(self, step: int, target: TrainState, config: dict[str, Any] | None
+                         ) -> tuple[int, TrainState, dict[str, Any], dict[str, Any]]:
+        step_dir = self.directory / str(step)
+        legacy = _pre_stats_target(step_dir, target)
+        if legacy is None:
+            check_fits(step_dir, target, config)
+            return (step, *self.restore(step, target))
+        return (step, *self._restore_pre_stats(step, target, legacy))
+
+    def _report_unreadable(self, step: int, error: Exception) -> None:
+        where = self.directory / str(step)
+        if self.read_only:
+            print(f"jaxinfra: warning: checkpoint {where} is unreadable ({_reason(error)}); used the previous one",
+                  flush=True)
+            return
+        aside = self._move_aside(step)
+        print(f"jaxinfra: warning: checkpoint {where} is unreadable ({_reason(error)}); moved to {aside}, used "
+              f"the previous one", flush=True)
 
     def _restore_pre_stats(self, step: int, target: TrainState, legacy: dict[str, Any]
                            ) -> tuple[TrainState, dict[str, Any], dict[str, Any]]:
@@ -463,9 +592,7 @@ def is_params_only(directory: str | pathlib.Path) -> bool:
     """Whether the newest checkpoint under `directory` holds params alone (e.g. an HF import: its
     meta says params_only), so a full restore cannot work and a params restore is what is meant."""
     root, step = _checkpoints_dir(directory)
-    steps = [step] if step is not None else sorted(
-        (int(p.name) for p in (root.iterdir() if root.is_dir() else ()) if p.name.isdigit() and p.is_dir()),
-        reverse=True)
+    steps = [step] if step is not None else sorted(committed_steps(root), reverse=True)
     for s in steps:
         meta = root / str(s) / "meta" / "metadata"
         if meta.is_file():
@@ -493,14 +620,16 @@ def restore_params(directory: str | pathlib.Path, target_params: Any, step: int 
     step = only_step if step is None else step
     if not directory.is_dir():
         raise CheckpointError(f"no checkpoint directory at {directory}")
+    _silence_async_noise()
     with _quiet_orbax():  # read_only=True makes Orbax log "Given directory is read only" even when it is not
         manager = ocp.CheckpointManager(directory, item_names=("state", "data", "meta"),
                                         options=ocp.CheckpointManagerOptions(read_only=True, create=False))
-    steps = sorted(manager.all_steps(), reverse=True)
+    steps = sorted(committed_steps(directory, warn=step is None), reverse=True)
     if step is not None:
         if step not in steps:
             raise CheckpointError(f"no committed checkpoint {step} under {directory} (have: {sorted(steps)})")
         steps = [step]
+    failed: Exception | None = None
     for step in steps:
         try:
             item = _model_items(directory / str(step), _present(directory / str(step), target_params, optional))
@@ -517,7 +646,13 @@ def restore_params(directory: str | pathlib.Path, target_params: Any, step: int 
         except Exception as e:  # noqa: BLE001 - any read error: this checkpoint is damaged, try the previous
             print(f"jaxinfra: warning: checkpoint {directory / str(step)} is unreadable ({_reason(e)}); "
                   f"trying the previous one", flush=True)
-    raise CheckpointError(f"no readable checkpoint under {directory}")
+            failed = failed or e
+    if not steps:
+        raise CheckpointError(f"no committed checkpoint under {directory}")
+    # Bad input here (exit 2), unlike a training run's own checkpoints (CheckpointReadError, exit 74): a
+    # reading command was given a checkpoint it cannot use, and nothing of the user's is at stake.
+    raise CheckpointError(f"no readable checkpoint under {directory} ({len(steps)} tried; newest: "
+                          f"{_reason(failed)}); nothing was changed")
 
 
 def _present(step_dir: pathlib.Path, variables: Any, optional: Any) -> Any:

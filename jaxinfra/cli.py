@@ -37,8 +37,8 @@ train, info and bench also take --coordinator HOST:PORT --num-processes N --proc
     jaxinfra lora merge RUN OUT                     LoRA adapters folded into the base: a plain params-only run
 
 Bad input (config, mesh, data, checkpoint) exits with status 2 and one line on stderr, no
-traceback; a write the storage refused (a checkpoint, or the run dir on a full disk) exits 74 the
-same way; the statuses are in jaxinfra/exits.py.
+traceback; an I/O failure (a write or read the storage refused, a path of the wrong kind, a corrupt
+file: jaxinfra/exits.py io_failure_line) exits 74 the same way; the statuses are in jaxinfra/exits.py.
 """
 
 from __future__ import annotations
@@ -55,9 +55,7 @@ from jaxinfra.exits import (
     EXIT_BAD_INPUT,
     EXIT_BROKEN_PIPE,
     EXIT_INTERRUPTED,
-    EXIT_WRITE_FAILED,
-    is_write_failure,
-    write_failure_line,
+    EXIT_IO_FAILED,
 )
 
 
@@ -86,7 +84,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     preflight(cfg, force=args.force)  # one line: the plan's memory estimate; too big -> exit 2 before compiling
     run_dir = args.run_dir or f"runs/{_config_stem(args.config)}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    summary = train(cfg, run_dir, restore_from=args.restore)
+    summary = train(cfg, run_dir, restore_from=args.restore, allow_fresh_start=args.allow_fresh_start)
     return int(summary.get("exit_code", 0))
 
 
@@ -165,6 +163,9 @@ def _add_train(sub: argparse._SubParsersAction, presets: str) -> None:
                    "full|params)")
     p.add_argument("--force", action="store_true", help="train even when the plan's analytic memory exceeds the "
                    "device memory by more than 10%%")
+    p.add_argument("--allow-fresh-start", action="store_true", help="when none of the run dir's checkpoints can be "
+                   "read, set them aside and train from step 0 (default: refuse with exit 74, moving nothing, so a "
+                   "rerun resumes once the storage is back); metrics.jsonl is kept under another name")
     _add_process_flags(p)
     p.set_defaults(func=cmd_train)
 
@@ -324,27 +325,25 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     else:
         args = _parse_with_overrides(parser, argv)
-    from jaxinfra.exits import bad_input_errors, write_errors
+    from jaxinfra.exits import bad_input_errors, io_failure_line
 
     try:
         return args.func(args)
     except bad_input_errors() as e:
         print(f"jaxinfra: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except write_errors() as e:  # a checkpoint the storage refused: the line names the step and the path
-        print(f"jaxinfra: error: {e}", file=sys.stderr)
-        return EXIT_WRITE_FAILED
     except KeyboardInterrupt:
         print("jaxinfra: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:  # `jaxinfra info | head`: the reader left; no traceback, and none at exit either
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
-    except OSError as e:
-        if not is_write_failure(e):  # a full or read-only disk is the storage's fault; anything else is a bug
+    except Exception as e:  # I/O failures (jaxinfra/exits.py decides which): one line; anything else is a bug
+        line = io_failure_line(e)
+        if line is None:
             raise
-        print(f"jaxinfra: error: {write_failure_line(e)}", file=sys.stderr)
-        return EXIT_WRITE_FAILED
+        print(f"jaxinfra: error: {line}", file=sys.stderr)
+        return EXIT_IO_FAILED
 
 
 def main_exit() -> None:

@@ -5,9 +5,13 @@
     3   diverged: at a log step (every `log.every` steps), at least `train.max_bad_steps`
         consecutive steps were non-finite (flags are read only at log steps: no per-step sync)
     70  hung, or a peer process lost (the watchdog, a failed collective)
-    74  a write failed: a checkpoint (disk full, no permission, an object-store error) or the run
-        dir (disk full); one line names the step and the path. The previous committed
-        checkpoint is intact; free space (or fix the path) and rerun the same command to resume
+    74  an I/O failure (BSD's EX_IOERR): a file could not be written or read, or holds corrupt data.
+        A checkpoint write (disk full, no permission, an object-store error: one line names the
+        step and the path; the previous committed checkpoint is intact), the run dir's own files
+        (read-only, a directory where a file belongs), no readable checkpoint in a run dir
+        (nothing is moved: rerun once the storage is back, or `train --allow-fresh-start`),
+        a corrupt input file (a garbage model.safetensors). Fix the storage or the file, then
+        rerun the same command (a training run resumes from its last committed checkpoint)
     75  preempted: SIGTERM/SIGINT, a checkpoint committed; rerun the same command to resume
     130 interrupted outside training (Ctrl-C)
     141 the reader of stdout went away (`jaxinfra info | head`), as a death by SIGPIPE reads in a shell
@@ -16,7 +20,11 @@ A multi-process run gives every process the same meaning: a bad config or checkp
 exit 2 in each of them, and 70 is kept for real hangs and dead peers.
 
 Launchers that retry should rerun 75 and 70 and never 2, 3 or 74: 2 and 3 fail the same way
-again, and so does 74 until someone frees space or fixes the path (BSD's EX_IOERR, sysexits.h).
+again, and so does 74 until someone frees space or fixes the path or file (sysexits.h).
+
+Every command's errors end in `jaxinfra.cli.main`: bad input (`bad_input_errors`) is exit 2, and
+`io_failure_line` is the one place that says which other errors are I/O failures (exit 74) and
+what their one line is.
 """
 
 from __future__ import annotations
@@ -27,7 +35,8 @@ EXIT_OK = 0
 EXIT_BAD_INPUT = 2
 EXIT_DIVERGED = 3
 EXIT_HUNG = 70  # EX_SOFTWARE
-EXIT_WRITE_FAILED = 74  # EX_IOERR: needs a person (space, permissions) before a rerun can succeed
+EXIT_IO_FAILED = 74  # EX_IOERR: needs a person (space, permissions, a damaged file) before a rerun can succeed
+EXIT_WRITE_FAILED = EXIT_IO_FAILED  # the name it had when only writes were counted
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: try again
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE
@@ -49,27 +58,55 @@ def bad_input_errors() -> tuple[type[Exception], ...]:
 
 
 def write_errors() -> tuple[type[Exception], ...]:
-    """The exception types that mean "a write failed" (exit EXIT_WRITE_FAILED with their one-line message).
+    """The exception types whose message is already the one line of an I/O failure (exit 74):
+    a checkpoint that could not be written (`CheckpointWriteError`) or read (`CheckpointReadError`).
 
-    Lazy like `bad_input_errors`. A checkpoint that could not be written is `CheckpointWriteError`;
-    `is_write_failure` covers the run dir's own small files (metrics, config.yaml) on a full disk.
-    """
-    from jaxinfra.checkpoint import CheckpointWriteError
+    Lazy like `bad_input_errors`; `io_failure_line` covers these and every other I/O failure."""
+    from jaxinfra.checkpoint import CheckpointReadError, CheckpointWriteError
 
-    return (CheckpointWriteError,)
+    return (CheckpointWriteError, CheckpointReadError)
 
 
-# errno values that say the storage refused a write, not that the input was wrong.
-_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG})
+# errno values that say the storage refused a write or a read, or a path is not what it must be
+# (a directory where a file belongs): the storage or the path needs a person, the code is not wrong.
+_STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG, errno.EACCES,
+                             errno.EPERM, errno.EISDIR, errno.ENOTDIR, errno.EEXIST, errno.ENOTEMPTY,
+                             errno.ENAMETOOLONG, errno.ESTALE, errno.EMFILE, errno.EXDEV})
+_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+_PERMISSION = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+_KIND = frozenset({errno.EISDIR, errno.ENOTDIR, errno.EEXIST, errno.ENOTEMPTY})
+
+# Errors of file formats read from the user's files: their text is the one line (a header too
+# large, a truncated tensor). Named, not imported: safetensors is loaded only by the commands using it.
+_CORRUPT_FILE_ERRORS = frozenset({"SafetensorError", "HeaderTooLarge", "InvalidHeaderDeserialization"})
 
 
 def is_write_failure(error: BaseException) -> bool:
-    """An OSError from a full, read-only or failing disk (the run dir's files, not a checkpoint)."""
-    return isinstance(error, OSError) and error.errno in _WRITE_ERRNOS
+    """An OSError from a full, read-only or refusing disk, or a path of the wrong kind (not a bug)."""
+    return isinstance(error, OSError) and error.errno in _STORAGE_ERRNOS
 
 
 def write_failure_line(error: OSError) -> str:
     """The one line for `is_write_failure` errors (no traceback: the cause is the storage, not the code)."""
     where = f": {error.filename}" if error.filename else ""
-    return (f"a write failed ({error.strerror or error}{where}); free space or fix the path, then rerun the same "
-            f"command (a training run resumes from its last committed checkpoint)")
+    if error.filename2:
+        where += f" -> {error.filename2}"
+    fix = ("free space" if error.errno in _FULL else
+           "fix the permissions or choose a writable path" if error.errno in _PERMISSION else
+           "move what is there aside or choose another path" if error.errno in _KIND else "fix the path or the storage")
+    return (f"I/O failed ({error.strerror or error}{where}); {fix}, then rerun the same command (a training run "
+            f"resumes from its last committed checkpoint)")
+
+
+def io_failure_line(error: BaseException) -> str | None:
+    """The one line for an I/O failure (exit EXIT_IO_FAILED), or None if `error` is not one (a bug:
+    its traceback is wanted). The one place that decides; `jaxinfra.cli.main` and multi-process
+    training use it."""
+    if isinstance(error, write_errors()):
+        return str(error)
+    if is_write_failure(error):
+        return write_failure_line(error)  # type: ignore[arg-type]
+    if type(error).__name__ in _CORRUPT_FILE_ERRORS:
+        text = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        return f"a file could not be read ({text}); it is damaged or not in the expected format: replace it"
+    return None

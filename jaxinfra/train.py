@@ -46,11 +46,13 @@ from jaxinfra import compile_cache, storage
 from jaxinfra.checkpoint import (
     Checkpointer,
     CheckpointError,
+    CheckpointReadError,
     abstract_with_shardings,
     exchange_json,
     is_params_only,
     peer_lost,
     restore_params,
+    set_aside_only,
 )
 from jaxinfra.checkpoint import (
     CheckpointWriteError as CheckpointWriteError,  # re-exported: train() raises it
@@ -61,13 +63,11 @@ from jaxinfra.exits import (
     EXIT_BAD_INPUT,
     EXIT_DIVERGED,
     EXIT_HUNG,
+    EXIT_IO_FAILED,
     EXIT_OK,
     EXIT_PREEMPTED,
-    EXIT_WRITE_FAILED,
     bad_input_errors,
-    is_write_failure,
-    write_errors,
-    write_failure_line,
+    io_failure_line,
 )
 from jaxinfra.extensions import HostContext, StepExtension, batch_feeder
 from jaxinfra.metrics import (
@@ -118,9 +118,13 @@ class Trainer:
     """A runtime (mesh, state, jitted steps) plus data, checkpoints and logging; `run()` trains."""
 
     def __init__(self, cfg: Config, run_dir: str | os.PathLike, devices: Sequence[jax.Device] | None = None,
-                 restore_from: str | os.PathLike | None = None, extensions: Sequence[StepExtension] | None = None):
-        """`extensions` join the train step (jaxinfra/extensions.py); None: those the config asks for."""
+                 restore_from: str | os.PathLike | None = None, extensions: Sequence[StepExtension] | None = None,
+                 allow_fresh_start: bool = False):
+        """`extensions` join the train step (jaxinfra/extensions.py); None: those the config asks for.
+        `allow_fresh_start`: when no checkpoint of the run dir can be read, set them aside and start at
+        step 0 (metrics.jsonl kept under another name) instead of refusing (CheckpointReadError)."""
         self.cfg = cfg
+        self.allow_fresh_start = allow_fresh_start
         self.requested_extensions = extensions
         if problem := missing_package(cfg.log.wandb, cfg.log.mlflow):  # one line; nothing written or compiled
             raise ConfigError(problem)
@@ -240,27 +244,50 @@ class Trainer:
         if self.ckpt is not None and self.ckpt.steps():
             if is_params_only(self.run_root):  # the run dir is an import itself (hf import OUT; train --run-dir OUT)
                 return self._from_params(self.run_root, "the run directory")
-            found = self.ckpt.restore_latest(self._target(), self.cfg.to_dict())
-            if found is None:
-                raise CheckpointError(f"every checkpoint under {self.ckpt.directory} is unreadable; move them "
-                                      f"aside to start afresh")
-            return self._resume(*found)
-        if self.restore_from is not None:
-            if self.cfg.checkpoint.restore == "params":
-                return self._from_params(self.restore_from)
-            if is_params_only(self.restore_from):
-                return self._from_params(self.restore_from, f"--restore {self.restore_from}")
-            source = storage.as_path(self.restore_from)
-            other = Checkpointer(source / "checkpoints" if (source / "checkpoints").is_dir() else source,
-                                 self.cfg.checkpoint)
             try:
-                found = other.restore_latest(self._target(), self.cfg.to_dict())
-            finally:
-                other.close()
-            if found is None:
-                raise CheckpointError(f"--restore {self.restore_from}: no readable checkpoint there")
-            return self._resume(*found)
+                return self._resume(*self.ckpt.restore_latest(self._target(), self.cfg.to_dict()))
+            except CheckpointReadError:
+                if not self.allow_fresh_start:
+                    raise  # nothing moved: a rerun once the storage is back resumes
+            self._set_aside_for_fresh_start(self.ckpt.set_aside_all())
+        elif self.ckpt is not None and (aside := set_aside_only(self.ckpt.directory)):
+            if not self.allow_fresh_start:
+                raise CheckpointReadError(
+                    f"the checkpoints under {self.ckpt.directory} were all set aside as unreadable "
+                    f"({', '.join(aside[:3])}); refusing to train from step 0 over them: rerun with "
+                    f"--allow-fresh-start to do so")
+            self._set_aside_for_fresh_start(aside)
+        if self.restore_from is not None:
+            return self._from_elsewhere()
         return 0, self.rt.init_state(), {}
+
+    def _set_aside_for_fresh_start(self, aside: list[str]) -> None:
+        """--allow-fresh-start over unreadable checkpoints: metrics.jsonl keeps its history under another name."""
+        if self.is_main and (metrics := self.run_dir / "metrics.jsonl").is_file():
+            kept = metrics.with_name(f"metrics.before-fresh-start-{int(time.time())}.jsonl")
+            metrics.rename(kept)
+            aside = [*aside, kept.name]
+        self._say_warning(f"jaxinfra: warning: --allow-fresh-start: no checkpoint under {self.ckpt.directory} could "
+                          f"be read; training from step 0 (kept aside: {', '.join(aside)})")
+
+    def _from_elsewhere(self) -> tuple[int, TrainState, dict]:
+        """--restore: another run's checkpoint (only read: nothing there is moved or cleaned up)."""
+        if self.cfg.checkpoint.restore == "params":
+            return self._from_params(self.restore_from)
+        if is_params_only(self.restore_from):
+            return self._from_params(self.restore_from, f"--restore {self.restore_from}")
+        source = storage.as_path(self.restore_from)
+        other = Checkpointer(source / "checkpoints" if (source / "checkpoints").is_dir() else source,
+                             self.cfg.checkpoint, read_only=True)
+        try:
+            found = other.restore_latest(self._target(), self.cfg.to_dict())
+        except CheckpointReadError:
+            raise CheckpointError(f"--restore {self.restore_from}: no readable checkpoint there") from None
+        finally:
+            other.close()
+        if found is None:
+            raise CheckpointError(f"--restore {self.restore_from}: no committed checkpoint there")
+        return self._resume(*found)
 
     def _from_params(self, source: str | os.PathLike, params_only: str | None = None) -> tuple[int, TrainState, dict]:
         """Params from `source`, a fresh optimizer, step 0 (checkpoint.restore=params, or a params-only
@@ -414,11 +441,30 @@ class Trainer:
         self.watchdog = Watchdog(self.cfg.train.step_timeout_s, process_index=jax.process_index())
         batches = self.batches(start_step + 1)
         loop.started = time.perf_counter()
-        for step in range(start_step + 1, self.cfg.train.steps + 1):
-            loop.step = step
-            if not self._train_one_step(loop, step, batches):
-                break
-        return self._finish(loop)
+        try:
+            for step in range(start_step + 1, self.cfg.train.steps + 1):
+                loop.step = step
+                self._stop_after_a_failed_save()
+                if not self._train_one_step(loop, step, batches):
+                    break
+            return self._finish(loop)
+        except CheckpointWriteError:
+            loop.exit_code = EXIT_IO_FAILED
+            self._summary_after_failure(loop)
+            raise
+
+    def _stop_after_a_failed_save(self) -> None:
+        """CheckpointWriteError at the first step boundary after an async save failed, not at the next
+        save: no step runs on after its checkpoint is known lost. One process only: in a multi-process
+        run each would learn it at its own step, so they learn it together at the next save."""
+        if self.ckpt is not None and jax.process_count() == 1:
+            self.ckpt.raise_if_failed()
+
+    def _summary_after_failure(self, loop: _Loop) -> None:
+        """summary.json (exit_code 74) when a save failed, if the run dir still takes it; never hides the error."""
+        if self.is_main:
+            with contextlib.suppress(Exception):
+                write_summary(self.run_dir, self._summary(loop, time.perf_counter() - loop.started))
 
     def _open_outputs(self, start_step: int) -> None:
         """config.yaml, metrics.jsonl (cut back to the resumed step), TensorBoard and the trackers (a resume
@@ -643,23 +689,22 @@ def _compile_fields(loop: _Loop, cache_dir: str | None) -> dict[str, Any]:
 
 def train(cfg: Config, run_dir: str | os.PathLike, devices: Sequence[jax.Device] | None = None,
           restore_from: str | os.PathLike | None = None, extensions: Sequence[StepExtension] | None = None,
-          ) -> dict[str, Any]:
+          allow_fresh_start: bool = False) -> dict[str, Any]:
     """Train (or resume) from a validated config; returns the run summary (also written to summary.json).
-    `extensions`: the train step's (jaxinfra/extensions.py); None: those the config asks for."""
+    `extensions`: the train step's (jaxinfra/extensions.py); None: those the config asks for.
+    `allow_fresh_start`: see Trainer (the CLI's --allow-fresh-start)."""
     if jax.process_count() == 1:
-        return Trainer(cfg, run_dir, devices, restore_from, extensions).run()
+        return Trainer(cfg, run_dir, devices, restore_from, extensions, allow_fresh_start).run()
     trainer = None
     try:
-        trainer = Trainer(cfg, run_dir, devices, restore_from, extensions)
+        trainer = Trainer(cfg, run_dir, devices, restore_from, extensions, allow_fresh_start)
         return trainer.run()
     except bad_input_errors() as e:
         # Every process reads the same config and checkpoint, so each one says the same line.
         _leave(EXIT_BAD_INPUT, f"jaxinfra: error: {e}", peers_alive=True)
-    except write_errors() as e:  # peers may be waiting in the save's barrier: leave without them
-        _leave(EXIT_WRITE_FAILED, f"jaxinfra: error: process {jax.process_index()}: {e}")
     except Exception as e:  # noqa: BLE001 - anything else here is most likely a lost peer
-        if is_write_failure(e):  # the run dir's own files on a full or read-only disk
-            _leave(EXIT_WRITE_FAILED, f"jaxinfra: error: process {jax.process_index()}: {write_failure_line(e)}")
+        if (line := io_failure_line(e)) is not None:  # peers may be waiting in the save's barrier: leave alone
+            _leave(EXIT_IO_FAILED, f"jaxinfra: error: process {jax.process_index()}: {line}")
         step, phase = (trainer.watchdog_step, trainer.watchdog_phase) if trainer else (0, "start")
         _leave(EXIT_HUNG, f"jaxinfra: error: process {jax.process_index()} failed at step {step}, phase '{phase}': "
                           f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]} (a peer process may have "

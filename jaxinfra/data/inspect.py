@@ -75,7 +75,11 @@ def _sample(prepared, index: int) -> list[str]:
     head = f"document {index} ({end - start} tokens; first ids {ids[:12].tolist()}):"
     if encoder is None:
         return [head, f"  (no {TOKENIZER} in the directory to decode with)"]
-    text = encoder.decode(ids[:400].tolist())
+    shown = ids[:400]
+    if len(shown) and int(shown.max()) >= prepared.meta["vocab_size"]:  # damaged shard: the checks report it
+        return [head, f"  (not decoded: ids up to {int(shown.max())} are outside the {prepared.meta['vocab_size']}-id "
+                      f"vocabulary; the shard is damaged or not this tokenizer's)"]
+    text = encoder.decode(shown.tolist())
     return [head, *("  | " + line for line in text[:1200].splitlines()[:20])]
 
 
