@@ -81,6 +81,16 @@ _KIND = frozenset({errno.EISDIR, errno.ENOTDIR, errno.EEXIST, errno.ENOTEMPTY})
 _CORRUPT_FILE_ERRORS = frozenset({"SafetensorError", "HeaderTooLarge", "InvalidHeaderDeserialization"})
 
 
+class CorruptFileError(Exception):
+    """A file the user gave (or a run wrote) holds data that cannot be decoded: an I/O failure (exit 74),
+    named by its path; raise it `from` the format library's error."""
+
+    def __init__(self, path: object, reason: str):
+        self.path, self.reason = path, reason
+        super().__init__(f"{path} could not be read ({reason}); it is damaged or not in the expected format: "
+                         f"replace it")
+
+
 def is_write_failure(error: BaseException) -> bool:
     """An OSError from a full, read-only or refusing disk, or a path of the wrong kind (not a bug)."""
     return isinstance(error, OSError) and error.errno in _STORAGE_ERRNOS
@@ -102,7 +112,7 @@ def io_failure_line(error: BaseException) -> str | None:
     """The one line for an I/O failure (exit EXIT_IO_FAILED), or None if `error` is not one (a bug:
     its traceback is wanted). The one place that decides; `jaxinfra.cli.main` and multi-process
     training use it."""
-    if isinstance(error, write_errors()):
+    if isinstance(error, (CorruptFileError, *write_errors())):
         return str(error)
     if is_write_failure(error):
         return write_failure_line(error)  # type: ignore[arg-type]

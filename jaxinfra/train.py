@@ -443,14 +443,14 @@ class Trainer:
         loop.started = time.perf_counter()
         try:
             for step in range(start_step + 1, self.cfg.train.steps + 1):
+                self._stop_after_a_failed_save()  # before loop.step moves on: the summary counts done steps
                 loop.step = step
-                self._stop_after_a_failed_save()
                 if not self._train_one_step(loop, step, batches):
                     break
             return self._finish(loop)
-        except CheckpointWriteError:
+        except CheckpointWriteError as error:
             loop.exit_code = EXIT_IO_FAILED
-            self._summary_after_failure(loop)
+            self._summary_after_failure(loop, error)
             raise
 
     def _stop_after_a_failed_save(self) -> None:
@@ -460,11 +460,13 @@ class Trainer:
         if self.ckpt is not None and jax.process_count() == 1:
             self.ckpt.raise_if_failed()
 
-    def _summary_after_failure(self, loop: _Loop) -> None:
-        """summary.json (exit_code 74) when a save failed, if the run dir still takes it; never hides the error."""
+    def _summary_after_failure(self, loop: _Loop, error: Exception) -> None:
+        """summary.json (exit_code 74, the error's line) when a save failed, if the run dir still takes it;
+        never hides the error."""
         if self.is_main:
             with contextlib.suppress(Exception):
-                write_summary(self.run_dir, self._summary(loop, time.perf_counter() - loop.started))
+                summary = self._summary(loop, time.perf_counter() - loop.started)
+                write_summary(self.run_dir, {**summary, "error": str(error)})
 
     def _open_outputs(self, start_step: int) -> None:
         """config.yaml, metrics.jsonl (cut back to the resumed step), TensorBoard and the trackers (a resume

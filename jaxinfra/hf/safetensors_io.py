@@ -11,16 +11,19 @@ appends each tensor's bytes as it is produced, so only one tensor is ever on the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 import re
 import struct
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import ml_dtypes
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
+from jaxinfra.exits import CorruptFileError
 from jaxinfra.hf.families import HFError
 
 # transformers 5.x holds MoE experts fused in memory; a checkpoint saved that way stores e.g.
@@ -42,6 +45,17 @@ def _text_decoder_names(name: str) -> list[str]:
     return [f"language_model.{name}"] if name == "lm_head.weight" else []
 
 
+@contextlib.contextmanager
+def _open(path: pathlib.Path, framework: str = "numpy") -> Iterator[Any]:
+    """safe_open, with a file safetensors cannot decode (a garbage or truncated file) reported as
+    CorruptFileError naming it (one line, exit 74) instead of a bare SafetensorError."""
+    try:
+        with safe_open(path, framework=framework) as st:
+            yield st
+    except SafetensorError as e:
+        raise CorruptFileError(path, f"not a readable safetensors file: {e}") from e
+
+
 class SafetensorsDir:
     """The tensors of an HF directory (one model.safetensors or an index of shards)."""
 
@@ -56,7 +70,7 @@ class SafetensorsDir:
         self.files = [f.name for f in files]
         self.where: dict[str, pathlib.Path] = {}
         for f in files:
-            with safe_open(f, framework="numpy") as st:
+            with _open(f, framework="numpy") as st:
                 for key in st.keys():
                     self.where[key] = f
         self.used: set[str] = set()
@@ -139,14 +153,14 @@ class SafetensorsDir:
         key = f"{prefix}.mlp.experts.gate_up_proj"
         if key not in self.where:
             return None
-        with safe_open(self.where[key], framework="numpy") as st:
+        with _open(self.where[key], framework="numpy") as st:
             f = st.get_slice(key).get_shape()[1] // 2
         half = slice(0, f) if which in ("w1", "gate_proj") else slice(f, 2 * f)
         return key, (j, half)
 
     def _get(self, key: str, index: tuple | None) -> np.ndarray:
         path = self.where[key]
-        with safe_open(path, framework="numpy") as st:  # opened per tensor: see the module docstring
+        with _open(path, framework="numpy") as st:  # opened per tensor: see the module docstring
             if index is None:
                 out = st.get_tensor(key)
             else:
@@ -154,7 +168,7 @@ class SafetensorsDir:
         return np.array(out, copy=True)  # own the bytes before the mapping closes
 
     def shape(self, key: str) -> list[int]:
-        with safe_open(self.where[key], framework="numpy") as st:
+        with _open(self.where[key], framework="numpy") as st:
             return list(st.get_slice(key).get_shape())
 
     def bytes_on_disk(self) -> int:
