@@ -123,7 +123,7 @@ def test_read_only_run_dir_and_parent_are_one_line_exit_74(trained, capsys):
     with read_only_copy(trained) as run_dir:
         before = md5s(run_dir)
         line = one_line(capsys, ["train", "tiny", "--run-dir", str(run_dir), *CLI], EXIT_IO_FAILED)
-        assert line.startswith(f"jaxinfra: error: I/O failed (") and str(run_dir) in line
+        assert line.startswith("jaxinfra: error: I/O failed (") and str(run_dir) in line
         line = one_line(capsys, ["train", "tiny", "--run-dir", str(run_dir / "new" / "run"), *CLI], EXIT_IO_FAILED)
         assert f"{run_dir}/new" in line and "fix the permissions or choose a writable path" in line
         assert md5s(run_dir) == before
