@@ -8,15 +8,21 @@ One checkpoint (a step directory under `run_dir/checkpoints/`) holds
 - `meta`: the loop step, the resolved config (YAML) and the batch geometry.
 
 Saves are asynchronous: `save()` returns after the device-to-host copy and Orbax
-commits in the background; only committed checkpoints are listed, so a save killed
-mid-flight never becomes "latest".
+commits in the background. Only committed checkpoints are listed and restored: a step
+directory counts as committed by Orbax's markers (`COMMIT_MARKERS`), never by its name, so a
+save killed mid-flight or a copied directory never becomes "latest". Reading paths (inference,
+export, quantize, `--restore`) ignore an uncommitted one with one warning line; a run's own
+Checkpointer moves it to `<step>.uncommitted-<time>` before Orbax lists it.
 
 Before any restore, the checkpoint's array shapes (Orbax metadata) are compared with the
 target's: a checkpoint written for another model is refused with one line naming the
 config keys that differ (`CheckpointFitError`, exit 2) and nothing on disk changes. Only a
 checkpoint that fails to *read* (truncated or corrupted files, unreadable metadata) counts
-as damaged: it is reported in one line, moved aside (`<step>.unreadable-<time>`), and the
-previous one is used.
+as damaged: the previous one is tried, and once one restores the newer damaged ones are
+reported in one line each and moved aside (`<step>.unreadable-<time>`). When none restores,
+nothing moves: `CheckpointReadError` (exit 74), because a read error may be the storage's
+(an NFS hiccup), and a rerun once it is back resumes. A run dir whose checkpoints were all set
+aside is not trained from step 0 either, unless the user says so (`train --allow-fresh-start`).
 
 A save that fails (disk full, no permission, an object-store error) raises
 `CheckpointWriteError` naming the step and its path, wherever Orbax lets the error out: at

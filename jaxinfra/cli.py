@@ -4,7 +4,8 @@ CONFIG is a preset name (jaxinfra/presets/) or a YAML path; KEY=VALUE overrides 
 Run dirs, --restore, data.paths, sweep --out and CONFIG may be gs:// or s3:// URLs (docs/clusters.md).
 train, info and bench also take --coordinator HOST:PORT --num-processes N --process-id I (multi-host).
 
-    jaxinfra train [CONFIG] [KEY=VALUE ...] [--run-dir DIR] [--restore PATH]   train; a run dir resumes
+    jaxinfra train [CONFIG] [KEY=VALUE ...] [--run-dir DIR] [--restore PATH] [--allow-fresh-start]
+                                                    train; a run dir resumes
     jaxinfra info [CONFIG] [KEY=VALUE ...] [--inference [--max-len N]]   devices, mesh, sharding, bytes
     jaxinfra plan CONFIG [KEY=VALUE ...] [--devices N] [--device-kind K] [--hbm-gib G] [--compile] [--search] [--json]
                                                     memory per device, step time, bottleneck; --search ranks layouts

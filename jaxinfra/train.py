@@ -8,7 +8,10 @@ Exits (`summary["exit_code"]`, also the CLI's status): 0 done; 75 preempted (SIG
 SIGINT: the current step finished, a checkpoint committed, rerun the same command to
 resume); 3 diverged (see below); 70 hung
 (the watchdog, see jaxinfra/watchdog.py). A checkpoint that cannot be written raises
-`CheckpointWriteError` (the CLI: one line, exit 74); the previous committed one is kept.
+`CheckpointWriteError` (the CLI: one line, exit 74) at the first step boundary after Orbax
+reports it (no step runs on after a save is known lost), with summary.json written if the run
+dir takes it; the previous committed one is kept. A run dir none of whose checkpoints can be
+read raises `CheckpointReadError` (exit 74) and moves nothing, unless `allow_fresh_start`.
 
 Every way out of `Trainer.run` (the end, an exception, a stop signal, Ctrl-C) goes through
 `Trainer._close`: the watchdog stops, the caller's SIGTERM/SIGINT handlers come back, and the
