@@ -40,6 +40,7 @@ import logging
 import os
 import pathlib
 import re
+import shutil
 import sys
 import threading
 import time
@@ -254,6 +255,58 @@ def _silence_async_noise() -> None:
     leftovers (late callbacks on a closed loop, futures never retrieved) are dropped, once per process."""
     _DropLateWriteCallbacks.install()
     _DropOrphanWriteTasks.install()
+
+
+def _storage_error(error: BaseException, path: Any) -> BaseException:
+    """The OSError behind a failed Orbax write (in the chain, or in tensorstore's `[os_error_code='28']`
+    text), for jaxinfra/exits.py's one line; `error` itself when the storage did not refuse anything."""
+    seen: BaseException | None = error
+    visited: set[int] = set()
+    while seen is not None and id(seen) not in visited:
+        visited.add(id(seen))
+        if isinstance(seen, OSError) and seen.errno is not None:
+            return seen
+        code = re.search(r"os_error_code='?(\d+)", str(seen))
+        if code:
+            return OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path))
+        seen = seen.__cause__ or seen.__context__
+    return error
+
+
+@contextlib.contextmanager
+def _orbax_write(path: Any, close: Any) -> Iterator[None]:
+    """An Orbax write outside training (export-params, hf import, quantize, lora merge). On failure its
+    threads are closed first (`close`: else they print pages at exit), Orbax's logged tracebacks and
+    asyncio's leftovers are dropped, and the storage's OSError is raised: one line, exit 74."""
+    _silence_async_noise()
+    quiet = _DropOrbaxErrors()
+    logging.getLogger("absl").addFilter(quiet)
+    try:
+        yield
+    except Exception as e:
+        with contextlib.suppress(Exception):
+            close()
+        if not storage.is_url(path):  # the partial write (a full disk gets its space back)
+            for partial in pathlib.Path(path).parent.glob(f"{pathlib.Path(path).name}.orbax-checkpoint-tmp*"):
+                shutil.rmtree(partial, ignore_errors=True)
+        cause = _storage_error(e, path)
+        if cause is e:
+            raise
+        raise cause from e
+    finally:
+        logging.getLogger("absl").removeFilter(quiet)
+
+
+def _can_create_in(directory: pathlib.Path) -> None:
+    """The OSError (EROFS, EACCES, ENOSPC) a new directory in `directory` would meet, raised now: Orbax
+    would meet it inside its save, with its helper threads left waiting to print timeouts at exit."""
+    probe = directory / f".jaxinfra-probe-{os.getpid()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(directory)) from None
 
 
 def abstract_with_shardings(abstract: TrainState, shardings: TrainState) -> TrainState:
@@ -729,9 +782,12 @@ def export_params(run_dir: str | pathlib.Path, out: str | pathlib.Path, dtype: s
     if dtype is not None:
         params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), params)
     out = pathlib.Path(out).absolute()
+    _can_create_in(out.parent)  # a read-only destination fails here, before Orbax's threads wait on it
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(out, params)
-    checkpointer.wait_until_finished()
+    with _orbax_write(out, checkpointer.close):
+        checkpointer.save(out, params)
+        checkpointer.wait_until_finished()
+    checkpointer.close()
     return out
 
 
@@ -756,8 +812,9 @@ def save_params_only(out: str | pathlib.Path, cfg: Any, params: Any, meta: dict[
     manager = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(create=True,
                                                                                **storage.orbax_options(ckpt_dir)),
                                     item_names=("state", "data", "meta"), item_handlers={"state": handler})
-    manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(items),
-                                               meta=ocp.args.JsonSave({**meta, "config": cfg.to_yaml()})))
-    manager.wait_until_finished()
+    with _orbax_write(ckpt_dir / str(step), manager.close):
+        manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(items),
+                                                   meta=ocp.args.JsonSave({**meta, "config": cfg.to_yaml()})))
+        manager.wait_until_finished()
     manager.close()
     return ckpt_dir / str(step)

@@ -215,3 +215,17 @@ def test_no_step_runs_after_a_failed_async_save_and_the_summary_says_so(tmp_path
     assert max(steps) == 2  # step 3 never ran
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["exit_code"] == EXIT_IO_FAILED and summary["steps"] == 2 and "step 2" in summary["error"]
+
+
+def test_params_written_outside_training_fail_in_one_line_and_leave_no_partial_write(trained, tmp_path, capsys):
+    """export-params (and hf import, quantize, lora merge: save_params_only) on a full disk (EFBIG here)
+    and into a read-only directory: the storage's error, one line, no Orbax pages, no tmp directory."""
+    out = tmp_path / "exported"
+    with file_size_limit_restored():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        line = one_line(capsys, ["export-params", str(trained), str(out)], EXIT_IO_FAILED)
+    assert line.startswith(f"jaxinfra: error: I/O failed (File too large: {out}); free space")
+    assert not list(tmp_path.iterdir())
+    with read_only_copy(trained) as run_dir:
+        line = one_line(capsys, ["export-params", str(run_dir), str(run_dir / "out")], EXIT_IO_FAILED)
+        assert line.startswith("jaxinfra: error: I/O failed (") and f": {run_dir})" in line
