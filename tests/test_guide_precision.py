@@ -1,0 +1,56 @@
+"""Page 19 of the guide (mixed precision, fp8, stability): its formulas against ml_dtypes and the code."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from models.quant import FP8_MAX, fp8_scale, quantize_fp8
+from scripts.guide import number_formats as nf
+
+STORED = [f for f in nf.FORMATS if f.dtype is not None]
+
+
+@pytest.mark.parametrize("fmt", STORED, ids=lambda f: f.name)
+def test_format_formula_matches_ml_dtypes(fmt: nf.Format) -> None:
+    """max, smallest normal and subnormal, eps from (e, m) equal ml_dtypes.finfo and jnp.finfo, bit for bit."""
+    fi = ml_dtypes.finfo(fmt.dtype)
+    assert (fi.nexp, fi.nmant) == (fmt.exponent_bits, fmt.mantissa_bits)
+    assert nf.formula_values(fmt) == nf.finfo_values(fmt)
+    assert float(jnp.finfo(fmt.dtype).max) == fmt.max
+    # the largest finite value is where the next step up overflows: to inf, or to NaN for E4M3fn
+    above = nf.cast(fmt.max * (1 + fmt.eps), fmt)
+    assert np.isinf(above) if fmt.has_inf else np.isnan(above)
+
+
+def test_the_named_fp8_figures() -> None:
+    e4m3 = next(f for f in STORED if f.name == "float8_e4m3fn")
+    e5m2 = next(f for f in STORED if f.name == "float8_e5m2")
+    assert (e4m3.max, e5m2.max) == (448.0, 57344.0)
+    assert (e4m3.bias, e5m2.bias) == (7, 15)
+    assert FP8_MAX == {"e4m3": e4m3.max, "e5m2": e5m2.max}  # the training code's constants
+
+
+def test_tf32_is_float32_range_with_float16_precision() -> None:
+    tf32 = next(f for f in nf.FORMATS if f.name == "tf32")
+    f32 = ml_dtypes.finfo(np.float32)
+    assert tf32.smallest_normal == float(f32.smallest_normal)
+    assert tf32.eps == float(ml_dtypes.finfo(np.float16).eps)
+    assert float(f32.max) > tf32.max > 0.999 * float(f32.max)
+
+
+def test_casts_the_page_reads() -> None:
+    by = {f.name: f for f in STORED}
+    assert nf.cast(1e-8, by["float16"]) == 0.0 and nf.cast(1e-8, by["bfloat16"]) > 0  # fp16 underflows
+    assert nf.cast(1.0 + 1e-3, by["bfloat16"]) == 1.0  # an update below eps/2 is lost in bf16
+    assert np.isinf(nf.cast(70000.0, by["float16"])) and np.isnan(nf.cast(70000.0, by["float8_e4m3fn"]))
+
+
+def test_the_code_saturates_where_a_plain_cast_gives_nan() -> None:
+    """models/quant.py quantize_fp8 of a value above the scaled range gives the format's max, not NaN."""
+    x = jnp.array([1.0, 2.0, 1000.0], jnp.float32)
+    scale = fp8_scale(jnp.float32(2.0), "e4m3")  # a stale (delayed) amax: 1000 is far outside it
+    q = np.asarray(quantize_fp8(x, scale, "e4m3").astype(jnp.float32))
+    assert np.all(np.isfinite(q)) and q[-1] == 448.0
