@@ -7,6 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from jaxinfra.config import load_config
 from models.quant import FP8_MAX, fp8_scale, quantize_fp8
 from scripts.guide import number_formats as nf
 
@@ -54,3 +55,38 @@ def test_the_code_saturates_where_a_plain_cast_gives_nan() -> None:
     scale = fp8_scale(jnp.float32(2.0), "e4m3")  # a stale (delayed) amax: 1000 is far outside it
     q = np.asarray(quantize_fp8(x, scale, "e4m3").astype(jnp.float32))
     assert np.all(np.isfinite(q)) and q[-1] == 448.0
+
+
+def test_max_attention_logit_matches_a_loop() -> None:
+    """scripts/guide/logit_stats.py: the largest |q.k|/sqrt(d) over visible pairs, GQA heads mapped h -> h // group."""
+    from scripts.guide.logit_stats import max_attention_logit
+
+    rng = np.random.default_rng(0)
+    b, t, h, kv, d = 2, 5, 4, 2, 8
+    q, k = rng.normal(size=(b, t, h, d)), rng.normal(size=(b, t, kv, d))
+    seg = np.array([[1, 1, 1, 2, 2], [1, 1, 1, 1, 0]])
+    best = 0.0
+    for bi in range(b):
+        for hi in range(h):
+            for i in range(t):
+                for j in range(i + 1):
+                    if seg[bi, i] == seg[bi, j]:
+                        best = max(best, abs(q[bi, i, hi] @ k[bi, j, hi // (h // kv)]) / np.sqrt(d))
+    got = max_attention_logit(jnp.asarray(q), jnp.asarray(k), d ** -0.5, jnp.asarray(seg))
+    assert float(got) == pytest.approx(best, rel=1e-5)
+
+
+def test_precision_map_of_a_bfloat16_model() -> None:
+    """scripts/guide/precision_map.py: float32 params and optimizer state, float32 softmax / loss / norms,
+    bfloat16 projections, float32 logits: what the page says the code does."""
+    from scripts.guide import precision_map as pm
+
+    cfg = load_config("tiny", ["model.dtype=bfloat16", "model.num_layers=1"])
+    state, counts = pm.trace(cfg)
+    assert set(pm.dtype_counts(state.params)) == {"float32"}
+    assert set(pm.dtype_counts(state.opt_state)) <= {"float32", "int32"}
+    kinds = {(kind, dtypes) for kind, dtypes in counts}
+    for kind in ("exp (softmax, loss)", "log (loss)", "rsqrt (RMSNorm)"):
+        assert {d for k, d in kinds if k == kind} == {"float32"}
+    assert ("matmul", "bfloat16,bfloat16 -> bfloat16") in kinds  # the projections
+    assert ("matmul", "bfloat16,bfloat16 -> float32") in kinds  # attention scores and logits
