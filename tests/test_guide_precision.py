@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -90,3 +91,29 @@ def test_precision_map_of_a_bfloat16_model() -> None:
         assert {d for k, d in kinds if k == kind} == {"float32"}
     assert ("matmul", "bfloat16,bfloat16 -> bfloat16") in kinds  # the projections
     assert ("matmul", "bfloat16,bfloat16 -> float32") in kinds  # attention scores and logits
+
+
+def test_adam_update_ignores_a_common_gradient_scale() -> None:
+    """Page 19's reading of the spike runs: scaling every step's gradient by the same factor (what clipping
+    does when every norm is above the threshold by a similar amount) leaves the optimizer's updates
+    unchanged up to eps, so clipping cannot shrink Adam's steps; a one-step outlier is what it damps."""
+    import optax
+
+    from jaxinfra.config import OptimizerConfig
+    from jaxinfra.optim import make_optimizer
+
+    tx = make_optimizer(OptimizerConfig(clip_grad_norm=None, weight_decay=0.0), optax.constant_schedule(1e-2))
+    from flax import nnx
+
+    params = nnx.state(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.Param)
+    keys = jax.random.split(jax.random.key(1), 3)
+    grads = [jax.tree.map(lambda p, k=k: jax.random.normal(k, p.shape), params) for k in keys]
+
+    def updates(scale: float) -> list[np.ndarray]:
+        state, out = tx.init(params), None
+        for g in grads:
+            out, state = tx.update(jax.tree.map(lambda x: x * scale, g), state, params)
+        return [np.asarray(x) for x in jax.tree.leaves(out)]
+
+    for a, b in zip(updates(1.0), updates(0.05), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-9)
