@@ -117,3 +117,16 @@ def test_adam_update_ignores_a_common_gradient_scale() -> None:
 
     for a, b in zip(updates(1.0), updates(0.05), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-9)
+
+
+def test_grad_spike_scales_the_objective_at_its_steps_only() -> None:
+    """scripts/guide/grad_spike.py: the objective (so every gradient) times the factor at the chosen 1-based steps."""
+    import types
+
+    from scripts.guide.grad_spike import GradSpike
+
+    spike = GradSpike([12], 1000.0)
+    sums = {"loss_sum": jnp.float32(2.0), "ce_sum": jnp.float32(2.0)}
+    at = lambda step: spike.objective(types.SimpleNamespace(step=jnp.int32(step)), sums)  # noqa: E731
+    assert float(at(11)["loss_sum"]) == 2000.0 and float(at(11)["ce_sum"]) == 2.0  # step index 11 is step 12
+    assert float(at(10)["loss_sum"]) == 2.0 and float(at(12)["loss_sum"]) == 2.0
