@@ -72,8 +72,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     how.add_argument("--tokenizer", metavar="PATH", help="a Hugging Face tokenizer.json")
     how.add_argument("--bytes", action="store_true", help="byte-level ids 0..255, end of document = 256")
     p.add_argument("--text-key", default="text", help="JSON field / Parquet column of the text (default: text)")
-    number_flag(p, "--workers", lo=1, default=None, help="tokenizer processes (default: one per CPU)")
-    number_flag(p, "--shard-tokens", lo=1, metavar="N",
+    number_flag(p, "--workers", lo=1, sep=" ", default=None, help="tokenizer processes (default: one per CPU)")
+    number_flag(p, "--shard-tokens", lo=1, sep=" ", metavar="N",
                    help="close a shard after the document that reaches N tokens (default 50M)")
     p.add_argument("--eod-token", metavar="TOKEN", help="the tokenizer's end-of-document token (default: the "
                    "first of <|endoftext|>, <|end_of_text|>, </s>, <eos>, ... it has; else a new id)")

@@ -24,23 +24,24 @@ class _InRange(argparse.Action):
     A ConfigError (not argparse's error(), which prints the usage block and exits) so the message is one
     line and `cli.main` returns 2 like every other bad input."""
 
-    def __init__(self, option_strings: list[str], dest: str, allowed: Range, **kwargs: Any) -> None:
+    def __init__(self, option_strings: list[str], dest: str, allowed: Range, sep: str = "=", **kwargs: Any) -> None:
         super().__init__(option_strings, dest, **kwargs)
-        self.allowed = allowed
+        self.allowed, self.sep = allowed, sep
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
         if not self.allowed.holds(values):
             command = parser.prog.removeprefix("jaxinfra").strip()
             where = f"{command}: " if command else ""
-            raise ConfigError(f"{where}{option_string}={values} is invalid: must be {self.allowed.describe()}")
+            raise ConfigError(f"{where}{option_string}{self.sep}{values} is invalid: must be {self.allowed.describe()}")
         setattr(namespace, self.dest, values)
 
 
 def number_flag(parser: argparse.ArgumentParser, *names: str, kind: type = int, lo: float | None = None,
                 hi: float | None = None, lo_open: bool = False, hi_open: bool = False, note: str = "",
-                **kwargs: Any) -> argparse.Action:
+                sep: str = "=", **kwargs: Any) -> argparse.Action:
     """`parser.add_argument(*names, type=kind, **kwargs)` whose value must lie in the range (lo, hi, open
-    ends as sharding/ranges.py Range; `note` says what a special value means, e.g. "0: off")."""
+    ends as sharding/ranges.py Range; `note` says what a special value means, e.g. "0: off"). `sep` joins
+    flag and value in the message: " " where the command's own messages already write `--steps 0`."""
     allowed = Range(lo, hi, lo_open, hi_open, note=note)
-    return parser.add_argument(*names, type=kind, action=_InRange, allowed=allowed, **kwargs)
+    return parser.add_argument(*names, type=kind, action=_InRange, allowed=allowed, sep=sep, **kwargs)

@@ -151,7 +151,7 @@ def test_every_numeric_flag_is_declared_with_its_range():
     (["eval", "RUN", "--batch-size", "0"], "eval: --batch-size=0 is invalid: must be >= 1"),
     (["bench", "collectives", "--min-bytes", "0"], "bench: --min-bytes=0 is invalid: must be >= 1"),
     (["info", "tiny", "--inference", "--max-len", "-1"], "info: --max-len=-1 is invalid: must be >= 0 (0: train.seq_len)"),
-    (["data", "prepare", "x", "out", "--workers", "0"], "data prepare: --workers=0 is invalid: must be >= 1"),
+    (["data", "prepare", "x", "out", "--workers", "0"], "data prepare: --workers 0 is invalid: must be >= 1"),
     (["scaling", "predict", "FIT", "--compute", "-1"], "scaling predict: --compute=-1.0 is invalid: must be > 0"),
 ])
 def test_numeric_flags_out_of_range_are_one_line_exit_2(argv, message, capsys):

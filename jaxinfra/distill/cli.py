@@ -38,8 +38,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                    help="overrides of the teacher's config.yaml that the student run uses too: data.*, "
                         "train.seq_len, train.batch_size, train.seed (and mesh.*)")
     p.add_argument("--out", required=True, help="new directory (an unfinished one of the same command continues)")
-    number_flag(p, "--top-k", lo=1, default=64, help="logits kept per token (default 64)")
-    number_flag(p, "--steps", lo=1, required=True, help="training steps covered (the student's train.steps)")
+    number_flag(p, "--top-k", lo=1, sep=" ", default=64, help="logits kept per token (default 64)")
+    number_flag(p, "--steps", lo=1, sep=" ", required=True, help="training steps covered (the student's train.steps)")
     p.add_argument("--teacher-dtype", default="bfloat16", choices=get_args(TeacherDType),
                    help="the teacher's params and compute dtype (default bfloat16, as distill.teacher_dtype)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
