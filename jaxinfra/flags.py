@@ -3,14 +3,15 @@
 Every `type=int` / `type=float` flag of every subcommand is added with `number_flag(parser, "--x", lo=...)`,
 so a value outside its range is refused while the command line is parsed, before any work, in the one line
 the config uses: `jaxinfra: error: plan: --devices=0 is invalid: must be >= 1` (exit 2; the CLI's main turns
-the ConfigError into it). argparse's own type errors ("invalid int value") are left as argparse words them.
+the ConfigError into it). The flag converts its own text too, so `--top-k x` is the same one line ("must be an
+integer >= 0"), not argparse's usage block.
 tests/test_config_ranges.py fails on a numeric flag added without one.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, NoReturn
 
 from jaxinfra.config import ConfigError
 from sharding.ranges import Range
@@ -24,17 +25,28 @@ class _InRange(argparse.Action):
     A ConfigError (not argparse's error(), which prints the usage block and exits) so the message is one
     line and `cli.main` returns 2 like every other bad input."""
 
-    def __init__(self, option_strings: list[str], dest: str, allowed: Range, sep: str = "=", **kwargs: Any) -> None:
+    def __init__(self, option_strings: list[str], dest: str, kind: type, allowed: Range, sep: str = "=",
+                 **kwargs: Any) -> None:
         super().__init__(option_strings, dest, **kwargs)
-        self.allowed, self.sep = allowed, sep
+        self.kind, self.allowed, self.sep = kind, allowed, sep
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
-        if not self.allowed.holds(values):
-            command = parser.prog.removeprefix("jaxinfra").strip()
-            where = f"{command}: " if command else ""
-            raise ConfigError(f"{where}{option_string}{self.sep}{values} is invalid: must be {self.allowed.describe()}")
-        setattr(namespace, self.dest, values)
+        try:
+            value = self.kind(values)
+        except ValueError:
+            value = values  # refused below, with what the flag takes
+        if isinstance(value, str) or not self.allowed.holds(value):
+            self._refuse(parser.prog, option_string, value)
+        setattr(namespace, self.dest, value)
+
+    def _refuse(self, prog: str, option_string: str | None, value: Any) -> NoReturn:
+        command = prog.removeprefix("jaxinfra").strip()
+        where = f"{command}: " if command else ""
+        what = ("an integer " if self.kind is int else "a number ") if isinstance(value, str) else ""
+        shown = repr(value) if isinstance(value, str) else value
+        allowed = what + self.allowed.describe()
+        raise ConfigError(f"{where}{option_string}{self.sep}{shown} is invalid: must be {allowed}")
 
 
 def number_flag(parser: argparse.ArgumentParser, *names: str, kind: type = int, lo: float | None = None,
@@ -44,4 +56,5 @@ def number_flag(parser: argparse.ArgumentParser, *names: str, kind: type = int, 
     ends as sharding/ranges.py Range; `note` says what a special value means, e.g. "0: off"). `sep` joins
     flag and value in the message: " " where the command's own messages already write `--steps 0`."""
     allowed = Range(lo, hi, lo_open, hi_open, note=note)
-    return parser.add_argument(*names, type=kind, action=_InRange, allowed=allowed, sep=sep, **kwargs)
+    # No type=: the action converts, so a word where a number belongs is refused in the same one line.
+    return parser.add_argument(*names, action=_InRange, kind=kind, allowed=allowed, sep=sep, **kwargs)

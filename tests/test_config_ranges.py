@@ -153,6 +153,9 @@ def test_every_numeric_flag_is_declared_with_its_range():
     (["info", "tiny", "--inference", "--max-len", "-1"], "info: --max-len=-1 is invalid: must be >= 0 (0: train.seq_len)"),
     (["data", "prepare", "x", "out", "--workers", "0"], "data prepare: --workers 0 is invalid: must be >= 1"),
     (["scaling", "predict", "FIT", "--compute", "-1"], "scaling predict: --compute=-1.0 is invalid: must be > 0"),
+    (["generate", "RUN", "--prompt", "a", "--top-k", "x"],
+     "generate: --top-k='x' is invalid: must be an integer >= 0 (0 = off)"),
+    (["hf", "export", "RUN", "OUT", "--max-shard-gb", "nan"], "hf export: --max-shard-gb=nan is invalid: must be > 0"),
 ])
 def test_numeric_flags_out_of_range_are_one_line_exit_2(argv, message, capsys):
     assert cli.main(argv) == cli.EXIT_BAD_INPUT
