@@ -175,3 +175,21 @@ def test_end_to_end_one_line_exit_2_and_nothing_written(tmp_path):
         assert (done.returncode, done.stderr.splitlines()) == (2, [f"jaxinfra: error: {line}"])
     assert not run.exists() and not out.exists()
 
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"JAX_NUM_PROCESSES": "0"}, "JAX_NUM_PROCESSES='0' is invalid: must be an integer >= 1"),
+    ({"JAX_PROCESS_ID": "x"}, "JAX_PROCESS_ID='x' is invalid: must be an integer >= 0"),
+    ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"}, "process id 2 is invalid: must be in [0, 1] for 2 processes"),
+])
+def test_process_count_and_id_from_the_environment_are_range_checked(env, message, monkeypatch):
+    """The environment twins of --num-processes / --process-id: one line (exit 2), not a ValueError traceback."""
+    from jaxinfra.distributed import DistributedError, from_flags_and_env
+
+    for name in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(DistributedError) as refused:
+        from_flags_and_env()
+    assert str(refused.value).startswith(message)
