@@ -149,11 +149,10 @@ class GrpoConfig:
     # fn(prompts: list[str], completions: list[str], answers: list[str | None]) -> list[float].
     reward: tuple[str, ...] = ()
     reward_weights: tuple[float, ...] = ranged(())  # one per reward (empty: all 1); the reward is the weighted sum
-    # Completions per prompt (>= 2: advantages compare completions within a group); train.batch_size rows =
-    # prompts per rollout x group_size.
+    # Completions per prompt; train.batch_size rows = prompts per rollout x group_size.
     group_size: int = ranged(8, 2, note="advantages compare completions within a group")
     max_new_tokens: int = ranged(64, 1)
-    # the sampler's; log-probs (sampler and trainer) are of logits / temperature
+    # The sampler's; log-probs (sampler and trainer) are of logits / temperature.
     temperature: float = ranged(1.0, 0, note="0: greedy")
     top_p: float = ranged(1.0, 0, 1, lo_open=True)
     kl_beta: float = ranged(0.04, 0)  # weight of the k3 KL estimate to the reference (0: no reference model)
