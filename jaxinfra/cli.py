@@ -59,6 +59,7 @@ from jaxinfra.exits import (
     is_write_failure,
     write_failure_line,
 )
+from jaxinfra.flags import number_flag
 
 
 def _config_stem(source: str) -> str:
@@ -119,8 +120,6 @@ def cmd_info(args: argparse.Namespace) -> int:
     _join_process_group(args)
     from jaxinfra.info import describe
 
-    if args.inference and args.max_len < 0:
-        raise ConfigError(f"--max-len={args.max_len} is invalid: must be >= 1 (0: train.seq_len)")
     print(describe(cfg, args.max_len if args.inference else None))
     return 0
 
@@ -129,8 +128,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from jaxinfra.metrics.run_profile import NoProfileError, read_run_profile
     from jaxinfra.metrics.trace import format_profile
 
-    if args.top < 1:
-        raise ConfigError(f"--top={args.top} is invalid: must be >= 1")
     try:
         profile, window = read_run_profile(args.run_dir)
     except NoProfileError as e:  # bad input: one line, exit 2
@@ -175,7 +172,7 @@ def _add_info(sub: argparse._SubParsersAction, presets: str) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     p.add_argument("--inference", action="store_true", help="also the decode KV cache's bytes for one row "
                    "(sliding-window layers counted at their window)")
-    p.add_argument("--max-len", type=int, default=0, metavar="N",
+    number_flag(p, "--max-len", lo=0, note="0: train.seq_len", default=0, metavar="N",
                    help="with --inference: positions per row (default train.seq_len)")
     _add_process_flags(p)
     p.set_defaults(func=cmd_info)
@@ -193,7 +190,7 @@ def _add_checkpoint_tools(sub: argparse._SubParsersAction) -> None:
     p.add_argument("source", metavar="RUN_OR_CKPT", help="run directory (newest checkpoint) or RUN/checkpoints/N")
     p.add_argument("out", help="output run directory: config.yaml (quant.weights=int8) + checkpoints/0")
     p.add_argument("--weights", required=True, metavar="MODE", help="int8")
-    p.add_argument("--group-size", type=int, default=0, metavar="N",
+    number_flag(p, "--group-size", lo=0, note="0: per output channel", default=0, metavar="N",
                    help="one scale per N consecutive inputs (must divide each input dimension); 0: per output channel")
     p.set_defaults(func=cmd_quantize)
 
@@ -202,8 +199,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="micro-benchmarks: `bench collectives` times each collective per mesh axis")
     p.add_argument("what", choices=["collectives"])
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="mesh sizes, e.g. mesh.fsdp=4 mesh.tensor=2")
-    p.add_argument("--min-bytes", type=int, default=1024)
-    p.add_argument("--max-bytes", type=int, default=64 * 2**20, help="largest message per device (default 64 MiB)")
+    number_flag(p, "--min-bytes", lo=1, default=1024)  # 0 would never grow: the sizes are multiplied
+    number_flag(p, "--max-bytes", lo=1, default=64 * 2**20, help="largest message per device (default 64 MiB)")
     p.add_argument("--ops", default=",".join(("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute")))
     _add_process_flags(p)
     p.set_defaults(func=cmd_bench)
@@ -212,7 +209,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 def _add_profile(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="a run's profile window (log.profile_steps): per-category shares and top ops")
     p.add_argument("run_dir", metavar="RUN", help="a run directory trained with log.profile_steps=[START,STOP]")
-    p.add_argument("--top", type=int, default=12, help="ops listed, longest first (default 12)")
+    number_flag(p, "--top", lo=1, default=12, help="ops listed, longest first (default 12)")
     p.set_defaults(func=cmd_profile)
 
 
@@ -220,8 +217,8 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("launch", help="start N local processes of a jaxinfra command (multi-host testing); "
                        "`jaxinfra launch k8s CONFIG --hosts N ...` prints a Kubernetes JobSet instead",
                        description="jaxinfra launch k8s CONFIG --hosts N ...: see jaxinfra launch k8s --help")
-    p.add_argument("--local-processes", type=int, required=True, metavar="N")
-    p.add_argument("--devices-per-process", type=int, default=1, metavar="M", help="fake CPU devices each")
+    number_flag(p, "--local-processes", lo=1, required=True, metavar="N")
+    number_flag(p, "--devices-per-process", lo=1, default=1, metavar="M", help="fake CPU devices each")
     p.add_argument("command", nargs=argparse.REMAINDER, help="e.g. -- train tiny mesh.data=-1")
     p.set_defaults(func=cmd_launch)
 
@@ -247,8 +244,8 @@ def _add_package_commands(sub: argparse._SubParsersAction) -> None:
 def _add_process_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator", metavar="HOST:PORT",
                    help="multi-host: process 0's address (or JAX_COORDINATOR_ADDRESS)")
-    p.add_argument("--num-processes", type=int, help="multi-host: process count (or JAX_NUM_PROCESSES)")
-    p.add_argument("--process-id", type=int, help="multi-host: this process (or JAX_PROCESS_ID)")
+    number_flag(p, "--num-processes", lo=1, help="multi-host: process count (or JAX_NUM_PROCESSES)")
+    number_flag(p, "--process-id", lo=0, help="multi-host: this process (or JAX_PROCESS_ID)")
 
 
 def cmd_export_params(args: argparse.Namespace) -> int:
@@ -314,19 +311,22 @@ def _parse_with_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> a
     return args
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    if argv[:2] == ["launch", "k8s"]:  # its own parser, run inside main's error handling (one line, exit 2)
+        return argparse.Namespace(func=lambda _: cmd_launch_k8s(argv[2:]))
+    if argv[:1] == ["launch"]:  # everything after the launcher's own flags belongs to the child
+        return parser.parse_args(argv)
+    return _parse_with_overrides(parser, argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # Overrides may come after options (`train tiny --run-dir X a.b=1`): argparse leaves those as extras.
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:2] == ["launch", "k8s"]:  # its own parser, run inside the error handling below (one line, exit 2)
-        args = argparse.Namespace(func=lambda _: cmd_launch_k8s(argv[2:]))
-    elif argv[:1] == ["launch"]:  # everything after the launcher's own flags belongs to the child
-        args = parser.parse_args(argv)
-    else:
-        args = _parse_with_overrides(parser, argv)
     from jaxinfra.exits import bad_input_errors, write_errors
 
-    try:
+    try:  # parsing too: a numeric flag out of its range is a ConfigError (jaxinfra/flags.py)
+        args = _parse(parser, argv)
         return args.func(args)
     except bad_input_errors() as e:
         print(f"jaxinfra: error: {e}", file=sys.stderr)

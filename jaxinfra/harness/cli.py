@@ -19,6 +19,7 @@ import pathlib
 import sys
 
 from jaxinfra.compile_cache import configure as configure_compile_cache
+from jaxinfra.flags import number_flag
 from jaxinfra.harness import HarnessError, require_lm_eval
 
 # `eval --tasks` only; None/False = not given, so --tokens/--text can refuse them
@@ -29,8 +30,8 @@ def add_task_source(p: argparse.ArgumentParser, source: argparse._MutuallyExclus
     """--tasks in the eval parser's source group, its options, and the dispatching func."""
     source.add_argument("--tasks", help="comma-separated lm-evaluation-harness tasks (jaxinfra[eval]): prints "
                         "lm-eval's table and writes its JSON")
-    p.add_argument("--num-fewshot", type=int, help="--tasks: few-shot examples per prompt (default: each task's)")
-    p.add_argument("--limit", type=int, help="--tasks: documents per task (default: all)")
+    number_flag(p, "--num-fewshot", lo=0, help="--tasks: few-shot examples per prompt (default: each task's)")
+    number_flag(p, "--limit", lo=1, help="--tasks: documents per task (default: all)")
     p.add_argument("--include-path", help="--tasks: a folder of local task YAMLs (offline tasks on local data files)")
     p.add_argument("--output", help="--tasks: where lm-eval's results JSON goes (default RUN/eval/lm_eval-<time>.json)")
     p.add_argument("--log-samples", action="store_true", help="--tasks: every request and response in the JSON")
@@ -69,12 +70,6 @@ def cmd_eval_tasks(args: argparse.Namespace) -> int:
 
     from jaxinfra.harness.tasks import check_tasks, run_tasks, task_manager
 
-    for flag in ("batch_size", "limit"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise HarnessError(f"--{flag.replace('_', '-')}={value} is invalid: must be >= 1")
-    if args.num_fewshot is not None and args.num_fewshot < 0:
-        raise HarnessError(f"--num-fewshot={args.num_fewshot} is invalid: must be >= 0")
     tasks = args.tasks.split(",")
     manager = task_manager(args.include_path, tasks)
     names = check_tasks(manager, tasks)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 from typing import get_args
 
+from jaxinfra.flags import number_flag
 from models.config import DType
 
 
@@ -75,7 +76,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("source", metavar="RUN_OR_CKPT", help="run directory (newest checkpoint) or RUN/checkpoints/N")
     p.add_argument("out_dir")
     p.add_argument("--dtype", default="float32", choices=get_args(DType))
-    p.add_argument("--max-shard-gb", type=float, default=5.0, help="split into several files above this size")
+    number_flag(p, "--max-shard-gb", kind=float, lo=0, lo_open=True, default=5.0,
+                help="split into several files above this size")
     p.add_argument("--adapters", action="store_true",
                    help="a LoRA run: also write its adapters in PEFT's format (the base is written unmerged)")
     p.set_defaults(func=cmd_export)
@@ -85,6 +87,6 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("hf_dir")
     p.add_argument("run", nargs="?", help="an `hf import` output or run dir made from HF_DIR (default: import "
                    "HF_DIR in memory)")
-    p.add_argument("--tol", type=float, default=1e-5, help="max relative logit difference that passes "
+    number_flag(p, "--tol", kind=float, lo=0, default=1e-5, help="max relative logit difference that passes "
                    "(float32: 1e-5); exit 1 above it")
     p.set_defaults(func=cmd_check)

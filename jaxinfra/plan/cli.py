@@ -16,6 +16,7 @@ import shlex
 from typing import Any
 
 from jaxinfra.config import Config, ConfigError, load_config
+from jaxinfra.flags import number_flag
 from jaxinfra.plan.devices import DEVICE_KINDS, DeviceSpec, device_spec, kind_of
 
 
@@ -24,10 +25,12 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                        "--search ranks layouts")
     p.add_argument("config", help="preset name or YAML path")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    p.add_argument("--devices", type=int, help="device count (default: the devices this process sees)")
+    number_flag(p, "--devices", lo=1, help="device count (default: the devices this process sees)")
     p.add_argument("--device-kind", choices=DEVICE_KINDS, help="default: the kind of this process's devices")
-    p.add_argument("--hbm-gib", type=float, help="memory per device in GiB (default: the device table's)")
-    p.add_argument("--efficiency", type=float, help="fraction of the peak the compute reaches (default: per kind)")
+    number_flag(p, "--hbm-gib", kind=float, lo=0, lo_open=True,
+                help="memory per device in GiB (default: the device table's)")
+    number_flag(p, "--efficiency", kind=float, lo=0, hi=1, lo_open=True,
+                help="fraction of the peak the compute reaches (default: per kind)")
     p.add_argument("--links", metavar="FILE", help="`jaxinfra bench collectives` output: measured bandwidths "
                    "replace the link table")
     p.add_argument("--compile", action="store_true", help="also compile the real train step (fake CPU devices "
@@ -35,15 +38,13 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--search", action="store_true", help="rank every layout of the devices that fits")
     p.add_argument("--inference", action="store_true", help="plan `jaxinfra generate` instead: params + KV cache "
                    "for train.batch_size rows x train.seq_len positions, and the decode step")
-    p.add_argument("--top", type=int, default=10, help="--search: layouts to print (default 10)")
+    number_flag(p, "--top", lo=1, default=10, help="--search: layouts to print (default 10)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.set_defaults(func=cmd_plan)
 
 
 def resolve_spec(args: argparse.Namespace, cfg: Config) -> tuple[int, DeviceSpec]:
     """(device count, device spec) from the flags, or from this process's devices."""
-    if args.devices is not None and args.devices < 1:
-        raise ConfigError(f"--devices={args.devices} is invalid: must be a positive integer")
     if args.compile and args.devices:  # fake CPU devices must be asked for before the backend starts
         from jaxinfra.plan.compiled import request_cpu_devices
 
@@ -67,8 +68,6 @@ def resolve_spec(args: argparse.Namespace, cfg: Config) -> tuple[int, DeviceSpec
 def cmd_plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     count, spec = resolve_spec(args, cfg)
-    if args.top < 1:
-        raise ConfigError(f"--top={args.top} is invalid: must be a positive integer")
     if args.inference and (args.search or args.compile):
         raise ConfigError("--inference plans memory and decode speed only: drop --search and --compile")
     from jaxinfra.plan.links import read_measured
