@@ -30,6 +30,7 @@ import ctypes
 import errno
 import os
 import pathlib
+import re
 import shutil
 from collections.abc import Iterator, Sequence
 from typing import IO, Any
@@ -50,7 +51,7 @@ def temporary(path: Any, kind: str = TMP) -> Any:
 
 def is_temporary(name: str) -> bool:
     """Whether a file name is one of ours in the making (or being removed): readers skip such names."""
-    return any(kind in name and name.rsplit(kind, 1)[1].isdigit() for kind in (TMP, OLD))
+    return re.search(r"\.(tmp|old)-\d+", name) is not None
 
 
 def check_output(path: Any, replace: bool, directory: bool, flag: str | None = "--overwrite",
@@ -81,13 +82,16 @@ def _within(inner: Any, outer: Any) -> bool:
 
 
 def clean_stale(path: Any) -> None:
-    """Remove the temporaries of `path` that processes no longer alive on this host left behind."""
+    """Remove the temporaries of `path` that processes no longer alive on this host left behind
+    (`NAME.tmp-<pid>`, `NAME.old-<pid>`, and what Orbax hangs on them: `NAME.tmp-<pid>.orbax-...`)."""
     if storage.is_url(path) or not path.parent.is_dir():
         return
     for sibling in path.parent.iterdir():
         for kind in (TMP, OLD):
-            head, _, pid = sibling.name.rpartition(kind)
-            if head == path.name and pid.isdigit() and not _alive(int(pid)):
+            if not sibling.name.startswith(path.name + kind):
+                continue
+            pid = re.match(r"\d+", sibling.name[len(path.name + kind):])
+            if pid is not None and not _alive(int(pid.group())):
                 _remove(sibling)
 
 
