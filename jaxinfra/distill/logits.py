@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxinfra.atomic import atomic_write_text
 from jaxinfra.checkpoint import CheckpointError, config_changes
 from jaxinfra.config import Config, ConfigError
 from jaxinfra.data import DataError
@@ -57,9 +58,7 @@ def row_crcs(batch: dict[str, np.ndarray]) -> np.ndarray:
 
 
 def _write_json(path: pathlib.Path, value: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(value, indent=1, sort_keys=True), replace=True)  # the command's own files
 
 
 ArrayShapes = dict[str, tuple[tuple[int, ...], str]]  # name -> (shape, dtype) of each DIR/<name>.npy
