@@ -615,6 +615,7 @@ def save_params_only(out: str | pathlib.Path, cfg: Any, params: Any, meta: dict[
 
 
 def _write_params_only(out: Any, cfg: Any, params: Any, meta: dict[str, Any], step: int) -> None:
+    """Into `out`, the build directory of save_params_only (renamed into place whole, so plain writes)."""
     ckpt_dir = _absolute(out / "checkpoints")
     (out / "config.yaml").write_text(cfg.to_yaml())
     # Orbax copies arrays to the host before writing them; by default all at once (a full host copy

@@ -126,6 +126,7 @@ def export_hf(source: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: st
     with atomic_dir(out_dir, replace=overwrite, inputs=[source]) as tmp:
         step, flat = _restore(source, cfg)
         report = _write_weights(tmp, cfg, family, flat, dtype, max_shard_bytes)
+        # plain writes from here on: everything lands in the build directory, renamed into place whole
         (tmp / "config.json").write_text(json.dumps(to_hf(cfg.model, dtype), indent=2))
         report |= {"family": family, "step": step, "out_dir": str(out_dir),
                    "tokenizer_files": export_tokenizer_files(cfg, _run_dir(source), tmp)}
