@@ -611,7 +611,7 @@ def save_params_only(out: str | pathlib.Path, cfg: Any, params: Any, meta: dict[
         if extra_files is not None:
             extra_files(tmp)
         _write_params_only(tmp, cfg, params, meta, step)
-    return storage.as_path(out) / "checkpoints" / str(step)
+    return _absolute(out) / "checkpoints" / str(step)
 
 
 def _write_params_only(out: Any, cfg: Any, params: Any, meta: dict[str, Any], step: int) -> None:
