@@ -240,3 +240,7 @@ def test_named_files_are_refused_unless_overwrite(tmp_path, capsys):
     argv = ["launch", "k8s", "tiny", "--hosts", "2", "--gpus-per-host", "1", "--pvc", "runs", "--out", str(out)]
     assert "pass --overwrite" in _one_line(capsys, argv) and out.read_text() == "mine"
     assert cli.main([*argv, "--overwrite"]) == 0 and out.read_text() != "mine"
+    from jaxinfra.distill.logits import LogitsError, LogitsWriter
+
+    with pytest.raises(LogitsError, match=r"--out .*m.yaml is a file; give a new directory"):
+        LogitsWriter(out, {})  # save-logits / save-reference resume a directory: a file there is one line

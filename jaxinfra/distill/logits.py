@@ -102,6 +102,8 @@ class StepArraysWriter:
 
     def _existing(self) -> dict[str, Any] | None:
         path = self.root / self.meta_name
+        if self.root.exists() and not self.root.is_dir():
+            raise self.error(f"--out {self.root} is a file; give a new directory")
         if not path.is_file():
             if self.root.exists() and any(self.root.iterdir()):
                 raise self.error(f"--out {self.root} exists and is not a {self.kind} directory; choose a new one")
