@@ -239,7 +239,11 @@ def test_named_files_are_refused_unless_overwrite(tmp_path, capsys):
     out.write_text("mine")
     argv = ["launch", "k8s", "tiny", "--hosts", "2", "--gpus-per-host", "1", "--pvc", "runs", "--out", str(out)]
     assert "pass --overwrite" in _one_line(capsys, argv) and out.read_text() == "mine"
-    assert cli.main([*argv, "--overwrite"]) == 0 and out.read_text() != "mine"
+    pid = _killed_at(tmp_path, "write", 1, [*argv, "--overwrite"])  # halfway through the manifests
+    half = tmp_path / f"m.yaml.tmp-{pid}"
+    assert out.read_text() == "mine" and half.is_file() and atomic.is_temporary(half.name)
+    assert cli.main([*argv, "--overwrite"]) == 0 and out.read_text().startswith("# jaxinfra launch k8s")
+    assert not half.exists()
     from jaxinfra.distill.logits import LogitsError, LogitsWriter
 
     with pytest.raises(LogitsError, match=r"--out .*m.yaml is a file; give a new directory"):
