@@ -39,7 +39,7 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -47,7 +47,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from jaxinfra import storage
+from jaxinfra import atomic, storage
 from jaxinfra.config import CheckpointConfig
 from jaxinfra.distributed import exchange_json  # multi-host utility; re-exported for callers
 from jaxinfra.state import TrainState, split_model_state
@@ -565,11 +565,13 @@ def _model_items(step_dir: pathlib.Path, variables: Any) -> dict[str, Any]:
     return {"params": variables}
 
 
-def export_params(run_dir: str | pathlib.Path, out: str | pathlib.Path, dtype: str | None = None) -> pathlib.Path:
+def export_params(run_dir: str | pathlib.Path, out: str | pathlib.Path, dtype: str | None = None,
+                  overwrite: bool = False) -> pathlib.Path:
     """Write the newest readable checkpoint's params alone (optionally cast) to `out`, for inference.
 
     The run's own config.yaml gives the shapes; arrays are restored unsharded onto one
-    device. The result is a plain Orbax PyTree checkpoint of the params' nnx.State.
+    device. The result is a plain Orbax PyTree checkpoint of the params' nnx.State, built beside
+    `out` and renamed into place (jaxinfra/atomic.py): an existing `out` is refused unless `overwrite`.
     """
     import jax.numpy as jnp
 
@@ -582,27 +584,39 @@ def export_params(run_dir: str | pathlib.Path, out: str | pathlib.Path, dtype: s
     if not cfg_path.is_file():
         raise CheckpointError(f"{run_dir} has no config.yaml: is it a jaxinfra run directory?")
     cfg = load_config(str(cfg_path))
+    out = pathlib.Path(out).absolute()
+    atomic.check_output(out, overwrite, directory=True, inputs=[run_dir])  # before the restore
     target = abstract_params(cfg.model, make_mesh(MeshConfig(), jax.local_devices()[:1]), quant=cfg.quant,
                              lora=cfg.lora)
     _, params = restore_params(run_dir, target)
     if dtype is not None:
         params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), params)
-    out = pathlib.Path(out).absolute()
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(out, params)
-    checkpointer.wait_until_finished()
+    with atomic.atomic_dir(out, replace=overwrite, inputs=[run_dir]) as tmp:
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save(tmp, params, force=True)  # force: `tmp` is ours, made empty by atomic_dir
+        checkpointer.wait_until_finished()
     return out
 
 
-def save_params_only(out: str | pathlib.Path, cfg: Any, params: Any, meta: dict[str, Any], step: int = 0
-                     ) -> pathlib.Path:
+def save_params_only(out: str | pathlib.Path, cfg: Any, params: Any, meta: dict[str, Any], step: int = 0, *,
+                     overwrite: bool = False, inputs: Sequence[Any] = (),
+                     extra_files: Callable[[Any], None] | None = None) -> pathlib.Path:
     """OUT/config.yaml and OUT/checkpoints/<step>: a params-only run directory (an HF import, a
-    `jaxinfra quantize` output) in this module's item layout; `meta` should say params_only."""
-    out = storage.as_path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    `jaxinfra quantize` output) in this module's item layout; `meta` should say params_only.
+
+    OUT is built in a temporary sibling and renamed into place whole (jaxinfra/atomic.py): an existing
+    OUT is refused unless `overwrite`, and must not be or hold one of the command's `inputs`.
+    `extra_files(dir)` writes the output's other files (an import's tokenizer) into the build directory."""
+    with atomic.atomic_dir(out, replace=overwrite, inputs=inputs) as tmp:
+        if extra_files is not None:
+            extra_files(tmp)
+        _write_params_only(tmp, cfg, params, meta, step)
+    return _absolute(out) / "checkpoints" / str(step)
+
+
+def _write_params_only(out: Any, cfg: Any, params: Any, meta: dict[str, Any], step: int) -> None:
+    """Into `out`, the build directory of save_params_only (renamed into place whole, so plain writes)."""
     ckpt_dir = _absolute(out / "checkpoints")
-    if ckpt_dir.exists() and any(ckpt_dir.iterdir()):
-        raise CheckpointError(f"{ckpt_dir} already holds checkpoints; write into a new directory")
     (out / "config.yaml").write_text(cfg.to_yaml())
     # Orbax copies arrays to the host before writing them; by default all at once (a full host copy
     # of the model). Bounding the copies in flight to the largest parameter (at least 256 MiB) keeps
@@ -619,4 +633,3 @@ def save_params_only(out: str | pathlib.Path, cfg: Any, params: Any, meta: dict[
                                                meta=ocp.args.JsonSave({**meta, "config": cfg.to_yaml()})))
     manager.wait_until_finished()
     manager.close()
-    return ckpt_dir / str(step)

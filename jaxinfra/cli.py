@@ -8,7 +8,7 @@ train, info and bench also take --coordinator HOST:PORT --num-processes N --proc
     jaxinfra info [CONFIG] [KEY=VALUE ...] [--inference [--max-len N]]   devices, mesh, sharding, bytes
     jaxinfra plan CONFIG [KEY=VALUE ...] [--devices N] [--device-kind K] [--hbm-gib G] [--compile] [--search] [--json]
                                                     memory per device, step time, bottleneck; --search ranks layouts
-    jaxinfra export-params RUN OUT [--dtype D]      a run's newest params alone (optionally cast)
+    jaxinfra export-params RUN OUT [--dtype D] [--overwrite]   a run's newest params alone (optionally cast)
     jaxinfra bench collectives [KEY=VALUE ...] [--min-bytes N] [--max-bytes N] [--ops a,b]   collective timings
     jaxinfra profile RUN [--top N]                  a run's profile window (log.profile_steps): category shares, top ops
     jaxinfra launch --local-processes N [--devices-per-process M] -- COMMAND ...   N local processes
@@ -20,8 +20,8 @@ train, info and bench also take --coordinator HOST:PORT --num-processes N --proc
     jaxinfra scaling collect OUT_DIR                results.csv/.jsonl from a sweep's run directories
     jaxinfra scaling fit RESULTS [--plot DIR] [--out FIT.json] [--bootstrap N] [--n-column COL]   fits
     jaxinfra scaling predict --fit FIT.json --compute C   compute-optimal N, D and loss at C FLOPs
-    jaxinfra hf import HF_DIR OUT [KEY=VALUE ...]   Hugging Face safetensors -> a run directory
-    jaxinfra hf export RUN_OR_CKPT OUT_DIR [--dtype D] [--max-shard-gb G]   a run -> HF safetensors
+    jaxinfra hf import HF_DIR OUT [KEY=VALUE ...] [--overwrite]   Hugging Face safetensors -> a run directory
+    jaxinfra hf export RUN_OR_CKPT OUT_DIR [--dtype D] [--max-shard-gb G] [--overwrite]   a run -> HF safetensors
     jaxinfra hf check HF_DIR [RUN] [--tol 1e-5]   logits vs transformers per position; exit 1 names the layer
     jaxinfra generate CKPT (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N] [--temperature T]
                       [--top-k K] [--top-p P] [--stop-ids ...]   sampling with a KV cache
@@ -29,7 +29,7 @@ train, info and bench also take --coordinator HOST:PORT --num-processes N --proc
     jaxinfra eval CKPT --tasks T1,T2 [--include-path DIR] [--limit N] ...    lm-evaluation-harness table + JSON
     jaxinfra data prepare INPUT... --out DIR (--tokenizer PATH | --bytes) [--workers N] [--shard-tokens N]
     jaxinfra data inspect DIR [CONFIG] [KEY=VALUE ...]   counts, lengths, a decoded sample, checks
-    jaxinfra quantize RUN_OR_CKPT OUT --weights int8 [--group-size N]   weight-only int8 checkpoint for inference
+    jaxinfra quantize RUN_OR_CKPT OUT --weights int8 [--group-size N] [--overwrite]   weight-only int8 for inference
     jaxinfra distill save-logits TEACHER --out DIR --top-k K --steps N [--data KEY=VALUE ...]
                                                     a teacher's top-k logits for offline distillation
     jaxinfra dpo save-reference CONFIG [KEY=VALUE ...] --out DIR [--restore PATH]
@@ -50,6 +50,7 @@ import os
 import pathlib
 import sys
 
+from jaxinfra.atomic import add_overwrite
 from jaxinfra.config import Config, ConfigError, load_config, preset_names
 from jaxinfra.exits import (
     EXIT_BAD_INPUT,
@@ -184,6 +185,7 @@ def _add_checkpoint_tools(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run_dir")
     p.add_argument("out")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="cast the params (default: as trained)")
+    add_overwrite(p)
     p.set_defaults(func=cmd_export_params)
 
     p = sub.add_parser("quantize", help="a run's params -> a weight-only int8 checkpoint (generate / eval load it)")
@@ -192,6 +194,7 @@ def _add_checkpoint_tools(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--weights", required=True, metavar="MODE", help="int8")
     number_flag(p, "--group-size", lo=0, note="0: per output channel", default=0, metavar="N",
                    help="one scale per N consecutive inputs (must divide each input dimension); 0: per output channel")
+    add_overwrite(p)
     p.set_defaults(func=cmd_quantize)
 
 
@@ -251,7 +254,7 @@ def _add_process_flags(p: argparse.ArgumentParser) -> None:
 def cmd_export_params(args: argparse.Namespace) -> int:
     from jaxinfra.checkpoint import export_params
 
-    print(export_params(args.run_dir, args.out, args.dtype))
+    print(export_params(args.run_dir, args.out, args.dtype, overwrite=args.overwrite))
     return 0
 
 
@@ -260,7 +263,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         raise ConfigError(f"quantize takes no KEY=VALUE overrides: {' '.join(args.overrides)}")
     from jaxinfra.quantize import quantize_checkpoint
 
-    report = quantize_checkpoint(args.source, args.out, args.weights, args.group_size)
+    report = quantize_checkpoint(args.source, args.out, args.weights, args.group_size, overwrite=args.overwrite)
     print(f"quantized step {report['source_step']} -> {report['checkpoint']}: params {report['bytes'] / 2**20:.2f} MiB "
           f"(float {report['float_bytes'] / 2**20:.2f} MiB, {report['bytes'] / report['float_bytes']:.3f})")
     return 0

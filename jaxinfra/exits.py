@@ -1,7 +1,8 @@
 """Exit statuses of every jaxinfra command, in one place, and which errors are bad input.
 
     0   done
-    2   bad input: a config, data, mesh, checkpoint or run-directory problem, told in one line
+    2   bad input: a config, data, mesh, checkpoint or run-directory problem, or an output path that holds
+        something already (jaxinfra/atomic.py: `--overwrite` replaces it), told in one line
     3   diverged: at a log step (every `log.every` steps), at least `train.max_bad_steps`
         consecutive steps were non-finite (flags are read only at log steps: no per-step sync)
     70  hung, or a peer process lost (the watchdog, a failed collective)
@@ -38,6 +39,7 @@ def bad_input_errors() -> tuple[type[Exception], ...]:
 
     Imported lazily so that `jaxinfra.exits` stays free of jax and the packages it would pull in.
     """
+    from jaxinfra.atomic import OutputExistsError
     from jaxinfra.checkpoint import CheckpointError
     from jaxinfra.config import ConfigError
     from jaxinfra.data import DataError
@@ -45,7 +47,7 @@ def bad_input_errors() -> tuple[type[Exception], ...]:
     from jaxinfra.storage import StorageError
     from sharding.mesh import MeshError
 
-    return (ConfigError, DataError, MeshError, DistributedError, CheckpointError, StorageError)
+    return (ConfigError, DataError, MeshError, DistributedError, CheckpointError, StorageError, OutputExistsError)
 
 
 def write_errors() -> tuple[type[Exception], ...]:

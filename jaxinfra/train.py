@@ -43,6 +43,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from jaxinfra import compile_cache, storage
+from jaxinfra.atomic import atomic_write_text
 from jaxinfra.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -426,7 +427,7 @@ class Trainer:
         self.logger = None
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(self.cfg.to_yaml())
+            atomic_write_text(self.run_dir / "config.yaml", self.cfg.to_yaml(), replace=True)
             log = self.cfg.log  # W&B / MLflow, fed by the one writer
             trackers = open_trackers(log.wandb, log.mlflow, self.cfg.to_dict(), self.run_dir, start_step,
                                      name=self.run_root.name)  # a bucket run: its URL's name, not the staging dir's

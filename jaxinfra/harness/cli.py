@@ -18,12 +18,13 @@ import json
 import pathlib
 import sys
 
+from jaxinfra.atomic import atomic_write_text, check_output
 from jaxinfra.compile_cache import configure as configure_compile_cache
 from jaxinfra.flags import number_flag
 from jaxinfra.harness import HarnessError, require_lm_eval
 
 # `eval --tasks` only; None/False = not given, so --tokens/--text can refuse them
-TASK_OPTIONS = ("num_fewshot", "limit", "include_path", "output", "log_samples", "apply_chat_template")
+TASK_OPTIONS = ("num_fewshot", "limit", "include_path", "output", "overwrite", "log_samples", "apply_chat_template")
 
 
 def add_task_source(p: argparse.ArgumentParser, source: argparse._MutuallyExclusiveGroup) -> None:
@@ -34,6 +35,7 @@ def add_task_source(p: argparse.ArgumentParser, source: argparse._MutuallyExclus
     number_flag(p, "--limit", lo=1, help="--tasks: documents per task (default: all)")
     p.add_argument("--include-path", help="--tasks: a folder of local task YAMLs (offline tasks on local data files)")
     p.add_argument("--output", help="--tasks: where lm-eval's results JSON goes (default RUN/eval/lm_eval-<time>.json)")
+    p.add_argument("--overwrite", action="store_true", help="--tasks: replace an existing --output (else refused)")
     p.add_argument("--log-samples", action="store_true", help="--tasks: every request and response in the JSON")
     p.add_argument("--apply-chat-template", action="store_true", help="--tasks: prompts through the run's chat "
                    "template (data.chat_template)")
@@ -74,6 +76,7 @@ def cmd_eval_tasks(args: argparse.Namespace) -> int:
     manager = task_manager(args.include_path, tasks)
     names = check_tasks(manager, tasks)
     out = output_path(args)
+    check_output(out, args.overwrite, directory=False)  # before hours of evaluation, not after
     from jaxinfra.harness.model import JaxinfraLM
 
     lm = JaxinfraLM(pretrained=args.ckpt, overrides=list(args.overrides), batch_size=args.batch_size)
@@ -83,7 +86,7 @@ def cmd_eval_tasks(args: argparse.Namespace) -> int:
     print(make_table(results))
     if results.get("groups"):
         print(make_table(results, "groups"))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1, default=handle_non_serializable, ensure_ascii=False) + "\n")
+    atomic_write_text(out, json.dumps(results, indent=1, default=handle_non_serializable, ensure_ascii=False) + "\n",
+                      replace=args.overwrite)
     print(f"jaxinfra eval: lm-eval results -> {out}", file=sys.stderr)
     return 0

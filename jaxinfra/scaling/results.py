@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxinfra.atomic import atomic_write_bytes, atomic_write_text
 from jaxinfra.cluster.attempts import run_finished
 from jaxinfra.config import ConfigError, load_config
 from jaxinfra.metrics.flops import flops_per_token, param_counts
@@ -114,10 +115,10 @@ def write_results(rows: list[dict[str, Any]], out_dir: str | pathlib.Path,
     writer.writeheader()
     for row in rows:
         writer.writerow({k: "" if row.get(k) is None else row.get(k) for k in columns})
-    csv_path.write_bytes(text.getvalue().encode())
-    with jsonl_path.open("w") as f:
-        for row in rows:
-            f.write(json.dumps({k: _json(row.get(k)) for k in columns}) + "\n")
+    # collected again from the run directories by every `scaling collect`: replaced, atomically
+    atomic_write_bytes(csv_path, text.getvalue().encode(), replace=True)
+    atomic_write_text(jsonl_path, "".join(json.dumps({k: _json(row.get(k)) for k in columns}) + "\n" for row in rows),
+                      replace=True)
     return csv_path, jsonl_path
 
 

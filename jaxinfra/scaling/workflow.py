@@ -16,6 +16,7 @@ import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jaxinfra.atomic import atomic_write_bytes, atomic_write_text
 from jaxinfra.cluster import slurm
 from jaxinfra.cluster.attempts import RunStatus, format_status
 from jaxinfra.config import ConfigError
@@ -164,8 +165,7 @@ def fit_results(results: str | pathlib.Path, *, plot_dir: str | pathlib.Path | N
     fit["notes"] = notes + dropped + fit["notes"]
     fit["source"] = str(results)
     out = as_path(out) if out else as_path(results).with_name("fit.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(fit, indent=2) + "\n")
+    atomic_write_text(out, json.dumps(fit, indent=2) + "\n", replace=True)  # a refit replaces the fit
     echo(format_fit(fit))
     echo(f"fit: saved {out}")
     if plot_dir is not None:
@@ -206,7 +206,7 @@ def _plot_all(table: dict[str, Any], fit: dict[str, Any], plot_dir: str | pathli
     with tempfile.TemporaryDirectory() as tmp:
         drawn = plot_all(table, fit, tmp)
         for path in drawn:
-            (remote / path.name).write_bytes(path.read_bytes())
+            atomic_write_bytes(remote / path.name, path.read_bytes(), replace=True)
     return [remote / path.name for path in drawn]
 
 
