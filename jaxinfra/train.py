@@ -443,6 +443,11 @@ class Trainer:
         if self.is_main:
             self.bar.write(text)
 
+    def _say_error(self, text: str) -> None:
+        """An error line: stderr, like every `jaxinfra: error:` line (stdout is the run's log)."""
+        if self.is_main:
+            self.bar.write(text, error=True)
+
     def _log(self, step: int, line: dict[str, Any]) -> None:
         if self.logger is not None:
             self.logger.log(step, line)
@@ -497,7 +502,7 @@ class Trainer:
         if log_now:
             self._log_point(loop, step, metrics)
             if loop.bad_in_a_row >= t.max_bad_steps:
-                self._say(f"jaxinfra: error: the last {loop.bad_in_a_row} consecutive steps had non-finite loss, "
+                self._say_error(f"jaxinfra: error: the last {loop.bad_in_a_row} consecutive steps had non-finite loss, "
                           f"gradients or updates, at least train.max_bad_steps={t.max_bad_steps} (checked at log "
                           f"steps, every log.every={self.cfg.log.every}); stopping at step {step}; updates from "
                           f"those steps were skipped and the last good checkpoint is kept")
@@ -581,10 +586,18 @@ class Trainer:
             self._push(force=True)
         if stop:
             loop.exit_code = EXIT_PREEMPTED
-            self._say(f"jaxinfra: stopping at step {step} on signal {self._signal}; checkpoint "
-                      f"{'committing' if loop.saved_at == step else 'disabled' if self.ckpt is None else 'not written'}"
-                      f"; rerun the same command to resume")
+            self._say(f"jaxinfra: stopping at step {step} on signal {self._signal}; {self._after_stop(loop, step)}")
         return not stop
+
+    def _after_stop(self, loop: _Loop, step: int) -> str:
+        """What a rerun of a stopped run does, as it is: it resumes only from a committed checkpoint."""
+        if self.ckpt is None:
+            return ("no checkpoint (checkpoint.enabled=false): nothing was saved, a rerun of the same command starts "
+                    "over from step 0")
+        if loop.saved_at == step:
+            return "checkpoint committing; rerun the same command to resume"
+        return (f"no checkpoint written at step {step} (the params were not finite); a rerun resumes from the last "
+                f"committed checkpoint, if any, else starts over")
 
     def _finish(self, loop: _Loop) -> dict[str, Any]:
         """Wait for the last checkpoint, close the outputs, write and return the summary."""
