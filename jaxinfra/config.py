@@ -382,6 +382,8 @@ def _describe(tp: Any) -> str:
 
 
 def _show(value: Any) -> str:
+    if value is None:  # `key=` or `key:` with nothing after it: YAML's null, never Python's "None"
+        return "an empty value (null)"
     return repr(value) if not isinstance(value, dict) else "a mapping"
 
 
