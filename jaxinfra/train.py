@@ -82,7 +82,15 @@ from jaxinfra.metrics import (
 from jaxinfra.metrics.run_profile import ProfileWindow
 from jaxinfra.metrics.trackers import missing_package, open_trackers
 from jaxinfra.optim import all_finite
-from jaxinfra.rundir import LOCK_NAME, ObjectLock, RunDirError, RunDirLock, check_run_dir
+from jaxinfra.rundir import (
+    LOCK_NAME,
+    ObjectLock,
+    RunDirError,
+    RunDirLock,
+    check_run_dir,
+    created_by_run,
+    remove_empty,
+)
 from jaxinfra.runtime import build_runtime
 from jaxinfra.state import TrainState, bytes_per_device, model_state, split_model_state
 from jaxinfra.watchdog import Watchdog
@@ -146,9 +154,14 @@ class Trainer:
         run dir on a bucket a local staging directory (mirrored by `store`) and the bucket URL."""
         if restore_from is not None and storage.is_url(restore_from):
             storage.check_bucket(str(restore_from), "--restore")
+        if restore_from is not None and not storage.as_path(restore_from).exists():  # before the run dir is made;
+            # a Checkpointer there would create the missing directory just to find nothing in it
+            raise CheckpointError(f"--restore {restore_from}: no such run directory or checkpoint")
         self.store = storage.RunStaging(str(run_dir)) if storage.is_url(run_dir) else None
+        self.created: pathlib.Path | None = None
         if self.store is None:
             self.run_dir = check_run_dir(run_dir)  # ordinary path mistakes fail here, before anything compiles
+            self.created = created_by_run(self.run_dir)  # removed again, if still empty, when the start fails
             self.run_root, self.lock = self.run_dir, RunDirLock(self.run_dir)
             return
         storage.check_bucket(self.store.url, "--run-dir")
@@ -370,7 +383,10 @@ class Trainer:
                    ("progress bar", self.bar.close if self.bar else None),
                    ("metrics", functools.partial(self.logger.close, _outcome(error)) if self.logger else None),
                    ("run-dir upload", functools.partial(self._push, True) if self.store else None),
-                   ("run-dir lock", self.lock.release)]
+                   ("run-dir lock", self.lock.release),
+                   # A refused start (bad data.paths, a failed --restore) leaves no empty run dir behind.
+                   ("empty run dir", functools.partial(remove_empty, self.created)
+                    if error is not None and self.created is not None and self.is_main else None)]
         first: BaseException | None = None
         for name, close in closers:
             if close is None:
