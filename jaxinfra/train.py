@@ -82,6 +82,8 @@ from jaxinfra.metrics import (
 from jaxinfra.metrics.run_profile import ProfileWindow
 from jaxinfra.metrics.trackers import missing_package, open_trackers
 from jaxinfra.optim import all_finite
+from jaxinfra.resume import changes as resume_changes
+from jaxinfra.resume import check_resume
 from jaxinfra.rundir import (
     LOCK_NAME,
     ObjectLock,
@@ -126,9 +128,12 @@ class Trainer:
     """A runtime (mesh, state, jitted steps) plus data, checkpoints and logging; `run()` trains."""
 
     def __init__(self, cfg: Config, run_dir: str | os.PathLike, devices: Sequence[jax.Device] | None = None,
-                 restore_from: str | os.PathLike | None = None, extensions: Sequence[StepExtension] | None = None):
-        """`extensions` join the train step (jaxinfra/extensions.py); None: those the config asks for."""
+                 restore_from: str | os.PathLike | None = None, extensions: Sequence[StepExtension] | None = None,
+                 restart_data: bool = False):
+        """`extensions` join the train step (jaxinfra/extensions.py); None: those the config asks for.
+        `restart_data`: resume a checkpoint written for another data stream, the data from its beginning."""
         self.cfg = cfg
+        self.restart_data = restart_data
         self.requested_extensions = extensions
         if problem := missing_package(cfg.log.wandb, cfg.log.mlflow):  # one line; nothing written or compiled
             raise ConfigError(problem)
@@ -291,10 +296,13 @@ class Trainer:
         return 0, fresh.replace(params=params, stats=stats), {}
 
     def _resume(self, step: int, state: TrainState, data: dict, meta: dict) -> tuple[int, TrainState, dict]:
-        if meta.get("global_batch") != self.cfg.train.batch_size or meta.get("seq_len") != self.cfg.train.seq_len:
-            print(f"jaxinfra: warning: checkpoint step {step} was written with batch {meta.get('global_batch')} x "
-                  f"seq {meta.get('seq_len')}; the data position cannot carry over, data restarts", flush=True)
-        elif self.train_iter is not None:  # an extension that feeds the batches keeps its own position
+        """Continue from a checkpoint; what changed since it is listed, a changed data stream refused unless
+        --restart-data (jaxinfra/resume.py: the one rule for what a resume may change)."""
+        found = resume_changes(meta, self.cfg.to_dict())
+        note = check_resume(step, found, self.restart_data, feeds_own_batches=self.train_iter is None)
+        if note and jax.process_index() == 0:
+            print(note, flush=True)
+        if self.train_iter is not None and not found.stream:  # an extension that feeds batches keeps its own
             set_row_states(self.train_iter, data, self.first_row, self.local_rows)
         return step, state, meta
 
@@ -672,14 +680,15 @@ def _compile_fields(loop: _Loop, cache_dir: str | None) -> dict[str, Any]:
 
 def train(cfg: Config, run_dir: str | os.PathLike, devices: Sequence[jax.Device] | None = None,
           restore_from: str | os.PathLike | None = None, extensions: Sequence[StepExtension] | None = None,
-          ) -> dict[str, Any]:
+          restart_data: bool = False) -> dict[str, Any]:
     """Train (or resume) from a validated config; returns the run summary (also written to summary.json).
-    `extensions`: the train step's (jaxinfra/extensions.py); None: those the config asks for."""
+    `extensions`: the train step's (jaxinfra/extensions.py); None: those the config asks for. `restart_data`:
+    a resume may change the data stream (jaxinfra/resume.py), the data then starts from its beginning."""
     if jax.process_count() == 1:
-        return Trainer(cfg, run_dir, devices, restore_from, extensions).run()
+        return Trainer(cfg, run_dir, devices, restore_from, extensions, restart_data).run()
     trainer = None
     try:
-        trainer = Trainer(cfg, run_dir, devices, restore_from, extensions)
+        trainer = Trainer(cfg, run_dir, devices, restore_from, extensions, restart_data)
         return trainer.run()
     except bad_input_errors() as e:
         # Every process reads the same config and checkpoint, so each one says the same line.

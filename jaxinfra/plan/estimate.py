@@ -12,7 +12,6 @@ from jaxinfra.plan.links import Measured
 from jaxinfra.plan.memory import COMPONENTS, Fn, Memory, StateBytes, estimate
 from jaxinfra.plan.time import StepTime, step_time
 
-
 # The analytic estimate's margin of error: a plan up to 10% over the device's memory is still run by
 # `jaxinfra train` (its pre-flight) and passed by `jaxinfra plan`; beyond it both refuse (exit 2).
 FIT_MARGIN = 1.1
