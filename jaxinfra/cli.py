@@ -9,7 +9,8 @@ train, info and bench also take --coordinator HOST:PORT --num-processes N --proc
                                                     --restart-data)
     jaxinfra info [CONFIG] [KEY=VALUE ...] [--inference [--max-len N]]   devices, mesh, sharding, bytes
     jaxinfra plan CONFIG [KEY=VALUE ...] [--devices N] [--device-kind K] [--hbm-gib G] [--compile] [--search] [--json]
-                                                    memory per device, step time, bottleneck; --search ranks layouts
+                  [--report]                        memory per device, step time, bottleneck; --search ranks layouts;
+                                                    a plan train would refuse exits 2 (--report: a report only, 0)
     jaxinfra export-params RUN OUT [--dtype D]      a run's newest params alone (optionally cast)
     jaxinfra bench collectives [KEY=VALUE ...] [--min-bytes N] [--max-bytes N] [--ops a,b]   collective timings
     jaxinfra profile RUN [--top N]                  a run's profile window (log.profile_steps): category shares, top ops

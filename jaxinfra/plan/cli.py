@@ -1,7 +1,7 @@
 """`jaxinfra plan` (registered by jaxinfra/cli.py's build_parser), and the pre-flight check of `jaxinfra train`.
 
     jaxinfra plan CONFIG [KEY=VALUE ...] [--devices N] [--device-kind KIND] [--hbm-gib G]
-                  [--efficiency E] [--links FILE] [--compile] [--search] [--top K] [--inference] [--json]
+                  [--efficiency E] [--links FILE] [--compile] [--search] [--top K] [--inference] [--json] [--report]
 
 Without --devices: the devices this process sees; without --device-kind: theirs. Bad input (an
 impossible device count or memory, a layout the config validation refuses, nothing fits under
