@@ -204,6 +204,16 @@ def load_yaml(source: str) -> dict[str, Any]:
     return _parse_yaml(text, source)
 
 
+def require_file(path: Any, what: str, shown: str | None = None) -> None:
+    """ConfigError unless `path` (a pathlib or epath Path) is a file: `{what} not found: X`, or for a
+    directory `{what} X is a directory, not a file` (a directory is never reported as missing)."""
+    shown = str(path) if shown is None else shown
+    if path.is_dir():
+        raise ConfigError(f"{what} {shown} is a directory, not a file")
+    if not path.is_file():
+        raise ConfigError(f"{what} not found: {shown}")
+
+
 def _directory_as_config(path: Any, source: str) -> str:
     """The one line for a directory given where a config file goes; a run dir's own config is pointed to.
     `path`: a pathlib or epath Path; `source` as the user wrote it (pathlib would turn s3://b into s3:/b)."""

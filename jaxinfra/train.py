@@ -181,7 +181,7 @@ class Trainer:
         if force or time.monotonic() - self.store.last_push >= storage.PUSH_EVERY_S:
             self.store.push()
         if self.lock.lost:
-            raise RunDirError(f"{self.lock.lost}; stopping (the last committed checkpoint is kept)")
+            raise RunDirError(f"{self.lock.lost}; stopping ({_kept(self.cfg, 'the last committed')})")
 
     def _take_lock(self) -> None:
         """Process 0 takes the run dir's lock; in a multi-process run every process learns the outcome,
@@ -526,10 +526,10 @@ class Trainer:
         if log_now:
             self._log_point(loop, step, metrics)
             if loop.bad_in_a_row >= t.max_bad_steps:
-                self._say_error(f"jaxinfra: error: the last {loop.bad_in_a_row} consecutive steps had non-finite loss, "
-                          f"gradients or updates, at least train.max_bad_steps={t.max_bad_steps} (checked at log "
-                          f"steps, every log.every={self.cfg.log.every}); stopping at step {step}; updates from "
-                          f"those steps were skipped and the last good checkpoint is kept")
+                self._say_error(f"jaxinfra: error: the last {loop.bad_in_a_row} consecutive steps had non-finite "
+                                f"loss, gradients or updates, at least train.max_bad_steps={t.max_bad_steps} (checked "
+                                f"at log steps, every log.every={self.cfg.log.every}); stopping at step {step}; "
+                                f"updates from those steps were skipped and {_kept(self.cfg, 'the last good')}")
                 loop.exit_code = EXIT_DIVERGED
                 return False
         if self.has_eval and ((t.eval_every and step % t.eval_every == 0) or step == t.steps):
@@ -701,7 +701,15 @@ def train(cfg: Config, run_dir: str | os.PathLike, devices: Sequence[jax.Device]
         step, phase = (trainer.watchdog_step, trainer.watchdog_phase) if trainer else (0, "start")
         _leave(EXIT_HUNG, f"jaxinfra: error: process {jax.process_index()} failed at step {step}, phase '{phase}': "
                           f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]} (a peer process may have "
-                          f"died); the last committed checkpoint is in {_shown(run_dir)}/checkpoints")
+                          f"died); " + (f"the last committed checkpoint is in {_shown(run_dir)}/checkpoints"
+                                        if cfg.checkpoint.enabled else _kept(cfg, "")))
+
+
+def _kept(cfg: Config, which: str) -> str:
+    """What a stopped run leaves to resume from, as it is: with checkpoint.enabled=false, nothing."""
+    if cfg.checkpoint.enabled:
+        return f"{which} checkpoint is kept".strip()
+    return "no checkpoint exists (checkpoint.enabled=false): a rerun starts over from step 0"
 
 
 _EXIT_OUTCOMES = {EXIT_OK: "finished", EXIT_PREEMPTED: "killed"}  # how the trackers' runs end (else failed)

@@ -25,6 +25,9 @@ from jaxinfra.plan.estimate import FIT_MARGIN, make_plan
 from jaxinfra.plan.report import verdict
 from jaxinfra.resume import ResumeChanges, changes, check_resume
 from jaxinfra.rundir import created_by_run, remove_empty
+from jaxinfra.scaling.results import collect, read_table
+from jaxinfra.scaling.spec import load_spec
+from jaxinfra.scaling.workflow import predict_from_file
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["data.source=synthetic", "data.synthetic_vocab=64", "model.vocab_size=64", "model.d_model=32",
@@ -88,6 +91,20 @@ def test_a_directory_given_as_the_config_is_named_a_directory(tmp_path, layout, 
     assert want in str(refused.value) and "not found" not in str(refused.value)
     if layout:
         assert f"{tmp_path}/config.yaml" in str(refused.value)
+
+
+@pytest.mark.parametrize("call, what", [
+    (lambda d: load_spec(str(d)), "sweep spec"),
+    (read_table, "results file"),
+    (lambda d: predict_from_file(d, 1e20), "fit file"),
+])
+def test_every_file_argument_calls_a_directory_a_directory(tmp_path, call, what):
+    with pytest.raises(ConfigError) as refused:
+        call(tmp_path)
+    assert str(refused.value) == f"{what} {tmp_path} is a directory, not a file"
+    (tmp_path / "results.csv").write_text("N,D\n")
+    with pytest.raises(ConfigError, match="is a file, not a directory"):  # and the other way round
+        collect(tmp_path / "results.csv")
 
 
 def test_a_preset_name_wins_over_a_directory_of_that_name(tmp_path, monkeypatch):
@@ -165,6 +182,14 @@ def test_sigterm_without_checkpoints_says_a_rerun_starts_over(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "no checkpoint (checkpoint.enabled=false): nothing was saved, a rerun of the same command starts over " \
            "from step 0" in out and "to resume" not in out
+
+
+def test_stop_lines_never_promise_a_checkpoint_that_checkpoint_enabled_false_never_wrote():
+    from jaxinfra.train import _kept
+
+    assert _kept(load_config("tiny"), "the last good") == "the last good checkpoint is kept"
+    assert _kept(load_config("tiny", ["checkpoint.enabled=false"]), "the last good") == (
+        "no checkpoint exists (checkpoint.enabled=false): a rerun starts over from step 0")
 
 
 CKPT = {"config": "data: {source: synthetic, eval_batches: 4}\noptimizer: {lr: 0.001}\ntrain: {steps: 2, seed: 0}\n"}
