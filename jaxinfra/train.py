@@ -159,8 +159,9 @@ class Trainer:
         run dir on a bucket a local staging directory (mirrored by `store`) and the bucket URL."""
         if restore_from is not None and storage.is_url(restore_from):
             storage.check_bucket(str(restore_from), "--restore")
-        if restore_from is not None and not storage.as_path(restore_from).exists():  # before the run dir is made;
-            # a Checkpointer there would create the missing directory just to find nothing in it
+        if restore_from is not None and not storage.is_url(restore_from) and not pathlib.Path(restore_from).exists():
+            # Before the run dir is made: a Checkpointer there would create the missing directory to find nothing.
+            # (A bucket has no directories to create; check_bucket above named a missing bucket.)
             raise CheckpointError(f"--restore {restore_from}: no such run directory or checkpoint")
         self.store = storage.RunStaging(str(run_dir)) if storage.is_url(run_dir) else None
         self.created: pathlib.Path | None = None
