@@ -4,8 +4,9 @@ The run's config is compared with the one the checkpoint was written with (its m
 key that differs is listed in one note, so nothing changes unseen. The changes are of three kinds:
 
 - the model's shapes: refused before anything moves (`checkpoint.check_fits`: another model);
-- the data stream (`breaks_data_position`: every `data.*` key but `data.eval_batches`, and
-  `train.seed`, `train.batch_size`, `train.seq_len`): the saved data position indexes the old stream,
+- the data stream (`breaks_data_position`: every `data.*` key but `data.eval_batches` and a mixture
+  source's `weight`/`weights`, and `train.seed`, `train.batch_size`, `train.seq_len`): the saved data
+  position indexes the old stream,
   so applying it would silently misplace the run in the new one (or fail on it). Refused, exit 2,
   unless `train --restart-data`: then the model and optimizer continue and the data starts from
   the beginning of the new stream (the note says so);
@@ -32,8 +33,11 @@ _SHOWN = 12  # changed keys listed in the note before "and N more"
 
 
 def breaks_data_position(key: str) -> bool:
-    """A change of `key` makes a saved data position meaningless for the new stream."""
-    return (key.startswith("data.") and key not in _NOT_STREAM) or key in _STREAM_TRAIN_KEYS
+    """A change of `key` makes a saved data position meaningless for the new stream. A mixture's weights
+    are not such a change: each row slot keeps every source's position, new weights only pick among them
+    from the resumed step on (as a staged weight does)."""
+    reweighted = key.startswith("data.mixture.") and key.rsplit(".", 1)[-1] in ("weight", "weights")
+    return (key.startswith("data.") and key not in _NOT_STREAM and not reweighted) or key in _STREAM_TRAIN_KEYS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -221,6 +221,18 @@ def test_one_rule_for_what_a_resume_may_change(current, restart, refused, note):
                    f"jaxinfra: note: resuming step 8 with settings changed since that checkpoint: {note}")
 
 
+@pytest.mark.parametrize("key, breaks", [
+    ("data.source", True), ("data.paths", True), ("data.shuffle", True), ("data.mixture.web.paths", True),
+    ("train.seed", True), ("train.batch_size", True), ("train.seq_len", True),
+    ("data.eval_batches", False), ("data.mixture.web.weight", False), ("data.mixture.web.weights", False),
+    ("optimizer.lr", False), ("schedule.warmup_steps", False), ("train.steps", False), ("mesh.data", False),
+])
+def test_which_keys_break_the_data_position(key, breaks):
+    from jaxinfra.resume import breaks_data_position
+
+    assert breaks_data_position(key) is breaks
+
+
 def test_resume_rule_without_a_saved_config_and_for_an_extension_that_feeds_batches():
     old = changes({"global_batch": 8, "seq_len": 16}, {"train": {"batch_size": 4, "seq_len": 16}})
     assert old == ResumeChanges(("train.batch_size: 8 -> 4",))
