@@ -4,10 +4,13 @@ CONFIG is a preset name (jaxinfra/presets/) or a YAML path; KEY=VALUE overrides 
 Run dirs, --restore, data.paths, sweep --out and CONFIG may be gs:// or s3:// URLs (docs/clusters.md).
 train, info and bench also take --coordinator HOST:PORT --num-processes N --process-id I (multi-host).
 
-    jaxinfra train [CONFIG] [KEY=VALUE ...] [--run-dir DIR] [--restore PATH]   train; a run dir resumes
+    jaxinfra train [CONFIG] [KEY=VALUE ...] [--run-dir DIR] [--restore PATH] [--restart-data]   train; a run dir
+                                                    resumes (changed keys listed; a changed data stream needs
+                                                    --restart-data)
     jaxinfra info [CONFIG] [KEY=VALUE ...] [--inference [--max-len N]]   devices, mesh, sharding, bytes
     jaxinfra plan CONFIG [KEY=VALUE ...] [--devices N] [--device-kind K] [--hbm-gib G] [--compile] [--search] [--json]
-                                                    memory per device, step time, bottleneck; --search ranks layouts
+                  [--report]                        memory per device, step time, bottleneck; --search ranks layouts;
+                                                    a plan train would refuse exits 2 (--report: a report only, 0)
     jaxinfra export-params RUN OUT [--dtype D] [--overwrite]   a run's newest params alone (optionally cast)
     jaxinfra bench collectives [KEY=VALUE ...] [--min-bytes N] [--max-bytes N] [--ops a,b]   collective timings
     jaxinfra profile RUN [--top N]                  a run's profile window (log.profile_steps): category shares, top ops
@@ -88,7 +91,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     preflight(cfg, force=args.force)  # one line: the plan's memory estimate; too big -> exit 2 before compiling
     run_dir = args.run_dir or f"runs/{_config_stem(args.config)}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    summary = train(cfg, run_dir, restore_from=args.restore)
+    summary = train(cfg, run_dir, restore_from=args.restore, restart_data=args.restart_data)
     return int(summary.get("exit_code", 0))
 
 
@@ -163,6 +166,9 @@ def _add_train(sub: argparse._SubParsersAction, presets: str) -> None:
                    "full|params)")
     p.add_argument("--force", action="store_true", help="train even when the plan's analytic memory exceeds the "
                    "device memory by more than 10%%")
+    p.add_argument("--restart-data", action="store_true", help="resume (or --restore) a checkpoint written for "
+                   "another data stream (data.*, train.seed, train.batch_size or train.seq_len changed): the model "
+                   "and optimizer continue, the data starts from its beginning; without it such a resume is refused")
     _add_process_flags(p)
     p.set_defaults(func=cmd_train)
 

@@ -184,21 +184,47 @@ def load_yaml(source: str) -> dict[str, Any]:
     if storage.is_url(source):  # a sweep on a bucket trains OUT/RUN/config.yaml from there
         try:
             text = storage.read_text(source)
-        except FileNotFoundError:
+        except (FileNotFoundError, IsADirectoryError):
             storage.check_bucket(source, "config")  # names a missing bucket before a missing file
+            if storage.as_path(source).is_dir():  # a prefix: e.g. a run dir on the bucket
+                raise ConfigError(_directory_as_config(storage.as_path(source), source)) from None
             raise ConfigError(f"config file not found: {source}") from None
         return _parse_yaml(text, source)
     path = pathlib.Path(source)
-    if source.endswith((".yaml", ".yml")) or path.exists():
+    resource = importlib.resources.files("jaxinfra") / "presets" / f"{pathlib.PurePath(source).name}.yaml"
+    preset = "/" not in source and resource.is_file()  # a preset name wins over a directory of that name
+    if path.is_dir() and not preset:
+        raise ConfigError(_directory_as_config(path, source))
+    if source.endswith((".yaml", ".yml")) or (path.exists() and not path.is_dir()):
         if not path.is_file():
             raise ConfigError(f"config file not found: {source}")
         text = path.read_text()
     else:
-        resource = importlib.resources.files("jaxinfra") / "presets" / f"{source}.yaml"
-        if not resource.is_file():
+        if not preset:
             raise ConfigError(f"unknown preset '{source}': choose one of {preset_names()} or give a YAML path")
         text = resource.read_text()
     return _parse_yaml(text, source)
+
+
+def require_file(path: Any, what: str, shown: str | None = None) -> None:
+    """ConfigError unless `path` (a pathlib or epath Path) is a file: `{what} not found: X`, or for a
+    directory `{what} X is a directory, not a file` (a directory is never reported as missing)."""
+    shown = str(path) if shown is None else shown
+    if path.is_dir():
+        raise ConfigError(f"{what} {shown} is a directory, not a file")
+    if not path.is_file():
+        raise ConfigError(f"{what} not found: {shown}")
+
+
+def _directory_as_config(path: Any, source: str) -> str:
+    """The one line for a directory given where a config file goes; a run dir's own config is pointed to.
+    `path`: a pathlib or epath Path; `source` as the user wrote it (pathlib would turn s3://b into s3:/b)."""
+    line = f"config {source} is a directory, not a YAML file or a preset name"
+    if (path / "config.yaml").is_file():
+        run_config = f"{source.rstrip('/')}/config.yaml"
+        return (f"{line}; it is a run directory: give its {run_config} (to resume that run: jaxinfra train "
+                f"{run_config} --run-dir {source})")
+    return line
 
 
 def _parse_yaml(text: str, source: str) -> dict[str, Any]:
@@ -368,6 +394,8 @@ def _describe(tp: Any) -> str:
 
 
 def _show(value: Any) -> str:
+    if value is None:  # `key=` or `key:` with nothing after it: YAML's null, never Python's "None"
+        return "an empty value (null)"
     return repr(value) if not isinstance(value, dict) else "a mapping"
 
 

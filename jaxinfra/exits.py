@@ -9,7 +9,8 @@
     74  a write failed: a checkpoint (disk full, no permission, an object-store error) or the run
         dir (disk full); one line names the step and the path. The previous committed
         checkpoint is intact; free space (or fix the path) and rerun the same command to resume
-    75  preempted: SIGTERM/SIGINT, a checkpoint committed; rerun the same command to resume
+    75  preempted: SIGTERM/SIGINT, a checkpoint committed; rerun the same command to resume (with
+        checkpoint.enabled=false nothing was saved, the line says so, and a rerun starts over)
     130 interrupted outside training (Ctrl-C)
     141 the reader of stdout went away (`jaxinfra info | head`), as a death by SIGPIPE reads in a shell
 

@@ -26,7 +26,7 @@ MAX_LINES = 60
 CORE = ("jaxinfra", "jaxinfra.config", "jaxinfra.config_sections", "jaxinfra.exits", "jaxinfra.distributed",
         "jaxinfra.atomic", "jaxinfra.storage", "jaxinfra.rundir", "jaxinfra.watchdog", "jaxinfra.data", "jaxinfra.metrics", "jaxinfra.optim",
         "jaxinfra.loss", "jaxinfra.state", "jaxinfra.step", "jaxinfra.quant_checks", "jaxinfra.extensions",
-        "jaxinfra.runtime", "jaxinfra.checkpoint", "jaxinfra.compile_cache", "jaxinfra.train", "jaxinfra.flags")
+        "jaxinfra.runtime", "jaxinfra.checkpoint", "jaxinfra.compile_cache", "jaxinfra.resume", "jaxinfra.train", "jaxinfra.flags")
 FEATURES = ("jaxinfra.infer", "jaxinfra.quantize", "jaxinfra.distill", "jaxinfra.sft", "jaxinfra.lora", "jaxinfra.dpo", "jaxinfra.grpo",
             "jaxinfra.reference", "jaxinfra.hf", "jaxinfra.harness",
             "jaxinfra.plan", "jaxinfra.scaling", "jaxinfra.cluster", "jaxinfra.info", "jaxinfra.bench", "jaxinfra.launch")

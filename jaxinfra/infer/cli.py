@@ -78,6 +78,21 @@ def _ids(text: str, what: str) -> list[int]:
         raise InferenceError(f"{what} must be comma-separated integers, got {text!r}") from None
 
 
+def _flag_override(flag: str, key: str, value: str | None) -> list[str]:
+    """`flag VALUE` as the override `key=VALUE`; a value the key does not allow is named by the flag the
+    user typed (an empty one would otherwise reach the config as YAML's null)."""
+    if value is None:
+        return []
+    from jaxinfra.config import ConfigError, apply_overrides, config_from_tree
+
+    override = f"{key}={value}"
+    try:
+        config_from_tree(apply_overrides({}, [override]))  # the key's type alone: the run's config comes later
+    except ConfigError as e:
+        raise ConfigError(f"{flag} {value!r} sets {e}") from None
+    return [override]
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from jaxinfra.infer import Generator, InferenceError, Sampling, load_model, resolve_checkpoint, text_codec
 
@@ -91,7 +106,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise InferenceError("--chat and --system take --prompt TEXT (one user turn), not --prompt-ids")
     if args.system is not None and not args.chat:
         raise InferenceError("--system needs --chat")
-    overrides = list(args.overrides) + ([f"quant.kv_cache={args.kv_cache}"] if args.kv_cache is not None else [])
+    overrides = list(args.overrides) + _flag_override("--kv-cache", "quant.kv_cache", args.kv_cache)
     cfg, params = load_model(args.ckpt, overrides)
     configure_compile_cache(cfg)  # the run's train.compile_cache (or an override): prefill/decode from the cache
     if stop_ids is None:

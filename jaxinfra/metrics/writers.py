@@ -183,9 +183,10 @@ class ProgressBar:
         else:
             self._bar.refresh()
 
-    def write(self, message: str) -> None:
-        """Print a line to stdout without breaking the bar (printed even when the bar is disabled)."""
-        tqdm.write(message, file=sys.stdout)
+    def write(self, message: str, *, error: bool = False) -> None:
+        """Print a line without breaking the bar (printed even when the bar is disabled): to stdout, or with
+        `error` to stderr, where every `jaxinfra: error:` line goes (a log of stdout holds results only)."""
+        tqdm.write(message, file=sys.stderr if error else sys.stdout)
 
     @property
     def n(self) -> int:

@@ -1,11 +1,13 @@
 """`jaxinfra plan` (registered by jaxinfra/cli.py's build_parser), and the pre-flight check of `jaxinfra train`.
 
     jaxinfra plan CONFIG [KEY=VALUE ...] [--devices N] [--device-kind KIND] [--hbm-gib G]
-                  [--efficiency E] [--links FILE] [--compile] [--search] [--top K] [--inference] [--json]
+                  [--efficiency E] [--links FILE] [--compile] [--search] [--top K] [--inference] [--json] [--report]
 
 Without --devices: the devices this process sees; without --device-kind: theirs. Bad input (an
 impossible device count or memory, a layout the config validation refuses, nothing fits under
---search) is one line and exit status 2, as everywhere.
+--search) is one line and exit status 2, as everywhere. A plan that does not fit (over the device
+memory by more than estimate.FIT_MARGIN, which `jaxinfra train` refuses) prints in full and then
+exits 2 the same way, unless --report asks for the report only.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                    "for train.batch_size rows x train.seq_len positions, and the decode step")
     number_flag(p, "--top", lo=1, default=10, help="--search: layouts to print (default 10)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.add_argument("--report", action="store_true", help="a report only: exit 0 even when the plan does not fit "
+                   "(by default a plan over the device memory by more than 10%%, which `jaxinfra train` refuses, "
+                   "prints in full and then exits 2)")
     p.set_defaults(func=cmd_plan)
 
 
@@ -100,6 +105,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
             moved = [f"{key} {calls:g} calls {size(total)}" for key, (calls, total) in compiled["collectives"].items()]
             print("compiled collectives per step (op x devices per group; a permute: x pairs): "
                   + ("; ".join(moved) or "none"))
+    if plan.refused and not args.report:  # the same rule as train's pre-flight: printed in full, then refused
+        from jaxinfra.plan.report import refusal
+
+        raise ConfigError(refusal(plan))
     return 0
 
 
@@ -109,13 +118,12 @@ def train_command(args: argparse.Namespace, overrides: list[str]) -> str:
 
 def _search(args: argparse.Namespace, cfg: Config, count: int, spec: DeviceSpec, measured) -> int:
     from jaxinfra.plan.report import seconds, size
-    from jaxinfra.plan.search import overrides, search
+    from jaxinfra.plan.search import Rejections, overrides, search
 
-    ranked = search(cfg, count, spec, measured)
-    if not ranked:
-        raise ConfigError(f"no layout of {count} {spec.kind} devices fits {size(spec.memory_bytes)} per device "
-                          f"(mesh x strategy x remat x accumulation searched); use more devices, a smaller batch or "
-                          f"model.loss_chunk_size")
+    rejected = Rejections()
+    ranked = search(cfg, count, spec, measured, rejected)
+    if not ranked:  # memory, a size that divides nothing, or no mesh at all: the line names which
+        raise ConfigError(rejected.explain(count, spec.kind, size(spec.memory_bytes)))
     top = ranked[:args.top]
     if args.json:
         print(json.dumps({"candidates_fitting": len(ranked), "top": [
@@ -150,7 +158,7 @@ def preflight(cfg: Config, force: bool) -> None:
     plan = make_plan(cfg, len(devices), spec)
     if jax.process_index() == 0:
         print(one_line(plan), flush=True)
-    if plan.memory.total > 1.1 * spec.memory_bytes and not force:
+    if plan.refused and not force:
         raise ConfigError(f"the plan's analytic memory, {size(plan.memory.total)} per device, exceeds the "
                           f"{spec.kind} device's {size(spec.memory_bytes)} by more than 10% (see `jaxinfra plan`; "
                           f"--search finds layouts that fit); pass --force to train anyway")

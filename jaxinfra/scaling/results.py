@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxinfra.atomic import atomic_write_bytes, atomic_write_text
 from jaxinfra.cluster.attempts import run_finished
-from jaxinfra.config import ConfigError, load_config
+from jaxinfra.config import ConfigError, load_config, require_file
 from jaxinfra.metrics.flops import flops_per_token, param_counts
 from jaxinfra.storage import as_path, check_bucket, is_url
 
@@ -91,6 +91,8 @@ def collect(out_dir: str | pathlib.Path, metrics: Sequence[str] = ()) -> tuple[l
         runs = [(as_path(e["run_dir"]), e.get("C_budget")) for e in entries]
     elif out_dir.is_dir():
         runs = [(p.parent, None) for p in sorted(out_dir.glob("*/config.yaml"))]
+    elif out_dir.exists():  # a file is not "not found"
+        raise ConfigError(f"sweep directory {out_dir} is a file, not a directory (give the sweep's --out)")
     else:
         raise ConfigError(f"sweep directory not found: {out_dir}")
     rows, missing = [], []
@@ -134,8 +136,7 @@ def read_table(path: str | pathlib.Path, target: str = "eval_loss") -> tuple[dic
     is missing or non-finite, or whose N or D is not positive, are dropped (a note says how many).
     """
     path = as_path(path)
-    if not path.is_file():
-        raise ConfigError(f"results file not found: {path}")
+    require_file(path, "results file")
     text = path.read_text()
     if path.suffix in (".jsonl", ".json", ".ndjson"):
         records = []

@@ -19,7 +19,7 @@ from typing import Any
 from jaxinfra.atomic import atomic_write_bytes, atomic_write_text
 from jaxinfra.cluster import slurm
 from jaxinfra.cluster.attempts import RunStatus, format_status
-from jaxinfra.config import ConfigError
+from jaxinfra.config import ConfigError, require_file
 from jaxinfra.scaling import fit as fitting
 from jaxinfra.scaling.results import collect, read_table, write_results
 from jaxinfra.scaling.runner import (
@@ -247,8 +247,7 @@ def format_fit(fit: dict[str, Any]) -> str:
 def predict_from_file(fit_path: str | pathlib.Path, compute: float, echo: Echo = print) -> dict[str, Any]:
     """N_opt, D_opt and the predicted loss at compute C from a saved fit.json."""
     path = as_path(fit_path)
-    if not path.is_file():
-        raise ConfigError(f"fit file not found: {fit_path}")
+    require_file(path, "fit file", str(fit_path))
     try:
         fit = json.loads(path.read_text())
     except json.JSONDecodeError:
