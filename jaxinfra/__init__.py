@@ -12,6 +12,7 @@ Modules of `jaxinfra/` (see docs/architecture.md for how one run goes through th
     config_sections.py  the feature packages' sections of that config (`distill`), without jax
     presets/       the named configs (tiny, small, llama3-8b, mixtral-tiny, deepseek-v3, ...)
     exits.py       every exit status, and which exceptions are bad input
+    flags.py       number_flag: every numeric command-line flag with its range (one line, exit 2)
     distributed.py jax.distributed start-up from flags, environment or a detected cluster;
                    exchange_json (small per-process dicts shared by every process)
     rundir.py      run-directory checks and the one-live-run lock
@@ -63,5 +64,6 @@ Sibling top-level packages (importable without jaxinfra; each imports only the o
 
 Each package's `config.py` (models/, sharding/, kernels/, jaxinfra/data/) holds its config types
 and allowed names without jax, and package `__init__`s load their jax-heavy names on first use
-(PEP 562), so `import jaxinfra.config` and `load_config` never load jax.
+(PEP 562), so `import jaxinfra.config` and `load_config` never load jax. Every numeric field of those
+types declares its range beside it (`sharding/ranges.py` ranged(): the lowest layer with a section).
 """

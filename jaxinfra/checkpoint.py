@@ -46,7 +46,7 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -54,7 +54,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from jaxinfra import storage
+from jaxinfra import atomic, storage
 from jaxinfra.config import CheckpointConfig
 from jaxinfra.distributed import exchange_json  # multi-host utility; re-exported for callers
 from jaxinfra.state import TrainState, split_model_state
@@ -274,10 +274,11 @@ def _storage_error(error: BaseException, path: Any) -> BaseException:
 
 
 @contextlib.contextmanager
-def _orbax_write(path: Any, close: Any) -> Iterator[None]:
-    """An Orbax write outside training (export-params, hf import, quantize, lora merge). On failure its
-    threads are closed first (`close`: else they print pages at exit), Orbax's logged tracebacks and
-    asyncio's leftovers are dropped, and the storage's OSError is raised: one line, exit 74."""
+def _orbax_write(path: Any, close: Any, shown: Any = None) -> Iterator[None]:
+    """An Orbax write to `path` outside training (export-params, hf import, quantize, lora merge). On
+    failure its threads are closed first (`close`: else they print pages at exit), Orbax's logged
+    tracebacks and asyncio's leftovers are dropped, and the storage's OSError (naming `shown`, default
+    `path`) is raised: one line, exit 74."""
     _silence_async_noise()
     quiet = _DropOrbaxErrors()
     logging.getLogger("absl").addFilter(quiet)
@@ -289,24 +290,12 @@ def _orbax_write(path: Any, close: Any) -> Iterator[None]:
         if not storage.is_url(path):  # the partial write (a full disk gets its space back)
             for partial in pathlib.Path(path).parent.glob(f"{pathlib.Path(path).name}.orbax-checkpoint-tmp*"):
                 shutil.rmtree(partial, ignore_errors=True)
-        cause = _storage_error(e, path)
+        cause = _storage_error(e, path if shown is None else shown)
         if cause is e:
             raise
         raise cause from e
     finally:
         logging.getLogger("absl").removeFilter(quiet)
-
-
-def _can_create_in(directory: pathlib.Path) -> None:
-    """The OSError (EROFS, EACCES, ENOSPC) a new directory in `directory` would meet, raised now: Orbax
-    would meet it inside its save, with its helper threads left waiting to print timeouts at exit."""
-    probe = directory / f".jaxinfra-probe-{os.getpid()}"
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe.mkdir()
-        probe.rmdir()
-    except OSError as e:
-        raise OSError(e.errno, e.strerror, str(directory)) from None
 
 
 def abstract_with_shardings(abstract: TrainState, shardings: TrainState) -> TrainState:
@@ -759,11 +748,13 @@ def _model_items(step_dir: pathlib.Path, variables: Any) -> dict[str, Any]:
     return {"params": variables}
 
 
-def export_params(run_dir: str | pathlib.Path, out: str | pathlib.Path, dtype: str | None = None) -> pathlib.Path:
+def export_params(run_dir: str | pathlib.Path, out: str | pathlib.Path, dtype: str | None = None,
+                  overwrite: bool = False) -> pathlib.Path:
     """Write the newest readable checkpoint's params alone (optionally cast) to `out`, for inference.
 
     The run's own config.yaml gives the shapes; arrays are restored unsharded onto one
-    device. The result is a plain Orbax PyTree checkpoint of the params' nnx.State.
+    device. The result is a plain Orbax PyTree checkpoint of the params' nnx.State, built beside
+    `out` and renamed into place (jaxinfra/atomic.py): an existing `out` is refused unless `overwrite`.
     """
     import jax.numpy as jnp
 
@@ -776,30 +767,41 @@ def export_params(run_dir: str | pathlib.Path, out: str | pathlib.Path, dtype: s
     if not cfg_path.is_file():
         raise CheckpointError(f"{run_dir} has no config.yaml: is it a jaxinfra run directory?")
     cfg = load_config(str(cfg_path))
+    out = pathlib.Path(out).absolute()
+    atomic.check_output(out, overwrite, directory=True, inputs=[run_dir])  # before the restore
     target = abstract_params(cfg.model, make_mesh(MeshConfig(), jax.local_devices()[:1]), quant=cfg.quant,
                              lora=cfg.lora)
     _, params = restore_params(run_dir, target)
     if dtype is not None:
         params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), params)
-    out = pathlib.Path(out).absolute()
-    _can_create_in(out.parent)  # a read-only destination fails here, before Orbax's threads wait on it
-    checkpointer = ocp.StandardCheckpointer()
-    with _orbax_write(out, checkpointer.close):
-        checkpointer.save(out, params)
-        checkpointer.wait_until_finished()
-    checkpointer.close()
+    with atomic.atomic_dir(out, replace=overwrite, inputs=[run_dir]) as tmp:
+        checkpointer = ocp.StandardCheckpointer()
+        with _orbax_write(tmp, checkpointer.close, shown=out):
+            checkpointer.save(tmp, params, force=True)  # force: `tmp` is ours, made empty by atomic_dir
+            checkpointer.wait_until_finished()
+        checkpointer.close()
     return out
 
 
-def save_params_only(out: str | pathlib.Path, cfg: Any, params: Any, meta: dict[str, Any], step: int = 0
-                     ) -> pathlib.Path:
+def save_params_only(out: str | pathlib.Path, cfg: Any, params: Any, meta: dict[str, Any], step: int = 0, *,
+                     overwrite: bool = False, inputs: Sequence[Any] = (),
+                     extra_files: Callable[[Any], None] | None = None) -> pathlib.Path:
     """OUT/config.yaml and OUT/checkpoints/<step>: a params-only run directory (an HF import, a
-    `jaxinfra quantize` output) in this module's item layout; `meta` should say params_only."""
-    out = storage.as_path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    `jaxinfra quantize` output) in this module's item layout; `meta` should say params_only.
+
+    OUT is built in a temporary sibling and renamed into place whole (jaxinfra/atomic.py): an existing
+    OUT is refused unless `overwrite`, and must not be or hold one of the command's `inputs`.
+    `extra_files(dir)` writes the output's other files (an import's tokenizer) into the build directory."""
+    with atomic.atomic_dir(out, replace=overwrite, inputs=inputs) as tmp:
+        if extra_files is not None:
+            extra_files(tmp)
+        _write_params_only(tmp, cfg, params, meta, step)
+    return _absolute(out) / "checkpoints" / str(step)
+
+
+def _write_params_only(out: Any, cfg: Any, params: Any, meta: dict[str, Any], step: int) -> None:
+    """Into `out`, the build directory of save_params_only (renamed into place whole, so plain writes)."""
     ckpt_dir = _absolute(out / "checkpoints")
-    if ckpt_dir.exists() and any(ckpt_dir.iterdir()):
-        raise CheckpointError(f"{ckpt_dir} already holds checkpoints; write into a new directory")
     (out / "config.yaml").write_text(cfg.to_yaml())
     # Orbax copies arrays to the host before writing them; by default all at once (a full host copy
     # of the model). Bounding the copies in flight to the largest parameter (at least 256 MiB) keeps
@@ -817,4 +819,3 @@ def save_params_only(out: str | pathlib.Path, cfg: Any, params: Any, meta: dict[
                                                    meta=ocp.args.JsonSave({**meta, "config": cfg.to_yaml()})))
         manager.wait_until_finished()
     manager.close()
-    return ckpt_dir / str(step)

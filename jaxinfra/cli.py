@@ -4,12 +4,15 @@ CONFIG is a preset name (jaxinfra/presets/) or a YAML path; KEY=VALUE overrides 
 Run dirs, --restore, data.paths, sweep --out and CONFIG may be gs:// or s3:// URLs (docs/clusters.md).
 train, info and bench also take --coordinator HOST:PORT --num-processes N --process-id I (multi-host).
 
-    jaxinfra train [CONFIG] [KEY=VALUE ...] [--run-dir DIR] [--restore PATH] [--allow-fresh-start]
-                                                    train; a run dir resumes
+    jaxinfra train [CONFIG] [KEY=VALUE ...] [--run-dir DIR] [--restore PATH] [--restart-data] [--allow-fresh-start]
+                                                    train; a run dir resumes (changed keys listed; a changed data
+                                                    stream needs --restart-data; no readable checkpoint: exit 74
+                                                    unless --allow-fresh-start)
     jaxinfra info [CONFIG] [KEY=VALUE ...] [--inference [--max-len N]]   devices, mesh, sharding, bytes
     jaxinfra plan CONFIG [KEY=VALUE ...] [--devices N] [--device-kind K] [--hbm-gib G] [--compile] [--search] [--json]
-                                                    memory per device, step time, bottleneck; --search ranks layouts
-    jaxinfra export-params RUN OUT [--dtype D]      a run's newest params alone (optionally cast)
+                  [--report]                        memory per device, step time, bottleneck; --search ranks layouts;
+                                                    a plan train would refuse exits 2 (--report: a report only, 0)
+    jaxinfra export-params RUN OUT [--dtype D] [--overwrite]   a run's newest params alone (optionally cast)
     jaxinfra bench collectives [KEY=VALUE ...] [--min-bytes N] [--max-bytes N] [--ops a,b]   collective timings
     jaxinfra profile RUN [--top N]                  a run's profile window (log.profile_steps): category shares, top ops
     jaxinfra launch --local-processes N [--devices-per-process M] -- COMMAND ...   N local processes
@@ -21,8 +24,8 @@ train, info and bench also take --coordinator HOST:PORT --num-processes N --proc
     jaxinfra scaling collect OUT_DIR                results.csv/.jsonl from a sweep's run directories
     jaxinfra scaling fit RESULTS [--plot DIR] [--out FIT.json] [--bootstrap N] [--n-column COL]   fits
     jaxinfra scaling predict --fit FIT.json --compute C   compute-optimal N, D and loss at C FLOPs
-    jaxinfra hf import HF_DIR OUT [KEY=VALUE ...]   Hugging Face safetensors -> a run directory
-    jaxinfra hf export RUN_OR_CKPT OUT_DIR [--dtype D] [--max-shard-gb G]   a run -> HF safetensors
+    jaxinfra hf import HF_DIR OUT [KEY=VALUE ...] [--overwrite]   Hugging Face safetensors -> a run directory
+    jaxinfra hf export RUN_OR_CKPT OUT_DIR [--dtype D] [--max-shard-gb G] [--overwrite]   a run -> HF safetensors
     jaxinfra hf check HF_DIR [RUN] [--tol 1e-5]   logits vs transformers per position; exit 1 names the layer
     jaxinfra generate CKPT (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N] [--temperature T]
                       [--top-k K] [--top-p P] [--stop-ids ...]   sampling with a KV cache
@@ -30,7 +33,7 @@ train, info and bench also take --coordinator HOST:PORT --num-processes N --proc
     jaxinfra eval CKPT --tasks T1,T2 [--include-path DIR] [--limit N] ...    lm-evaluation-harness table + JSON
     jaxinfra data prepare INPUT... --out DIR (--tokenizer PATH | --bytes) [--workers N] [--shard-tokens N]
     jaxinfra data inspect DIR [CONFIG] [KEY=VALUE ...]   counts, lengths, a decoded sample, checks
-    jaxinfra quantize RUN_OR_CKPT OUT --weights int8 [--group-size N]   weight-only int8 checkpoint for inference
+    jaxinfra quantize RUN_OR_CKPT OUT --weights int8 [--group-size N] [--overwrite]   weight-only int8 for inference
     jaxinfra distill save-logits TEACHER --out DIR --top-k K --steps N [--data KEY=VALUE ...]
                                                     a teacher's top-k logits for offline distillation
     jaxinfra dpo save-reference CONFIG [KEY=VALUE ...] --out DIR [--restore PATH]
@@ -51,6 +54,7 @@ import os
 import pathlib
 import sys
 
+from jaxinfra.atomic import add_overwrite
 from jaxinfra.config import Config, ConfigError, load_config, preset_names
 from jaxinfra.exits import (
     EXIT_BAD_INPUT,
@@ -58,6 +62,7 @@ from jaxinfra.exits import (
     EXIT_INTERRUPTED,
     EXIT_IO_FAILED,
 )
+from jaxinfra.flags import number_flag
 
 
 def _config_stem(source: str) -> str:
@@ -85,7 +90,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     preflight(cfg, force=args.force)  # one line: the plan's memory estimate; too big -> exit 2 before compiling
     run_dir = args.run_dir or f"runs/{_config_stem(args.config)}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    summary = train(cfg, run_dir, restore_from=args.restore, allow_fresh_start=args.allow_fresh_start)
+    summary = train(cfg, run_dir, restore_from=args.restore, restart_data=args.restart_data,
+                    allow_fresh_start=args.allow_fresh_start)
     return int(summary.get("exit_code", 0))
 
 
@@ -118,8 +124,6 @@ def cmd_info(args: argparse.Namespace) -> int:
     _join_process_group(args)
     from jaxinfra.info import describe
 
-    if args.inference and args.max_len < 0:
-        raise ConfigError(f"--max-len={args.max_len} is invalid: must be >= 1 (0: train.seq_len)")
     print(describe(cfg, args.max_len if args.inference else None))
     return 0
 
@@ -128,8 +132,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from jaxinfra.metrics.run_profile import NoProfileError, read_run_profile
     from jaxinfra.metrics.trace import format_profile
 
-    if args.top < 1:
-        raise ConfigError(f"--top={args.top} is invalid: must be >= 1")
     try:
         profile, window = read_run_profile(args.run_dir)
     except NoProfileError as e:  # bad input: one line, exit 2
@@ -164,6 +166,9 @@ def _add_train(sub: argparse._SubParsersAction, presets: str) -> None:
                    "full|params)")
     p.add_argument("--force", action="store_true", help="train even when the plan's analytic memory exceeds the "
                    "device memory by more than 10%%")
+    p.add_argument("--restart-data", action="store_true", help="resume (or --restore) a checkpoint written for "
+                   "another data stream (data.*, train.seed, train.batch_size or train.seq_len changed): the model "
+                   "and optimizer continue, the data starts from its beginning; without it such a resume is refused")
     p.add_argument("--allow-fresh-start", action="store_true", help="when none of the run dir's checkpoints can be "
                    "read, set them aside and train from step 0 (default: refuse with exit 74, moving nothing, so a "
                    "rerun resumes once the storage is back); metrics.jsonl is kept under another name")
@@ -177,7 +182,7 @@ def _add_info(sub: argparse._SubParsersAction, presets: str) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     p.add_argument("--inference", action="store_true", help="also the decode KV cache's bytes for one row "
                    "(sliding-window layers counted at their window)")
-    p.add_argument("--max-len", type=int, default=0, metavar="N",
+    number_flag(p, "--max-len", lo=0, note="0: train.seq_len", default=0, metavar="N",
                    help="with --inference: positions per row (default train.seq_len)")
     _add_process_flags(p)
     p.set_defaults(func=cmd_info)
@@ -189,14 +194,16 @@ def _add_checkpoint_tools(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run_dir")
     p.add_argument("out")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="cast the params (default: as trained)")
+    add_overwrite(p)
     p.set_defaults(func=cmd_export_params)
 
     p = sub.add_parser("quantize", help="a run's params -> a weight-only int8 checkpoint (generate / eval load it)")
     p.add_argument("source", metavar="RUN_OR_CKPT", help="run directory (newest checkpoint) or RUN/checkpoints/N")
     p.add_argument("out", help="output run directory: config.yaml (quant.weights=int8) + checkpoints/0")
     p.add_argument("--weights", required=True, metavar="MODE", help="int8")
-    p.add_argument("--group-size", type=int, default=0, metavar="N",
+    number_flag(p, "--group-size", lo=0, note="0: per output channel", default=0, metavar="N",
                    help="one scale per N consecutive inputs (must divide each input dimension); 0: per output channel")
+    add_overwrite(p)
     p.set_defaults(func=cmd_quantize)
 
 
@@ -204,8 +211,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="micro-benchmarks: `bench collectives` times each collective per mesh axis")
     p.add_argument("what", choices=["collectives"])
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="mesh sizes, e.g. mesh.fsdp=4 mesh.tensor=2")
-    p.add_argument("--min-bytes", type=int, default=1024)
-    p.add_argument("--max-bytes", type=int, default=64 * 2**20, help="largest message per device (default 64 MiB)")
+    number_flag(p, "--min-bytes", lo=1, default=1024)  # 0 would never grow: the sizes are multiplied
+    number_flag(p, "--max-bytes", lo=1, default=64 * 2**20, help="largest message per device (default 64 MiB)")
     p.add_argument("--ops", default=",".join(("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute")))
     _add_process_flags(p)
     p.set_defaults(func=cmd_bench)
@@ -214,7 +221,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 def _add_profile(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="a run's profile window (log.profile_steps): per-category shares and top ops")
     p.add_argument("run_dir", metavar="RUN", help="a run directory trained with log.profile_steps=[START,STOP]")
-    p.add_argument("--top", type=int, default=12, help="ops listed, longest first (default 12)")
+    number_flag(p, "--top", lo=1, default=12, help="ops listed, longest first (default 12)")
     p.set_defaults(func=cmd_profile)
 
 
@@ -222,8 +229,8 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("launch", help="start N local processes of a jaxinfra command (multi-host testing); "
                        "`jaxinfra launch k8s CONFIG --hosts N ...` prints a Kubernetes JobSet instead",
                        description="jaxinfra launch k8s CONFIG --hosts N ...: see jaxinfra launch k8s --help")
-    p.add_argument("--local-processes", type=int, required=True, metavar="N")
-    p.add_argument("--devices-per-process", type=int, default=1, metavar="M", help="fake CPU devices each")
+    number_flag(p, "--local-processes", lo=1, required=True, metavar="N")
+    number_flag(p, "--devices-per-process", lo=1, default=1, metavar="M", help="fake CPU devices each")
     p.add_argument("command", nargs=argparse.REMAINDER, help="e.g. -- train tiny mesh.data=-1")
     p.set_defaults(func=cmd_launch)
 
@@ -249,14 +256,14 @@ def _add_package_commands(sub: argparse._SubParsersAction) -> None:
 def _add_process_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator", metavar="HOST:PORT",
                    help="multi-host: process 0's address (or JAX_COORDINATOR_ADDRESS)")
-    p.add_argument("--num-processes", type=int, help="multi-host: process count (or JAX_NUM_PROCESSES)")
-    p.add_argument("--process-id", type=int, help="multi-host: this process (or JAX_PROCESS_ID)")
+    number_flag(p, "--num-processes", lo=1, help="multi-host: process count (or JAX_NUM_PROCESSES)")
+    number_flag(p, "--process-id", lo=0, help="multi-host: this process (or JAX_PROCESS_ID)")
 
 
 def cmd_export_params(args: argparse.Namespace) -> int:
     from jaxinfra.checkpoint import export_params
 
-    print(export_params(args.run_dir, args.out, args.dtype))
+    print(export_params(args.run_dir, args.out, args.dtype, overwrite=args.overwrite))
     return 0
 
 
@@ -265,7 +272,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         raise ConfigError(f"quantize takes no KEY=VALUE overrides: {' '.join(args.overrides)}")
     from jaxinfra.quantize import quantize_checkpoint
 
-    report = quantize_checkpoint(args.source, args.out, args.weights, args.group_size)
+    report = quantize_checkpoint(args.source, args.out, args.weights, args.group_size, overwrite=args.overwrite)
     print(f"quantized step {report['source_step']} -> {report['checkpoint']}: params {report['bytes'] / 2**20:.2f} MiB "
           f"(float {report['float_bytes'] / 2**20:.2f} MiB, {report['bytes'] / report['float_bytes']:.3f})")
     return 0
@@ -316,19 +323,22 @@ def _parse_with_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> a
     return args
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    if argv[:2] == ["launch", "k8s"]:  # its own parser, run inside main's error handling (one line, exit 2)
+        return argparse.Namespace(func=lambda _: cmd_launch_k8s(argv[2:]))
+    if argv[:1] == ["launch"]:  # everything after the launcher's own flags belongs to the child
+        return parser.parse_args(argv)
+    return _parse_with_overrides(parser, argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # Overrides may come after options (`train tiny --run-dir X a.b=1`): argparse leaves those as extras.
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:2] == ["launch", "k8s"]:  # its own parser, run inside the error handling below (one line, exit 2)
-        args = argparse.Namespace(func=lambda _: cmd_launch_k8s(argv[2:]))
-    elif argv[:1] == ["launch"]:  # everything after the launcher's own flags belongs to the child
-        args = parser.parse_args(argv)
-    else:
-        args = _parse_with_overrides(parser, argv)
     from jaxinfra.exits import bad_input_errors, io_failure_line
 
-    try:
+    try:  # parsing too: a numeric flag out of its range is a ConfigError (jaxinfra/flags.py)
+        args = _parse(parser, argv)
         return args.func(args)
     except bad_input_errors() as e:
         print(f"jaxinfra: error: {e}", file=sys.stderr)

@@ -45,6 +45,7 @@ from sharding.config import (
     Strategy,
     resolve_mesh_sizes,
 )
+from sharding.ranges import range_problems, ranged
 
 
 class ConfigError(ValueError):
@@ -68,8 +69,8 @@ class ParallelismConfig:
     # step (per gradient-accumulation step; 0 = one per stage), and for `circular` the layer
     # groups per stage (stage s holds chunks s, s+S, ...). Bubble: (S-1)/(repeats*M + S-1).
     pipeline_schedule: Schedule = "gpipe"
-    microbatches: int = 0
-    pipeline_repeats: int = 1
+    microbatches: int = ranged(0, 0, note="0: one per stage")
+    pipeline_repeats: int = ranged(1, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,15 +78,15 @@ class OptimizerConfig:
     """AdamW with decoupled weight decay and global-norm clipping."""
 
     name: Literal["adamw"] = "adamw"
-    lr: float = 3e-3
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
+    lr: float = ranged(3e-3, 0, lo_open=True)
+    beta1: float = ranged(0.9, 0, 1, hi_open=True)  # moment decay rates: 1 would never forget
+    beta2: float = ranged(0.95, 0, 1, hi_open=True)
+    eps: float = ranged(1e-8, 0, lo_open=True)  # 0: 0/0 = NaN for a parameter whose gradient is all zero
+    weight_decay: float = ranged(0.1, 0)  # < 0 would grow the weights
     # Norm scales and embeddings are not decayed unless asked (common practice, e.g. nanoGPT).
     decay_norms: bool = False
     decay_embeddings: bool = False
-    clip_grad_norm: float | None = 1.0
+    clip_grad_norm: float | None = ranged(1.0, 0, lo_open=True, note="null: no clipping")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,27 +94,27 @@ class ScheduleConfig:
     """Learning-rate schedule: linear warmup, then the named decay to lr * min_lr_ratio."""
 
     name: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
-    warmup_steps: int = 10
-    min_lr_ratio: float = 0.1
+    warmup_steps: int = ranged(10, 0)
+    min_lr_ratio: float = ranged(0.1, 0, 1)
     # wsd (warmup-stable-decay): the last decay_fraction of steps decay linearly.
-    decay_fraction: float = 0.2
+    decay_fraction: float = ranged(0.2, 0, 1, lo_open=True)
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 200
-    batch_size: int = 16  # global, in sequences
-    seq_len: int = 128
-    seed: int = 0
-    grad_accum_steps: int = 1  # microbatches per step; batch_size must divide evenly
-    eval_every: int = 50  # 0: evaluate only at the end
+    steps: int = ranged(200, 1)
+    batch_size: int = ranged(16, 1)  # global, in sequences
+    seq_len: int = ranged(128, 1)
+    seed: int = ranged(0, -2**63, 2**63 - 1)  # any 64-bit integer (jax.random.key takes no more)
+    grad_accum_steps: int = ranged(1, 1)  # microbatches per step; batch_size must divide evenly
+    eval_every: int = ranged(50, 0, note="0: evaluate only at the end")
     # A step whose loss or gradients are not finite leaves the state unchanged. The run stops (exit 3,
     # the last good checkpoint kept) at the first log step (every log.every steps) at which at least
     # this many consecutive steps were bad: flags are read only there, to avoid a host sync per step.
-    max_bad_steps: int = 10
+    max_bad_steps: int = ranged(10, 1)  # 0 would stop like 1: at the first bad step
     # Watchdog: a process that makes no progress for this long (after the first step) dumps its
     # Python stacks, names the step and phase it is stuck in, and exits. 0 disables it.
-    step_timeout_s: float = 1800.0
+    step_timeout_s: float = ranged(1800.0, 0, note="0: no watchdog")
     # XLA's persistent compilation cache: a directory, off (false), or null for the default
     # ($XDG_CACHE_HOME/jaxinfra/xla; the JAX_COMPILATION_CACHE_DIR environment variable wins).
     compile_cache: str | bool | None = None
@@ -122,8 +123,9 @@ class TrainConfig:
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     enabled: bool = True
-    every: int = 0  # steps between checkpoints; 0 = only at the end and on preemption
-    keep: int = 3  # newest checkpoints kept
+    every: int = ranged(0, 0, note="0: only at the end and on preemption")  # steps between checkpoints
+    # Newest checkpoints kept; 0 would delete the end-of-run save too (Orbax LatestN), losing the weights.
+    keep: int = ranged(3, 1)
     keep_best: bool = False  # also keep the one with the lowest eval loss
     async_save: bool = True
     # What `jaxinfra train --restore PATH` takes: the whole state (and data position), or
@@ -133,14 +135,14 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LogConfig:
-    every: int = 10  # steps between metric lines (the only host syncs of the loop)
+    every: int = ranged(10, 1)  # steps between metric lines (the only host syncs of the loop)
     tensorboard: bool = True
     progress: bool = True
-    peak_tflops: float | None = None  # per-device peak for MFU; None: table or CPU probe
+    peak_tflops: float | None = ranged(None, 0, lo_open=True)  # per-device peak for MFU; None: table or CPU probe
     wandb: WandbConfig = WandbConfig()  # W&B run (offline by default); off unless log.wandb.project
     mlflow: MlflowConfig = MlflowConfig()  # MLflow run; off unless log.mlflow.experiment or tracking_uri
     # [start, stop): a jax.profiler trace of these steps into RUN/profile (`jaxinfra profile RUN`).
-    profile_steps: tuple[int, ...] = ()
+    profile_steps: tuple[int, ...] = ranged((), 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,21 +184,47 @@ def load_yaml(source: str) -> dict[str, Any]:
     if storage.is_url(source):  # a sweep on a bucket trains OUT/RUN/config.yaml from there
         try:
             text = storage.read_text(source)
-        except FileNotFoundError:
+        except (FileNotFoundError, IsADirectoryError):
             storage.check_bucket(source, "config")  # names a missing bucket before a missing file
+            if storage.as_path(source).is_dir():  # a prefix: e.g. a run dir on the bucket
+                raise ConfigError(_directory_as_config(storage.as_path(source), source)) from None
             raise ConfigError(f"config file not found: {source}") from None
         return _parse_yaml(text, source)
     path = pathlib.Path(source)
-    if source.endswith((".yaml", ".yml")) or path.exists():
+    resource = importlib.resources.files("jaxinfra") / "presets" / f"{pathlib.PurePath(source).name}.yaml"
+    preset = "/" not in source and resource.is_file()  # a preset name wins over a directory of that name
+    if path.is_dir() and not preset:
+        raise ConfigError(_directory_as_config(path, source))
+    if source.endswith((".yaml", ".yml")) or (path.exists() and not path.is_dir()):
         if not path.is_file():
             raise ConfigError(f"config file not found: {source}")
         text = path.read_text()
     else:
-        resource = importlib.resources.files("jaxinfra") / "presets" / f"{source}.yaml"
-        if not resource.is_file():
+        if not preset:
             raise ConfigError(f"unknown preset '{source}': choose one of {preset_names()} or give a YAML path")
         text = resource.read_text()
     return _parse_yaml(text, source)
+
+
+def require_file(path: Any, what: str, shown: str | None = None) -> None:
+    """ConfigError unless `path` (a pathlib or epath Path) is a file: `{what} not found: X`, or for a
+    directory `{what} X is a directory, not a file` (a directory is never reported as missing)."""
+    shown = str(path) if shown is None else shown
+    if path.is_dir():
+        raise ConfigError(f"{what} {shown} is a directory, not a file")
+    if not path.is_file():
+        raise ConfigError(f"{what} not found: {shown}")
+
+
+def _directory_as_config(path: Any, source: str) -> str:
+    """The one line for a directory given where a config file goes; a run dir's own config is pointed to.
+    `path`: a pathlib or epath Path; `source` as the user wrote it (pathlib would turn s3://b into s3:/b)."""
+    line = f"config {source} is a directory, not a YAML file or a preset name"
+    if (path / "config.yaml").is_file():
+        run_config = f"{source.rstrip('/')}/config.yaml"
+        return (f"{line}; it is a run directory: give its {run_config} (to resume that run: jaxinfra train "
+                f"{run_config} --run-dir {source})")
+    return line
 
 
 def _parse_yaml(text: str, source: str) -> dict[str, Any]:
@@ -366,6 +394,8 @@ def _describe(tp: Any) -> str:
 
 
 def _show(value: Any) -> str:
+    if value is None:  # `key=` or `key:` with nothing after it: YAML's null, never Python's "None"
+        return "an empty value (null)"
     return repr(value) if not isinstance(value, dict) else "a mapping"
 
 
@@ -402,6 +432,9 @@ def validate(cfg: Config, device_count: int | None = None) -> None:
     bad = _non_finite(cfg.to_dict())  # every section, new ones included: NaN or inf is never a setting
     if bad:
         raise ConfigError(f"{bad[0]} is invalid: numbers in the config must be finite")
+    # Every numeric key's declared range (sharding/ranges.py), first: the checks below may then rely on them.
+    for key, value, allowed in range_problems(cfg):
+        raise ConfigError(f"{key}={value!r} is invalid: must be {allowed}")
     for section, problems in (("model", cfg.model.problems()), ("data", cfg.data.problems()),
                               ("quant", cfg.quant.problems() + group_size_problem(cfg.model, cfg.quant)),
                               ("distill", cfg.distill.problems(cfg.model.vocab_size)),
@@ -412,22 +445,9 @@ def validate(cfg: Config, device_count: int | None = None) -> None:
             raise ConfigError(f"{section}.{key}={value!r} is invalid: must be {allowed}")
     _validate_post_training(cfg)
     t = cfg.train
-    for key in ("steps", "batch_size", "seq_len", "grad_accum_steps"):
-        if getattr(t, key) < 1:
-            raise ConfigError(f"train.{key}={getattr(t, key)} is invalid: must be a positive integer")
     chunk = cfg.model.loss_chunk_size
     if chunk and chunk < t.seq_len and t.seq_len % chunk:
         raise ConfigError(f"model.loss_chunk_size={chunk} does not divide train.seq_len={t.seq_len}")
-    if cfg.log.every < 1:
-        raise ConfigError(f"log.every={cfg.log.every} is invalid: must be a positive integer")
-    if cfg.optimizer.lr <= 0:
-        raise ConfigError(f"optimizer.lr={cfg.optimizer.lr} is invalid: must be > 0")
-    if not 0 <= cfg.schedule.min_lr_ratio <= 1:
-        raise ConfigError(f"schedule.min_lr_ratio={cfg.schedule.min_lr_ratio} is invalid: must be in [0, 1]")
-    if cfg.schedule.warmup_steps < 0:
-        raise ConfigError(f"schedule.warmup_steps={cfg.schedule.warmup_steps} is invalid: must be >= 0")
-    if not 0 < cfg.schedule.decay_fraction <= 1:
-        raise ConfigError(f"schedule.decay_fraction={cfg.schedule.decay_fraction} is invalid: must be in (0, 1]")
     if cfg.model.remat_policy not in REMAT_POLICIES:  # pragma: no cover - Literal already checks
         raise ConfigError(f"model.remat_policy: choose one of {REMAT_POLICIES}")
     from jaxinfra.data import vocab_size_of  # the data section knows its vocabulary
@@ -569,10 +589,6 @@ def _validate_pipeline_layers(m: ModelConfig, stages: int, repeats: int) -> None
 def _validate_pipeline(cfg: Config, stages: int | None, context: int = 1) -> None:
     """Pipeline keys: layers divide into stages x repeats, the batch into microbatches, ..."""
     p = cfg.parallelism
-    if p.microbatches < 0:
-        raise ConfigError(f"parallelism.microbatches={p.microbatches} is invalid: must be >= 0 (0: one per stage)")
-    if p.pipeline_repeats < 1:
-        raise ConfigError(f"parallelism.pipeline_repeats={p.pipeline_repeats} is invalid: must be >= 1")
     if p.pipeline_repeats > 1 and p.pipeline_schedule != "circular":
         raise ConfigError(f"parallelism.pipeline_repeats={p.pipeline_repeats} needs "
                           f"parallelism.pipeline_schedule=circular, got {p.pipeline_schedule}")

@@ -10,6 +10,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, Literal
 
+from sharding.ranges import range_problems, ranged
+
 # Sections whose `enabled` turns on a step extension of the same name (jaxinfra/extensions.py
 # check_sections_claimed: a section that is on with no extension to run it is refused).
 FEATURE_SECTIONS: tuple[str, ...] = ("distill", "lora", "eval")  # lora: models/lora_config.py LoraConfig
@@ -54,16 +56,16 @@ class DistillConfig:
     teacher: str | None = None
     # A directory written by `jaxinfra distill save-logits` for this run's data, seq_len, batch, seed.
     logits: str | None = None
-    alpha: float = 0.5  # weight of the soft loss; 1 - alpha weighs the cross-entropy on the labels
-    temperature: float = 1.0
+    alpha: float = ranged(0.5, 0, 1)  # weight of the soft loss; 1 - alpha weighs the cross-entropy on the labels
+    temperature: float = ranged(1.0, 0, lo_open=True)
     # Optional schedules: alpha and temperature move from their start values to these over
     # train.steps (linearly or by a half cosine); null keeps them constant.
-    alpha_end: float | None = None
-    temperature_end: float | None = None
+    alpha_end: float | None = ranged(None, 0, 1)
+    temperature_end: float | None = ranged(None, 0, lo_open=True)
     schedule: DistillSchedule = "linear"
     # 0: KL over the whole vocabulary; k > 0: over the teacher's k most likely tokens, both
     # distributions renormalised over them (offline: at most the saved k; 0 takes all saved).
-    top_k: int = 0
+    top_k: int = ranged(0, 0, note="0: the full vocabulary")  # <= model.vocab_size: problems()
     teacher_dtype: TeacherDType = "bfloat16"  # the teacher's params and compute dtype (logits in float32)
 
     @property
@@ -76,7 +78,7 @@ class DistillConfig:
 
     def problems(self, vocab_size: int) -> list[tuple[str, object, str]]:
         """Inconsistent values as (key, value, what is allowed); empty when valid."""
-        out: list[tuple[str, object, str]] = []
+        out = range_problems(self)
         if self.teacher is not None and self.logits is not None:
             out.append(("logits", self.logits, "null when distill.teacher is set (online and offline "
                                                "distillation exclude each other)"))
@@ -84,15 +86,7 @@ class DistillConfig:
             value = getattr(self, key)
             if value is not None and not value.strip():
                 out.append((key, value, "null or a directory path"))
-        for key in ("alpha", "alpha_end"):
-            value = getattr(self, key)
-            if value is not None and not 0 <= value <= 1:
-                out.append((key, value, "in [0, 1]"))
-        for key in ("temperature", "temperature_end"):
-            value = getattr(self, key)
-            if value is not None and not value > 0:
-                out.append((key, value, "> 0"))
-        if not 0 <= self.top_k <= vocab_size:
+        if self.top_k > vocab_size:
             out.append(("top_k", self.top_k, f"in [0, model.vocab_size={vocab_size}] (0: the full vocabulary)"))
         return out
 
@@ -119,9 +113,10 @@ class DpoConfig:
     the completion tokens' log-probs: sigmoid = -(1 - ls) log sigmoid(beta z) - ls log sigmoid(-beta z),
     ipo = (z' - 1 / (2 beta))^2 with z' from per-token mean log-probs (as TRL), hinge = relu(1 - beta z)."""
 
-    beta: float = 0.1
+    beta: float = ranged(0.1, 0, lo_open=True)
     loss: DpoLoss = "sigmoid"
-    label_smoothing: float = 0.0  # sigmoid only: the assumed share of flipped labels (cDPO), in [0, 0.5)
+    # Sigmoid only: the assumed share of flipped labels (cDPO).
+    label_smoothing: float = ranged(0.0, 0, 0.5, hi_open=True)
     # The frozen reference policy: null = the checkpoint the run starts from (--restore, or the
     # run directory's own import; with LoRA: the base with the adapters off, no second copy); a run
     # directory, RUN/checkpoints/N or an `hf import` output; or a directory written by
@@ -129,14 +124,10 @@ class DpoConfig:
     reference: str | None = None
 
     def problems(self) -> list[tuple[str, object, str]]:
-        out: list[tuple[str, object, str]] = []
-        if not self.beta > 0:
-            out.append(("beta", self.beta, "> 0"))
+        out = range_problems(self)
         if self.loss not in ("sigmoid", "ipo", "hinge"):
             out.append(("loss", self.loss, "one of ['sigmoid', 'ipo', 'hinge']"))
-        if not 0 <= self.label_smoothing < 0.5:
-            out.append(("label_smoothing", self.label_smoothing, "in [0, 0.5)"))
-        elif self.label_smoothing and self.loss != "sigmoid":
+        if self.label_smoothing and self.loss != "sigmoid" and 0 < self.label_smoothing < 0.5:
             out.append(("label_smoothing", self.label_smoothing, "0 unless dpo.loss=sigmoid"))
         if self.reference is not None and (not isinstance(self.reference, str) or not self.reference.strip()):
             out.append(("reference", self.reference, "null or a directory path"))
@@ -157,37 +148,26 @@ class GrpoConfig:
     # `module:function` or `path.py:function`, or a list of them; each is
     # fn(prompts: list[str], completions: list[str], answers: list[str | None]) -> list[float].
     reward: tuple[str, ...] = ()
-    reward_weights: tuple[float, ...] = ()  # one per reward (empty: all 1); the reward is the weighted sum
-    group_size: int = 8  # completions per prompt; train.batch_size rows = prompts per rollout x group_size
-    max_new_tokens: int = 64
-    temperature: float = 1.0  # the sampler's; log-probs (sampler and trainer) are of logits / temperature
-    top_p: float = 1.0
-    kl_beta: float = 0.04  # weight of the k3 KL estimate to the reference (0: no reference model)
-    clip_eps: float = 0.2
-    epochs_per_rollout: int = 1  # optimizer steps per rollout (train.steps counts optimizer steps)
+    reward_weights: tuple[float, ...] = ranged(())  # one per reward (empty: all 1); the reward is the weighted sum
+    # Completions per prompt; train.batch_size rows = prompts per rollout x group_size.
+    group_size: int = ranged(8, 2, note="advantages compare completions within a group")
+    max_new_tokens: int = ranged(64, 1)
+    # The sampler's; log-probs (sampler and trainer) are of logits / temperature.
+    temperature: float = ranged(1.0, 0, note="0: greedy")
+    top_p: float = ranged(1.0, 0, 1, lo_open=True)
+    kl_beta: float = ranged(0.04, 0)  # weight of the k3 KL estimate to the reference (0: no reference model)
+    clip_eps: float = ranged(0.2, 0, 1, lo_open=True, hi_open=True)
+    epochs_per_rollout: int = ranged(1, 1)  # optimizer steps per rollout (train.steps counts optimizer steps)
     scale_rewards: bool = True  # divide the group-centred rewards by the group's std (False: Dr. GRPO)
     reference: str | None = None  # as dpo.reference (a model or run, not saved log-probs)
-    samples_per_rollout: int = 4  # completions written to RUN/samples.jsonl per rollout
+    samples_per_rollout: int = ranged(4, 0)  # completions written to RUN/samples.jsonl per rollout
 
     def problems(self) -> list[tuple[str, object, str]]:
-        out: list[tuple[str, object, str]] = []
+        out = range_problems(self)
         if isinstance(self.reward, str) or not all(isinstance(r, str) and ":" in r for r in self.reward):
             out.append(("reward", self.reward, "a list of 'module:function' or 'path.py:function'"))
         if self.reward_weights and len(self.reward_weights) != len(self.reward):
             out.append(("reward_weights", self.reward_weights, f"empty or {len(self.reward)} numbers (one per reward)"))
-        if self.group_size < 2:
-            out.append(("group_size", self.group_size, ">= 2 (advantages compare completions within a group)"))
-        for key, low in (("max_new_tokens", 1), ("epochs_per_rollout", 1), ("samples_per_rollout", 0)):
-            if getattr(self, key) < low:
-                out.append((key, getattr(self, key), f"an integer >= {low}"))
-        if not self.temperature >= 0:
-            out.append(("temperature", self.temperature, ">= 0 (0: greedy)"))
-        if not 0 < self.top_p <= 1:
-            out.append(("top_p", self.top_p, "in (0, 1]"))
-        if not self.kl_beta >= 0:
-            out.append(("kl_beta", self.kl_beta, ">= 0"))
-        if not 0 < self.clip_eps < 1:
-            out.append(("clip_eps", self.clip_eps, "in (0, 1)"))
         if self.reference is not None and (not isinstance(self.reference, str) or not self.reference.strip()):
             out.append(("reference", self.reference, "null or a directory path"))
         return out
@@ -201,9 +181,9 @@ class EvalTasksConfig:
     and to the trackers. lm-eval itself is the optional extra `jaxinfra[eval]`."""
 
     tasks: tuple[str, ...] = ()  # lm-eval task names (or groups)
-    every: int = 0  # steps between task evals; 0: at train.eval_every
-    limit: int | None = None  # documents per task (None: all)
-    num_fewshot: int | None = None  # None: each task's own default
+    every: int = ranged(0, 0, note="0: at train.eval_every")  # steps between task evals
+    limit: int | None = ranged(None, 1)  # documents per task (None: all)
+    num_fewshot: int | None = ranged(None, 0)  # None: each task's own default
     include_path: str | None = None  # a directory of local task YAMLs (offline tasks)
 
     @property
@@ -211,13 +191,7 @@ class EvalTasksConfig:
         return bool(self.tasks)
 
     def problems(self) -> list[tuple[str, object, str]]:
-        out: list[tuple[str, object, str]] = []
-        if self.every < 0:
-            out.append(("every", self.every, "an integer >= 0 (0: at train.eval_every)"))
-        if self.limit is not None and self.limit < 1:
-            out.append(("limit", self.limit, "null or a positive integer"))
-        if self.num_fewshot is not None and self.num_fewshot < 0:
-            out.append(("num_fewshot", self.num_fewshot, "null or an integer >= 0"))
+        out = range_problems(self)
         if any(not t.strip() for t in self.tasks):
             out.append(("tasks", list(self.tasks), "a list of task names"))
         return out

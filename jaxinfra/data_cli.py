@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from jaxinfra.flags import number_flag
+
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     from jaxinfra.config import ConfigError
@@ -70,8 +72,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     how.add_argument("--tokenizer", metavar="PATH", help="a Hugging Face tokenizer.json")
     how.add_argument("--bytes", action="store_true", help="byte-level ids 0..255, end of document = 256")
     p.add_argument("--text-key", default="text", help="JSON field / Parquet column of the text (default: text)")
-    p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: one per CPU)")
-    p.add_argument("--shard-tokens", type=int, metavar="N",
+    number_flag(p, "--workers", lo=1, sep=" ", default=None, help="tokenizer processes (default: one per CPU)")
+    number_flag(p, "--shard-tokens", lo=1, sep=" ", metavar="N",
                    help="close a shard after the document that reaches N tokens (default 50M)")
     p.add_argument("--eod-token", metavar="TOKEN", help="the tokenizer's end-of-document token (default: the "
                    "first of <|endoftext|>, <|end_of_text|>, </s>, <eos>, ... it has; else a new id)")
@@ -86,6 +88,6 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("directory", metavar="DIR")
     p.add_argument("config", nargs="?", help="preset or YAML whose model.vocab_size / data.tokenizer to check")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    p.add_argument("--sample", type=int, default=0, metavar="N", help="which document to decode (default 0)")
+    number_flag(p, "--sample", lo=0, default=0, metavar="N", help="which document to decode (default 0)")
     p.add_argument("--verify", action="store_true", help="also hash every shard against meta.json")
     p.set_defaults(func=cmd_inspect)

@@ -24,6 +24,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from sharding.ranges import Range
+
 
 class DistributedError(RuntimeError):
     """Start-up of the process group failed; one line naming the coordinator and processes."""
@@ -45,10 +47,25 @@ def from_flags_and_env(coordinator: str | None = None, num_processes: int | None
     env = os.environ
     coordinator = coordinator or env.get("JAX_COORDINATOR_ADDRESS")
     if num_processes is None and env.get("JAX_NUM_PROCESSES"):
-        num_processes = int(env["JAX_NUM_PROCESSES"])
+        num_processes = _env_int("JAX_NUM_PROCESSES", Range(1))
     if process_id is None and env.get("JAX_PROCESS_ID"):
-        process_id = int(env["JAX_PROCESS_ID"])
+        process_id = _env_int("JAX_PROCESS_ID", Range(0))
+    if num_processes is not None and process_id is not None and process_id >= num_processes:
+        raise DistributedError(f"process id {process_id} is invalid: must be in [0, {num_processes - 1}] for "
+                               f"{num_processes} processes (--process-id / JAX_PROCESS_ID)")
     return ProcessGroup(coordinator, num_processes, process_id)
+
+
+def _env_int(name: str, allowed: Range) -> int:
+    """An integer environment variable in its range (the flag's twin: --num-processes, --process-id)."""
+    text = os.environ[name]
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not allowed.holds(value):
+        raise DistributedError(f"{name}={text!r} is invalid: must be an integer {allowed.describe()}")
+    return value
 
 
 def _cluster_detected() -> bool:

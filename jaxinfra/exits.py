@@ -1,7 +1,8 @@
 """Exit statuses of every jaxinfra command, in one place, and which errors are bad input.
 
     0   done
-    2   bad input: a config, data, mesh, checkpoint or run-directory problem, told in one line
+    2   bad input: a config, data, mesh, checkpoint or run-directory problem, or an output path that holds
+        something already (jaxinfra/atomic.py: `--overwrite` replaces it), told in one line
     3   diverged: at a log step (every `log.every` steps), at least `train.max_bad_steps`
         consecutive steps were non-finite (flags are read only at log steps: no per-step sync)
     70  hung, or a peer process lost (the watchdog, a failed collective)
@@ -12,7 +13,8 @@
         (nothing is moved: rerun once the storage is back, or `train --allow-fresh-start`),
         a corrupt input file (a garbage model.safetensors). Fix the storage or the file, then
         rerun the same command (a training run resumes from its last committed checkpoint)
-    75  preempted: SIGTERM/SIGINT, a checkpoint committed; rerun the same command to resume
+    75  preempted: SIGTERM/SIGINT, a checkpoint committed; rerun the same command to resume (with
+        checkpoint.enabled=false nothing was saved, the line says so, and a rerun starts over)
     130 interrupted outside training (Ctrl-C)
     141 the reader of stdout went away (`jaxinfra info | head`), as a death by SIGPIPE reads in a shell
 
@@ -47,6 +49,7 @@ def bad_input_errors() -> tuple[type[Exception], ...]:
 
     Imported lazily so that `jaxinfra.exits` stays free of jax and the packages it would pull in.
     """
+    from jaxinfra.atomic import OutputExistsError
     from jaxinfra.checkpoint import CheckpointError
     from jaxinfra.config import ConfigError
     from jaxinfra.data import DataError
@@ -54,7 +57,7 @@ def bad_input_errors() -> tuple[type[Exception], ...]:
     from jaxinfra.storage import StorageError
     from sharding.mesh import MeshError
 
-    return (ConfigError, DataError, MeshError, DistributedError, CheckpointError, StorageError)
+    return (ConfigError, DataError, MeshError, DistributedError, CheckpointError, StorageError, OutputExistsError)
 
 
 def write_errors() -> tuple[type[Exception], ...]:

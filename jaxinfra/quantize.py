@@ -21,6 +21,7 @@ from typing import Any, get_args
 import jax
 from flax import nnx
 
+from jaxinfra.atomic import check_output
 from jaxinfra.checkpoint import CheckpointError, restore_params, save_params_only
 from jaxinfra.config import Config, ConfigError, load_config, validate
 from jaxinfra.infer.loading import inference_mesh, resolve_checkpoint
@@ -91,20 +92,22 @@ def quantize_loaded(cfg: Config, params: nnx.State, weights: str = "int8", group
 
 
 def quantize_checkpoint(source: str | pathlib.Path, out: str | pathlib.Path, weights: str = "int8",
-                        group_size: int = 0, devices: Sequence[jax.Device] | None = None) -> dict[str, Any]:
+                        group_size: int = 0, devices: Sequence[jax.Device] | None = None,
+                        overwrite: bool = False) -> dict[str, Any]:
     """Write OUT (params-only run dir, quant.weights=int8) from RUN_OR_CKPT; returns a small report."""
     run_dir, ckpt_dir, step = resolve_checkpoint(source)
     cfg = load_config(str(run_dir / "config.yaml"))
     quantized_config(cfg, weights, group_size, str(source))  # bad input fails before anything is read
     if pathlib.Path(out).resolve() == run_dir.resolve():
         raise CheckpointError(f"OUT {out} is the source run directory; choose a new directory")
+    check_output(out, overwrite, directory=True, inputs=[run_dir])  # before the restore: a refusal costs nothing
     mesh, rules = inference_mesh(cfg, devices)
     step, params = restore_params(ckpt_dir, abstract_params(cfg.model, mesh, rules, cfg.quant), step=step,
                                   config=cfg.to_dict())
     new, qparams = quantize_loaded(cfg, params, weights, group_size, devices, str(source))
     meta = {"params_only": True, "quantized_from": str(pathlib.Path(source).absolute()), "source_step": step,
             "step": 0}
-    path = save_params_only(out, new, qparams, meta)
+    path = save_params_only(out, new, qparams, meta, overwrite=overwrite, inputs=[run_dir])
     return {"checkpoint": str(path), "bytes": tree_bytes(qparams), "float_bytes": tree_bytes(params),
             "source_step": step}
 

@@ -11,6 +11,7 @@ refreshed while the run lives, taken over once stale).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -39,6 +40,30 @@ def check_run_dir(run_dir: str | os.PathLike) -> pathlib.Path:
     if checkpoints.exists() and not checkpoints.is_dir():
         raise RunDirError(f"{checkpoints} exists and is not a directory; move it aside or choose another --run-dir")
     return run_dir
+
+
+def created_by_run(run_dir: str | os.PathLike) -> pathlib.Path | None:
+    """What a run in `run_dir` would be the first to create: the topmost missing one of the run dir and its
+    parents, else a missing `checkpoints/`; None when both exist. A failed start removes it again when it
+    holds no file (`remove_empty`), so a refusal leaves no empty run dir behind and never touches one the
+    user had."""
+    run_dir = pathlib.Path(run_dir)
+    missing = None
+    for path in (run_dir, *run_dir.parents):
+        if path.exists():
+            break
+        missing = path
+    if missing is None and not (run_dir / "checkpoints").exists():
+        missing = run_dir / "checkpoints"
+    return missing
+
+
+def remove_empty(root: pathlib.Path) -> None:
+    """Remove `root` and the directories under it, deepest first, each only if empty: a file anywhere
+    keeps its directory and every one above it (os.rmdir refuses a non-empty directory)."""
+    for directory, _, _ in os.walk(root, topdown=False):
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)
 
 
 def _start_ticks(pid: int) -> int | None:

@@ -46,6 +46,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from jaxinfra import compile_cache, storage
+from jaxinfra.atomic import atomic_write_text
 from jaxinfra.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -85,7 +86,17 @@ from jaxinfra.metrics import (
 from jaxinfra.metrics.run_profile import ProfileWindow
 from jaxinfra.metrics.trackers import missing_package, open_trackers
 from jaxinfra.optim import all_finite
-from jaxinfra.rundir import LOCK_NAME, ObjectLock, RunDirError, RunDirLock, check_run_dir
+from jaxinfra.resume import changes as resume_changes
+from jaxinfra.resume import check_resume
+from jaxinfra.rundir import (
+    LOCK_NAME,
+    ObjectLock,
+    RunDirError,
+    RunDirLock,
+    check_run_dir,
+    created_by_run,
+    remove_empty,
+)
 from jaxinfra.runtime import build_runtime
 from jaxinfra.state import TrainState, bytes_per_device, model_state, split_model_state
 from jaxinfra.watchdog import Watchdog
@@ -122,11 +133,13 @@ class Trainer:
 
     def __init__(self, cfg: Config, run_dir: str | os.PathLike, devices: Sequence[jax.Device] | None = None,
                  restore_from: str | os.PathLike | None = None, extensions: Sequence[StepExtension] | None = None,
-                 allow_fresh_start: bool = False):
+                 restart_data: bool = False, allow_fresh_start: bool = False):
         """`extensions` join the train step (jaxinfra/extensions.py); None: those the config asks for.
+        `restart_data`: resume a checkpoint written for another data stream, the data from its beginning.
         `allow_fresh_start`: when no checkpoint of the run dir can be read, set them aside and start at
         step 0 (metrics.jsonl kept under another name) instead of refusing (CheckpointReadError)."""
         self.cfg = cfg
+        self.restart_data = restart_data
         self.allow_fresh_start = allow_fresh_start
         self.requested_extensions = extensions
         if problem := missing_package(cfg.log.wandb, cfg.log.mlflow):  # one line; nothing written or compiled
@@ -153,9 +166,15 @@ class Trainer:
         run dir on a bucket a local staging directory (mirrored by `store`) and the bucket URL."""
         if restore_from is not None and storage.is_url(restore_from):
             storage.check_bucket(str(restore_from), "--restore")
+        if restore_from is not None and not storage.is_url(restore_from) and not pathlib.Path(restore_from).exists():
+            # Before the run dir is made: a Checkpointer there would create the missing directory to find nothing.
+            # (A bucket has no directories to create; check_bucket above named a missing bucket.)
+            raise CheckpointError(f"--restore {restore_from}: no such run directory or checkpoint")
         self.store = storage.RunStaging(str(run_dir)) if storage.is_url(run_dir) else None
+        self.created: pathlib.Path | None = None
         if self.store is None:
             self.run_dir = check_run_dir(run_dir)  # ordinary path mistakes fail here, before anything compiles
+            self.created = created_by_run(self.run_dir)  # removed again, if still empty, when the start fails
             self.run_root, self.lock = self.run_dir, RunDirLock(self.run_dir)
             return
         storage.check_bucket(self.store.url, "--run-dir")
@@ -170,7 +189,7 @@ class Trainer:
         if force or time.monotonic() - self.store.last_push >= storage.PUSH_EVERY_S:
             self.store.push()
         if self.lock.lost:
-            raise RunDirError(f"{self.lock.lost}; stopping (the last committed checkpoint is kept)")
+            raise RunDirError(f"{self.lock.lost}; stopping ({_kept(self.cfg, 'the last committed')})")
 
     def _take_lock(self) -> None:
         """Process 0 takes the run dir's lock; in a multi-process run every process learns the outcome,
@@ -308,10 +327,13 @@ class Trainer:
         return 0, fresh.replace(params=params, stats=stats), {}
 
     def _resume(self, step: int, state: TrainState, data: dict, meta: dict) -> tuple[int, TrainState, dict]:
-        if meta.get("global_batch") != self.cfg.train.batch_size or meta.get("seq_len") != self.cfg.train.seq_len:
-            print(f"jaxinfra: warning: checkpoint step {step} was written with batch {meta.get('global_batch')} x "
-                  f"seq {meta.get('seq_len')}; the data position cannot carry over, data restarts", flush=True)
-        elif self.train_iter is not None:  # an extension that feeds the batches keeps its own position
+        """Continue from a checkpoint; what changed since it is listed, a changed data stream refused unless
+        --restart-data (jaxinfra/resume.py: the one rule for what a resume may change)."""
+        found = resume_changes(meta, self.cfg.to_dict())
+        note = check_resume(step, found, self.restart_data, feeds_own_batches=self.train_iter is None)
+        if note and jax.process_index() == 0:
+            print(note, flush=True)
+        if self.train_iter is not None and not found.stream:  # an extension that feeds batches keeps its own
             set_row_states(self.train_iter, data, self.first_row, self.local_rows)
         return step, state, meta
 
@@ -400,7 +422,10 @@ class Trainer:
                    ("progress bar", self.bar.close if self.bar else None),
                    ("metrics", functools.partial(self.logger.close, _outcome(error)) if self.logger else None),
                    ("run-dir upload", functools.partial(self._push, True) if self.store else None),
-                   ("run-dir lock", self.lock.release)]
+                   ("run-dir lock", self.lock.release),
+                   # A refused start (bad data.paths, a failed --restore) leaves no empty run dir behind.
+                   ("empty run dir", functools.partial(remove_empty, self.created)
+                    if error is not None and self.created is not None and self.is_main else None)]
         first: BaseException | None = None
         for name, close in closers:
             if close is None:
@@ -477,7 +502,7 @@ class Trainer:
         self.logger = None
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(self.cfg.to_yaml())
+            atomic_write_text(self.run_dir / "config.yaml", self.cfg.to_yaml(), replace=True)
             log = self.cfg.log  # W&B / MLflow, fed by the one writer
             trackers = open_trackers(log.wandb, log.mlflow, self.cfg.to_dict(), self.run_dir, start_step,
                                      name=self.run_root.name)  # a bucket run: its URL's name, not the staging dir's
@@ -493,6 +518,11 @@ class Trainer:
     def _say(self, text: str) -> None:
         if self.is_main:
             self.bar.write(text)
+
+    def _say_error(self, text: str) -> None:
+        """An error line: stderr, like every `jaxinfra: error:` line (stdout is the run's log)."""
+        if self.is_main:
+            self.bar.write(text, error=True)
 
     def _log(self, step: int, line: dict[str, Any]) -> None:
         if self.logger is not None:
@@ -548,10 +578,10 @@ class Trainer:
         if log_now:
             self._log_point(loop, step, metrics)
             if loop.bad_in_a_row >= t.max_bad_steps:
-                self._say(f"jaxinfra: error: the last {loop.bad_in_a_row} consecutive steps had non-finite loss, "
-                          f"gradients or updates, at least train.max_bad_steps={t.max_bad_steps} (checked at log "
-                          f"steps, every log.every={self.cfg.log.every}); stopping at step {step}; updates from "
-                          f"those steps were skipped and the last good checkpoint is kept")
+                self._say_error(f"jaxinfra: error: the last {loop.bad_in_a_row} consecutive steps had non-finite "
+                                f"loss, gradients or updates, at least train.max_bad_steps={t.max_bad_steps} (checked "
+                                f"at log steps, every log.every={self.cfg.log.every}); stopping at step {step}; "
+                                f"updates from those steps were skipped and {_kept(self.cfg, 'the last good')}")
                 loop.exit_code = EXIT_DIVERGED
                 return False
         if self.has_eval and ((t.eval_every and step % t.eval_every == 0) or step == t.steps):
@@ -632,10 +662,18 @@ class Trainer:
             self._push(force=True)
         if stop:
             loop.exit_code = EXIT_PREEMPTED
-            self._say(f"jaxinfra: stopping at step {step} on signal {self._signal}; checkpoint "
-                      f"{'committing' if loop.saved_at == step else 'disabled' if self.ckpt is None else 'not written'}"
-                      f"; rerun the same command to resume")
+            self._say(f"jaxinfra: stopping at step {step} on signal {self._signal}; {self._after_stop(loop, step)}")
         return not stop
+
+    def _after_stop(self, loop: _Loop, step: int) -> str:
+        """What a rerun of a stopped run does, as it is: it resumes only from a committed checkpoint."""
+        if self.ckpt is None:
+            return ("no checkpoint (checkpoint.enabled=false): nothing was saved, a rerun of the same command starts "
+                    "over from step 0")
+        if loop.saved_at == step:
+            return "checkpoint committing; rerun the same command to resume"
+        return (f"no checkpoint written at step {step} (the params were not finite); a rerun resumes from the last "
+                f"committed checkpoint, if any, else starts over")
 
     def _finish(self, loop: _Loop) -> dict[str, Any]:
         """Wait for the last checkpoint, close the outputs, write and return the summary."""
@@ -694,15 +732,16 @@ def _compile_fields(loop: _Loop, cache_dir: str | None) -> dict[str, Any]:
 
 def train(cfg: Config, run_dir: str | os.PathLike, devices: Sequence[jax.Device] | None = None,
           restore_from: str | os.PathLike | None = None, extensions: Sequence[StepExtension] | None = None,
-          allow_fresh_start: bool = False) -> dict[str, Any]:
+          restart_data: bool = False, allow_fresh_start: bool = False) -> dict[str, Any]:
     """Train (or resume) from a validated config; returns the run summary (also written to summary.json).
-    `extensions`: the train step's (jaxinfra/extensions.py); None: those the config asks for.
+    `extensions`: the train step's (jaxinfra/extensions.py); None: those the config asks for. `restart_data`:
+    a resume may change the data stream (jaxinfra/resume.py), the data then starts from its beginning.
     `allow_fresh_start`: see Trainer (the CLI's --allow-fresh-start)."""
     if jax.process_count() == 1:
-        return Trainer(cfg, run_dir, devices, restore_from, extensions, allow_fresh_start).run()
+        return Trainer(cfg, run_dir, devices, restore_from, extensions, restart_data, allow_fresh_start).run()
     trainer = None
     try:
-        trainer = Trainer(cfg, run_dir, devices, restore_from, extensions, allow_fresh_start)
+        trainer = Trainer(cfg, run_dir, devices, restore_from, extensions, restart_data, allow_fresh_start)
         return trainer.run()
     except bad_input_errors() as e:
         # Every process reads the same config and checkpoint, so each one says the same line.
@@ -713,7 +752,15 @@ def train(cfg: Config, run_dir: str | os.PathLike, devices: Sequence[jax.Device]
         step, phase = (trainer.watchdog_step, trainer.watchdog_phase) if trainer else (0, "start")
         _leave(EXIT_HUNG, f"jaxinfra: error: process {jax.process_index()} failed at step {step}, phase '{phase}': "
                           f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]} (a peer process may have "
-                          f"died); the last committed checkpoint is in {_shown(run_dir)}/checkpoints")
+                          f"died); " + (f"the last committed checkpoint is in {_shown(run_dir)}/checkpoints"
+                                        if cfg.checkpoint.enabled else _kept(cfg, "")))
+
+
+def _kept(cfg: Config, which: str) -> str:
+    """What a stopped run leaves to resume from, as it is: with checkpoint.enabled=false, nothing."""
+    if cfg.checkpoint.enabled:
+        return f"{which} checkpoint is kept".strip()
+    return "no checkpoint exists (checkpoint.enabled=false): a rerun starts over from step 0"
 
 
 _EXIT_OUTCOMES = {EXIT_OK: "finished", EXIT_PREEMPTED: "killed"}  # how the trackers' runs end (else failed)

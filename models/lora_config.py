@@ -19,6 +19,7 @@ from typing import Literal, get_args
 
 from models.config import ModelConfig
 from models.quant_config import PROJECTIONS
+from sharding.ranges import range_problems, ranged
 
 LoraInit = Literal[
     "kaiming",  # PEFT's default (init_lora_weights=True): A kaiming-uniform(a=sqrt(5)) as torch nn.Linear
@@ -34,9 +35,9 @@ SHORT_NAMES: tuple[str, ...] = tuple(dict.fromkeys(n.split(".", 1)[1] for n in L
 
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
-    rank: int = 0  # 0: off
-    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank
-    dropout: float = 0.0  # on the adapters' input only, in training
+    rank: int = ranged(0, 0, note="0: off")
+    alpha: float = ranged(16.0, 0, lo_open=True)  # the adapters' output is scaled by alpha / rank
+    dropout: float = ranged(0.0, 0, 1, hi_open=True)  # on the adapters' input only, in training
     # Short names (q k v o gate up down q_a q_b kv_a kv_b: every projection ending so) or full
     # projection names (attention.q, experts.up, ...; models/quant_config.py PROJECTIONS).
     targets: tuple[str, ...] = ("q", "k", "v", "o")
@@ -52,13 +53,7 @@ class LoraConfig:
 
     def problems(self) -> list[tuple[str, object, str]]:
         """Inconsistent values as (key, value, what is allowed); empty when valid."""
-        out: list[tuple[str, object, str]] = []
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
-            out.append(("rank", self.rank, "an integer >= 0 (0: off)"))
-        if not self.alpha > 0:
-            out.append(("alpha", self.alpha, "> 0"))
-        if not 0 <= self.dropout < 1:
-            out.append(("dropout", self.dropout, "in [0, 1)"))
+        out = range_problems(self)
         if not self.targets:
             out.append(("targets", list(self.targets), f"a non-empty list of {list(SHORT_NAMES)} or full names"))
         known = set(SHORT_NAMES) | set(LORA_PROJECTIONS)

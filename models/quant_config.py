@@ -15,6 +15,7 @@ import difflib
 from typing import Literal, get_args
 
 from models.config import ModelConfig
+from sharding.ranges import range_problems, ranged
 
 TrainMode = Literal[
     "none",  # matmuls in the compute dtype
@@ -54,12 +55,12 @@ class MatmulQuant:
 class QuantConfig:
     train: TrainMode = "none"
     scaling: Fp8Scaling = "current"  # fp8 only
-    amax_history: int = 16  # fp8 delayed scaling: steps of absmax kept per operand
+    amax_history: int = ranged(16, 1)  # fp8 delayed scaling: steps of absmax kept per operand
     exclude: tuple[str, ...] = ("unembed", "router")  # projections kept in the compute dtype by `train`
     # Set by `jaxinfra quantize` in the config of the checkpoint it writes: int8 values + float32
     # scales per output channel (group_size 0) or per group of group_size inputs.
     weights: WeightStorage = "none"
-    group_size: int = 0
+    group_size: int = ranged(0, 0, note="0: per output channel")
     kv_cache: KvCacheStorage = "none"  # int8: the decode cache as int8 + per-token-per-head scales
     # fp8 on a backend without fp8 dots (XLA:CPU, GPUs before compute capability 8.9): XLA upcasts the
     # operands and runs the dot in float32 (exact, no speed-up). Refused unless this is true.
@@ -82,17 +83,13 @@ class QuantConfig:
 
     def problems(self) -> list[tuple[str, object, str]]:
         """Inconsistent values as (key, value, what is allowed); empty when valid."""
-        out: list[tuple[str, object, str]] = []
+        out = range_problems(self)
         known = set(PROJECTIONS) | set(PROJECTION_NAMES)
         for name in self.exclude:
             if name not in known:
                 close = difflib.get_close_matches(name, sorted(known), n=1)
                 hint = f" (did you mean '{close[0]}'?)" if close else ""
                 out.append(("exclude", name, f"a projection or group name{hint}: one of {sorted(known)}"))
-        if self.amax_history < 1:
-            out.append(("amax_history", self.amax_history, "a positive integer"))
-        if self.group_size < 0:
-            out.append(("group_size", self.group_size, "an integer >= 0 (0: per output channel)"))
         if self.group_size and self.weights == "none":
             out.append(("group_size", self.group_size, "0 unless quant.weights=int8"))
         return out

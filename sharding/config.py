@@ -15,6 +15,8 @@ import dataclasses
 import math
 from typing import Literal
 
+from sharding.ranges import ranged
+
 Strategy = Literal["dp", "zero1", "fsdp"]
 ContextImpl = Literal["allgather", "ring"]
 Schedule = Literal["gpipe", "circular", "1f1b"]
@@ -30,18 +32,18 @@ class MeshError(ValueError):
 class MeshConfig:
     """Per-slice (ICI) axis sizes, one of which may be -1 (fill), and slice counts (DCN)."""
 
-    data: int = -1
-    stage: int = 1
-    fsdp: int = 1
-    expert: int = 1
-    context: int = 1
-    tensor: int = 1
-    dcn_data: int = 1
-    dcn_stage: int = 1
-    dcn_fsdp: int = 1
-    dcn_expert: int = 1
-    dcn_context: int = 1
-    dcn_tensor: int = 1
+    data: int = ranged(-1, 1, also=(-1,), note="-1: fill")
+    stage: int = ranged(1, 1, also=(-1,), note="-1: fill")
+    fsdp: int = ranged(1, 1, also=(-1,), note="-1: fill")
+    expert: int = ranged(1, 1, also=(-1,), note="-1: fill")
+    context: int = ranged(1, 1, also=(-1,), note="-1: fill")
+    tensor: int = ranged(1, 1, also=(-1,), note="-1: fill")
+    dcn_data: int = ranged(1, 1)
+    dcn_stage: int = ranged(1, 1)
+    dcn_fsdp: int = ranged(1, 1)
+    dcn_expert: int = ranged(1, 1)
+    dcn_context: int = ranged(1, 1)
+    dcn_tensor: int = ranged(1, 1)
 
     def sizes(self) -> dict[str, int]:
         return {axis: getattr(self, axis) for axis in MESH_AXES}

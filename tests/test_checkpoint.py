@@ -209,7 +209,7 @@ def test_divergence_is_checked_at_log_steps(tmp_path, capsys):
     summary = train(cfg("train.max_bad_steps=3", "log.every=2", "checkpoint.enabled=false"), tmp_path,
                     one_device(), extensions=[NanSteps(range(5, 13))])
     assert summary["exit_code"] == EXIT_DIVERGED and summary["steps"] == 8
-    assert "the last 4 consecutive steps had non-finite" in capsys.readouterr().out
+    assert "the last 4 consecutive steps had non-finite" in capsys.readouterr().err
 
 
 def test_reshard_on_restore_is_bitwise(tmp_path):

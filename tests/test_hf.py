@@ -474,8 +474,8 @@ def test_deepseek_with_other_rms_norm_eps_matches_transformers(tmp_path):
     same_eps = dataclasses.replace(cfg, mla_norm_eps=None)
     assert rel_err(np.asarray(forward(same_eps)(params, jnp.asarray(ref["tokens"]))), ref["logits"]) > 1e-3
     # Export writes rms_norm_eps back (the latent 1e-6 is HF's fixed default) and re-imports the same.
-    export_hf(tmp_path / "out", tmp_path / "hf")
-    exported = json.loads((tmp_path / "hf" / "config.json").read_text())
+    export_hf(tmp_path / "out", tmp_path / "exported")  # not over `src` (tmp_path / "hf"): an export never overwrites
+    exported = json.loads((tmp_path / "exported" / "config.json").read_text())
     assert exported["rms_norm_eps"] == c * c * 1e-6
     assert from_hf(exported) == from_hf(json.loads((src / "config.json").read_text()))
 

@@ -24,9 +24,9 @@ MAX_LINES = 60
 # unit is a top-level module or a subpackage; every one must be listed (a new one fails the test
 # until it is placed).
 CORE = ("jaxinfra", "jaxinfra.config", "jaxinfra.config_sections", "jaxinfra.exits", "jaxinfra.distributed",
-        "jaxinfra.storage", "jaxinfra.rundir", "jaxinfra.watchdog", "jaxinfra.data", "jaxinfra.metrics", "jaxinfra.optim",
+        "jaxinfra.atomic", "jaxinfra.storage", "jaxinfra.rundir", "jaxinfra.watchdog", "jaxinfra.data", "jaxinfra.metrics", "jaxinfra.optim",
         "jaxinfra.loss", "jaxinfra.state", "jaxinfra.step", "jaxinfra.quant_checks", "jaxinfra.extensions",
-        "jaxinfra.runtime", "jaxinfra.checkpoint", "jaxinfra.compile_cache", "jaxinfra.train")
+        "jaxinfra.runtime", "jaxinfra.checkpoint", "jaxinfra.compile_cache", "jaxinfra.resume", "jaxinfra.train", "jaxinfra.flags")
 FEATURES = ("jaxinfra.infer", "jaxinfra.quantize", "jaxinfra.distill", "jaxinfra.sft", "jaxinfra.lora", "jaxinfra.dpo", "jaxinfra.grpo",
             "jaxinfra.reference", "jaxinfra.hf", "jaxinfra.harness",
             "jaxinfra.plan", "jaxinfra.scaling", "jaxinfra.cluster", "jaxinfra.info", "jaxinfra.bench", "jaxinfra.launch")

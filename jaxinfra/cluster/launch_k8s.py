@@ -14,6 +14,7 @@ import shlex
 import sys
 from typing import NoReturn
 
+from jaxinfra.atomic import atomic_write_text
 from jaxinfra.cluster.jobset import (
     JobSetSpec,
     dns_name,
@@ -67,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--env-secret", metavar="SECRET", help="a Secret whose keys become variables (bucket credentials)")
     p.add_argument("--service-account", metavar="NAME", help="the pods' service account (e.g. Workload Identity)")
     p.add_argument("--out", metavar="FILE", help="write the manifests here instead of printing them")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out FILE (else refused)")
     return p
 
 
@@ -127,7 +129,7 @@ def cmd_launch_k8s(argv: list[str]) -> int:
               f"apply: {apply}; follow: kubectl get jobset {name}; kubectl logs job/{name}-train-0")
     text = to_yaml(objects, header)
     if args.out:
-        pathlib.Path(args.out).write_text(text)
+        atomic_write_text(args.out, text, replace=args.overwrite)
         print(f"launch k8s: wrote {args.out} ({', '.join(o['kind'] for o in objects)}); kubectl apply -f {args.out}")
     else:
         sys.stdout.write(text)

@@ -8,6 +8,7 @@ import re
 from typing import Literal, get_args
 
 from jaxinfra import storage
+from sharding.ranges import range_problems, ranged
 
 Source = Literal["text", "tokens", "synthetic", "jsonl", "parquet", "chat", "preference", "prompts"]
 TokenDtype = Literal["uint16", "uint32"]
@@ -30,10 +31,10 @@ class MixtureConfig:
     """One source of a weighted mixture (`data.mixture.<name>`)."""
 
     paths: tuple[str, ...] = ()
-    weight: float = 1.0  # relative share of training sequences (normalised over the sources)
+    weight: float = ranged(1.0, 0, what="a number")  # relative share of training sequences (normalised)
     # Staged weights: [[step, weight], ...], the first at step 0; [S, w] applies from the batch
     # after S completed steps. Replaces `weight` when given.
-    weights: tuple[tuple[float, ...], ...] = ()
+    weights: tuple[tuple[float, ...], ...] = ranged((), 0, note="steps and weights")
     source: Source | None = None  # None: data.source
 
     def problems(self, name: str) -> list[tuple[str, object, str]]:
@@ -47,8 +48,6 @@ class MixtureConfig:
             out.append((f"{key}.source", self.source, f"null or one of {list(SOURCES)}"))
         if self.source == "synthetic":
             out.append((f"{key}.source", self.source, "a source that reads files (not synthetic)"))
-        if not _is_number(self.weight) or self.weight < 0:
-            out.append((f"{key}.weight", self.weight, "a number >= 0"))
         steps = [s[0] for s in self.weights if len(s) == 2]
         if any(len(s) != 2 or s[0] < 0 or s[0] != int(s[0]) or s[1] < 0 for s in self.weights):
             out.append((f"{key}.weights", self.weights, "a list of [step, weight] pairs, integer steps >= 0, "
@@ -83,12 +82,12 @@ class DataConfig:
     text_key: str = "text"
     # Share of documents (text, jsonl, parquet, prepared directories) / of each file's tokens
     # (.bin, .npy) / of sequences (synthetic) held out for evaluation.
-    eval_fraction: float = 0.05
-    eval_batches: int = 4  # held-out batches evaluated each time (per mixture source)
+    eval_fraction: float = ranged(0.05, 0, 1, lo_open=True, hi_open=True, what="a number")
+    eval_batches: int = ranged(4, 0)  # held-out batches evaluated each time (per mixture source)
     shuffle: bool = True
-    worker_count: int = 0  # grain worker processes (0 = in-process)
+    worker_count: int = ranged(0, 0, note="0 = no worker processes")  # grain worker processes (0 = in-process)
     # synthetic only: how many token ids the generated language uses.
-    synthetic_vocab: int = 64
+    synthetic_vocab: int = ranged(64, 2)
     # chat only: how conversations are rendered: "chatml" (built in), "tokenizer" (the chat_template
     # of the tokenizer_config.json beside data.tokenizer) or the path of a Jinja file.
     chat_template: str = "chatml"
@@ -97,7 +96,7 @@ class DataConfig:
 
     def problems(self) -> list[tuple[str, object, str]]:
         """Inconsistent values as (key, value, what is allowed); empty when valid."""
-        out: list[tuple[str, object, str]] = []
+        out = range_problems(self)
         if self.source not in SOURCES:
             out.append(("source", self.source, f"one of {list(SOURCES)}"))
         if not isinstance(self.paths, (tuple, list)) or not all(isinstance(p, str) and p for p in self.paths):
@@ -119,16 +118,8 @@ class DataConfig:
             out.append(("text_key", self.text_key, "a non-empty field name"))
         if not isinstance(self.chat_template, str) or not self.chat_template:
             out.append(("chat_template", self.chat_template, "'chatml', 'tokenizer' or the path of a Jinja file"))
-        if not _is_number(self.eval_fraction) or not 0 < self.eval_fraction < 1:
-            out.append(("eval_fraction", self.eval_fraction, "a number in (0, 1)"))
-        if not _is_int(self.eval_batches) or self.eval_batches < 0:
-            out.append(("eval_batches", self.eval_batches, "an integer >= 0"))
         if not isinstance(self.shuffle, bool):
             out.append(("shuffle", self.shuffle, "true or false"))
-        if not _is_int(self.worker_count) or self.worker_count < 0:
-            out.append(("worker_count", self.worker_count, "an integer >= 0 (0 = no worker processes)"))
-        if not _is_int(self.synthetic_vocab) or self.synthetic_vocab < 2:
-            out.append(("synthetic_vocab", self.synthetic_vocab, "an integer >= 2"))
         return out + self._mixture_problems()
 
     def _mixture_problems(self) -> list[tuple[str, object, str]]:
@@ -185,11 +176,3 @@ def weight_at(stages: list[tuple[int, float]], step: int) -> float:
         if start <= step:
             weight = w
     return weight
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)

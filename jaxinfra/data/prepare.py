@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from jaxinfra.atomic import atomic_copy, atomic_write_bytes, is_temporary
 from jaxinfra.data.config import DataError
 from jaxinfra.data.encode import Encoder, file_sha256, make_encoder
 from jaxinfra.data.formats import input_kind, parquet_chat_file, parquet_file, relative_names
@@ -61,9 +62,23 @@ def prepare(inputs: Sequence[str], out: str, *, tokenizer: str | None = None, te
     units = sum(_check_input(path, text_key, unit_bytes) for path in files)
     encoder = make_encoder(tokenizer, eod_token)
     plan = _plan(files, encoder, text_key, shard_tokens, unit_bytes, template)
+    fresh = not os.path.exists(out) or (os.path.isdir(out) and not os.listdir(out))
+    created = not os.path.exists(out)
     done = _open_output(out, plan, encoder)
     if done is not None:
         return done
+    try:
+        return _run(out, plan, encoder, files, (text_key, template), workers, units, unit_bytes, progress)
+    except DataError:
+        if fresh:  # bad input found midway: what this run wrote must not block the corrected rerun
+            _discard(out, created)
+        raise
+
+
+def _run(out: str, plan: dict, encoder: Encoder, files: list[str], how: tuple, workers: int, units: int,
+         unit_bytes: int, progress: bool) -> dict[str, Any]:
+    """Tokenize into `out` (resuming its ledger) and write meta.json last; `how`: (text_key, template)."""
+    text_key, template = how
     writer = _ShardWriter(out, plan, encoder.dtype)
     started = time.perf_counter()
     with tqdm(total=sum(i["size"] for i in plan["inputs"]), unit="B", unit_scale=True, disable=not progress,
@@ -148,18 +163,32 @@ def plan_difference(old: dict, new: dict) -> str | None:
     return None
 
 
+def _discard(out: str, created: bool) -> None:
+    """Remove what a failed fresh preparation wrote (the directory too when it made it)."""
+    if created:
+        shutil.rmtree(out, ignore_errors=True)
+        return
+    for name in os.listdir(out):
+        path = os.path.join(out, name)
+        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+
+
 def _open_output(out: str, plan: dict, encoder: Encoder) -> dict | None:
-    """Create `out`, or check it holds this same preparation; its meta.json when already complete."""
+    """Create `out`, or check it holds this same preparation; its meta.json when already complete.
+    An unfinished preparation without one completed shard holds nothing to keep: it is started over."""
     plan_path = os.path.join(out, PLAN)
     if os.path.isfile(plan_path):
         diff = plan_difference(read_json(plan_path, "preparation plan"), plan)
-        if diff is not None:
-            state = "a complete" if os.path.exists(os.path.join(out, META)) else "an unfinished"
+        complete = os.path.exists(os.path.join(out, META))
+        ledger = os.path.join(out, LEDGER)
+        if diff is not None and not complete and not (os.path.isfile(ledger) and os.path.getsize(ledger)):
+            _discard(out, created=False)  # nothing done yet: start over below
+        elif diff is not None:
+            state = "a complete" if complete else "an unfinished"
             raise DataError(f"data prepare: --out {out!r} holds {state} different preparation ({diff}); use "
                             f"another --out, or delete it to prepare again")
-        if os.path.exists(os.path.join(out, META)):
-            return read_json(os.path.join(out, META), "prepared-data metadata")
-        return None
+        else:
+            return read_json(os.path.join(out, META), "prepared-data metadata") if complete else None
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise DataError(f"data prepare: --out {out!r} exists and is not a jaxinfra preparation; give a new or "
                         f"empty directory")
@@ -297,7 +326,7 @@ def _read_ledger(out: str, dtype: np.dtype) -> list[dict]:
     if len(entries) != len(lines):
         _atomic_write(path, "".join(json.dumps(e) + "\n" for e in entries).encode())
     for name in os.listdir(out):  # shards written after the last ledger line, and temporary files
-        if ".tmp-" in name or (name.startswith("shard-") and int(name[6:11]) >= len(entries)):
+        if is_temporary(name) or (name.startswith("shard-") and int(name[6:11]) >= len(entries)):
             os.remove(os.path.join(out, name))
     return entries
 
@@ -325,18 +354,11 @@ def _write_meta(out: str, plan: dict, entries: list[dict]) -> dict:
 
 
 def _atomic_write(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_bytes(path, data, replace=True)  # a resumed preparation rewrites its own files
 
 
 def _atomic_copy(src: str, dst: str) -> None:
-    tmp = f"{dst}.tmp-{os.getpid()}"
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
+    atomic_copy(src, dst, replace=True)
 
 
 def _append_line(path: str, line: str) -> None:

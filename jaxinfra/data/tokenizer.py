@@ -20,6 +20,10 @@ def load_tokenizer(path: str) -> Any:
         from tokenizers import Tokenizer
     except ImportError as e:
         raise DataError(f"data.tokenizer={path!r} needs the 'tokenizers' package (pip install tokenizers)") from e
+    if os.path.isdir(path):  # a directory is not "not found": point to the file a HF model dir holds
+        inside = os.path.join(path, "tokenizer.json")
+        hint = f"; give {inside!r}" if os.path.isfile(inside) else "; give the path of a tokenizer.json file"
+        raise DataError(f"data.tokenizer: {path!r} is a directory, not a file{hint}")
     if not os.path.isfile(path):
         raise DataError(f"data.tokenizer: file not found: {path!r}")
     try:

@@ -15,6 +15,7 @@ import json
 from typing import get_args
 
 from jaxinfra.distill.config import TeacherDType
+from jaxinfra.flags import number_flag
 
 
 def cmd_save_logits(args: argparse.Namespace) -> int:
@@ -37,8 +38,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                    help="overrides of the teacher's config.yaml that the student run uses too: data.*, "
                         "train.seq_len, train.batch_size, train.seed (and mesh.*)")
     p.add_argument("--out", required=True, help="new directory (an unfinished one of the same command continues)")
-    p.add_argument("--top-k", type=int, default=64, help="logits kept per token (default 64)")
-    p.add_argument("--steps", type=int, required=True, help="training steps covered (the student's train.steps)")
+    number_flag(p, "--top-k", lo=1, sep=" ", default=64, help="logits kept per token (default 64)")
+    number_flag(p, "--steps", lo=1, sep=" ", required=True, help="training steps covered (the student's train.steps)")
     p.add_argument("--teacher-dtype", default="bfloat16", choices=get_args(TeacherDType),
                    help="the teacher's params and compute dtype (default bfloat16, as distill.teacher_dtype)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

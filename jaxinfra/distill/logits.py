@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxinfra.atomic import atomic_write_text
 from jaxinfra.checkpoint import CheckpointError, config_changes
 from jaxinfra.config import Config, ConfigError
 from jaxinfra.data import DataError
@@ -57,9 +58,7 @@ def row_crcs(batch: dict[str, np.ndarray]) -> np.ndarray:
 
 
 def _write_json(path: pathlib.Path, value: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(value, indent=1, sort_keys=True), replace=True)  # the command's own files
 
 
 ArrayShapes = dict[str, tuple[tuple[int, ...], str]]  # name -> (shape, dtype) of each DIR/<name>.npy
@@ -103,6 +102,8 @@ class StepArraysWriter:
 
     def _existing(self) -> dict[str, Any] | None:
         path = self.root / self.meta_name
+        if self.root.exists() and not self.root.is_dir():
+            raise self.error(f"--out {self.root} is a file; give a new directory")
         if not path.is_file():
             if self.root.exists() and any(self.root.iterdir()):
                 raise self.error(f"--out {self.root} exists and is not a {self.kind} directory; choose a new one")

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from jaxinfra.flags import number_flag
+
 
 def cmd_save_reference(args: argparse.Namespace) -> int:
     from jaxinfra.dpo.save import save_reference
@@ -32,6 +34,6 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="new directory (an unfinished one of the same command continues)")
     p.add_argument("--restore", default=None, help="the checkpoint the DPO run starts from (its reference when "
                                                     "dpo.reference is null)")
-    p.add_argument("--steps", type=int, default=None, help="training steps covered (default: train.steps)")
+    number_flag(p, "--steps", lo=1, sep=" ", default=None, help="training steps covered (default: train.steps)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_save_reference)

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfra.atomic import atomic_file, atomic_write_text
 from jaxinfra.config import Config, ConfigError
 from jaxinfra.config_sections import prompt_data
 from jaxinfra.extensions import HostContext, StepContext, StepExtension
@@ -147,9 +148,8 @@ class Grpo(StepExtension):
         if path is None:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp.npz")
-        np.savez(tmp, **rollout.rows)
-        tmp.replace(path)
+        with atomic_file(path, "wb", replace=True) as f:  # the run's own file, rewritten on a resume
+            np.savez(f, **rollout.rows)
         # Keep the rollouts a kept checkpoint can resume inside, and this one; drop the rest.
         ckpts = self.run_dir / "checkpoints"
         steps = [int(p.name) for p in ckpts.iterdir() if p.name.isdigit()] if ckpts.is_dir() else []
@@ -218,4 +218,4 @@ def _trim_samples(path: pathlib.Path, step: int) -> None:
     lines = path.read_text(encoding="utf-8").splitlines()
     kept = [x for x in lines if x.strip() and json.loads(x).get("step", 0) <= step]
     if len(kept) != len(lines):
-        path.write_text("".join(x + "\n" for x in kept), encoding="utf-8")
+        atomic_write_text(path, "".join(x + "\n" for x in kept), replace=True)

@@ -18,21 +18,24 @@ import json
 import pathlib
 import sys
 
+from jaxinfra.atomic import atomic_write_text, check_output
 from jaxinfra.compile_cache import configure as configure_compile_cache
+from jaxinfra.flags import number_flag
 from jaxinfra.harness import HarnessError, require_lm_eval
 
 # `eval --tasks` only; None/False = not given, so --tokens/--text can refuse them
-TASK_OPTIONS = ("num_fewshot", "limit", "include_path", "output", "log_samples", "apply_chat_template")
+TASK_OPTIONS = ("num_fewshot", "limit", "include_path", "output", "overwrite", "log_samples", "apply_chat_template")
 
 
 def add_task_source(p: argparse.ArgumentParser, source: argparse._MutuallyExclusiveGroup) -> None:
     """--tasks in the eval parser's source group, its options, and the dispatching func."""
     source.add_argument("--tasks", help="comma-separated lm-evaluation-harness tasks (jaxinfra[eval]): prints "
                         "lm-eval's table and writes its JSON")
-    p.add_argument("--num-fewshot", type=int, help="--tasks: few-shot examples per prompt (default: each task's)")
-    p.add_argument("--limit", type=int, help="--tasks: documents per task (default: all)")
+    number_flag(p, "--num-fewshot", lo=0, help="--tasks: few-shot examples per prompt (default: each task's)")
+    number_flag(p, "--limit", lo=1, help="--tasks: documents per task (default: all)")
     p.add_argument("--include-path", help="--tasks: a folder of local task YAMLs (offline tasks on local data files)")
     p.add_argument("--output", help="--tasks: where lm-eval's results JSON goes (default RUN/eval/lm_eval-<time>.json)")
+    p.add_argument("--overwrite", action="store_true", help="--tasks: replace an existing --output (else refused)")
     p.add_argument("--log-samples", action="store_true", help="--tasks: every request and response in the JSON")
     p.add_argument("--apply-chat-template", action="store_true", help="--tasks: prompts through the run's chat "
                    "template (data.chat_template)")
@@ -69,16 +72,11 @@ def cmd_eval_tasks(args: argparse.Namespace) -> int:
 
     from jaxinfra.harness.tasks import check_tasks, run_tasks, task_manager
 
-    for flag in ("batch_size", "limit"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise HarnessError(f"--{flag.replace('_', '-')}={value} is invalid: must be >= 1")
-    if args.num_fewshot is not None and args.num_fewshot < 0:
-        raise HarnessError(f"--num-fewshot={args.num_fewshot} is invalid: must be >= 0")
     tasks = args.tasks.split(",")
     manager = task_manager(args.include_path, tasks)
     names = check_tasks(manager, tasks)
     out = output_path(args)
+    check_output(out, args.overwrite, directory=False)  # before hours of evaluation, not after
     from jaxinfra.harness.model import JaxinfraLM
 
     lm = JaxinfraLM(pretrained=args.ckpt, overrides=list(args.overrides), batch_size=args.batch_size)
@@ -88,7 +86,7 @@ def cmd_eval_tasks(args: argparse.Namespace) -> int:
     print(make_table(results))
     if results.get("groups"):
         print(make_table(results, "groups"))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1, default=handle_non_serializable, ensure_ascii=False) + "\n")
+    atomic_write_text(out, json.dumps(results, indent=1, default=handle_non_serializable, ensure_ascii=False) + "\n",
+                      replace=args.overwrite)
     print(f"jaxinfra eval: lm-eval results -> {out}", file=sys.stderr)
     return 0

@@ -185,7 +185,7 @@ def write_adapters(out_dir: pathlib.Path, cfg: ModelConfig, family: str, shapes:
     targeted = {module for rule in found for _, module in modules(rule)}
     config = adapter_config(lora.rank, float(lora.alpha), float(lora.dropout), lora.init,
                             target_modules(cfg, family, targeted))
-    (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")  # out_dir: export's build directory
     return {"adapter_tensors": len(specs), "adapter_bytes": size, "target_modules": config["target_modules"]}
 
 

@@ -23,6 +23,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from jaxinfra.atomic import atomic_dir, check_output
 from jaxinfra.checkpoint import CheckpointError, restore_params
 from jaxinfra.config import Config, load_config
 from jaxinfra.config_sections import chat_data
@@ -102,10 +103,15 @@ def _fetch(flat: dict[str, Any], path: str, idx: tuple) -> np.ndarray:
 
 
 def export_hf(source: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: str = "float32",
-              max_shard_bytes: int = MAX_SHARD_BYTES, adapters: bool = False) -> dict[str, Any]:
+              max_shard_bytes: int = MAX_SHARD_BYTES, adapters: bool = False, overwrite: bool = False
+              ) -> dict[str, Any]:
     """Write config.json and model*.safetensors for the newest params under `source`; with `adapters`
-    (a LoRA run) also PEFT's adapter_config.json + adapter_model.safetensors (the base unmerged)."""
-    source, out_dir = pathlib.Path(source), pathlib.Path(out_dir)
+    (a LoRA run) also PEFT's adapter_config.json + adapter_model.safetensors (the base unmerged).
+
+    OUT is built whole in a temporary sibling and renamed into place (jaxinfra/atomic.py): an existing
+    OUT is refused unless `overwrite`, and then replaced as a whole, so no shard, index or config of an
+    earlier export survives beside the new files, and an interrupted export leaves the old OUT as it was."""
+    source = pathlib.Path(source)
     if not source.exists():
         raise CheckpointError(f"no run directory or checkpoint at {source}")
     cfg = _source_config(source)
@@ -116,7 +122,25 @@ def export_hf(source: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: st
     if dtype not in DTYPES:
         raise HFError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     _check_lora(cfg, source, adapters)
-    step, flat = _restore(source, cfg)
+    check_output(out_dir, overwrite, directory=True, inputs=[source])  # before the restore: a refusal costs nothing
+    with atomic_dir(out_dir, replace=overwrite, inputs=[source]) as tmp:
+        step, flat = _restore(source, cfg)
+        report = _write_weights(tmp, cfg, family, flat, dtype, max_shard_bytes)
+        # plain writes from here on: everything lands in the build directory, renamed into place whole
+        (tmp / "config.json").write_text(json.dumps(to_hf(cfg.model, dtype), indent=2))
+        report |= {"family": family, "step": step, "out_dir": str(out_dir),
+                   "tokenizer_files": export_tokenizer_files(cfg, _run_dir(source), tmp)}
+        if adapters:
+            from jaxinfra.hf.adapters import write_adapters
+
+            shapes = {path: tuple(v.shape) for path, v in flat.items()}
+            report |= write_adapters(tmp, cfg.model, family, shapes, lambda p, i: _fetch(flat, p, i), cfg.lora)
+    return report
+
+
+def _write_weights(out_dir: pathlib.Path, cfg: Config, family: str, flat: dict[str, Any], dtype: str,
+                   max_shard_bytes: int) -> dict[str, Any]:
+    """model.safetensors, or model-0000i-of-0000n.safetensors + their index, into `out_dir`."""
     np_dtype = DTYPES[dtype]
     specs = []
     for rule in (r for r in rules(cfg.model, family) if r.exported):
@@ -124,6 +148,7 @@ def export_hf(source: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: st
         keep32 = family == "deepseek_v3" and rule.path.endswith(("router/w", "router/bias"))
         shapes = [flat[p].shape for p in (rule.path, *rule.joins)]
         specs += [(rule, *s) for s in _specs(rule, shapes, DTYPES["float32"] if keep32 else np_dtype)]
+    dtype_of = {s[1]: s[3] for s in specs}
 
     def tensors(chunk: list) -> Iterator[tuple[str, np.ndarray]]:
         # One (layer, expert) slice to the host at a time; its HF tensors are yielded in order.
@@ -135,10 +160,8 @@ def export_hf(source: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: st
                 cache = (key, dict(zip(rule.names(*idx), rule.save(*slices), strict=True)))
             yield name, cache[1][name].astype(dtype_of[name])
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     shards = plan_shards([(name, shape, dt) for _, name, shape, dt, _ in specs], max_shard_bytes)
     by_name = {s[1]: s for s in specs}
-    dtype_of = {s[1]: s[3] for s in specs}
     files = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     total, weight_map = 0, {}
@@ -149,15 +172,7 @@ def export_hf(source: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: st
         data_bytes = sum(int(np.prod(shape)) * dt.itemsize for _, _, shape, dt, _ in specs)
         index = {"metadata": {"total_size": data_bytes}, "weight_map": weight_map}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    (out_dir / "config.json").write_text(json.dumps(to_hf(cfg.model, dtype), indent=2))
-    report = {"family": family, "step": step, "files": files, "tensors": len(specs), "bytes": total,
-              "out_dir": str(out_dir), "tokenizer_files": export_tokenizer_files(cfg, _run_dir(source), out_dir)}
-    if adapters:
-        from jaxinfra.hf.adapters import write_adapters
-
-        shapes = {path: tuple(v.shape) for path, v in flat.items()}
-        report |= write_adapters(out_dir, cfg.model, family, shapes, lambda p, i: _fetch(flat, p, i), cfg.lora)
-    return report
+    return {"files": files, "tensors": len(specs), "bytes": total}
 
 
 def _run_dir(source: pathlib.Path) -> pathlib.Path | None:

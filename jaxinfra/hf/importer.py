@@ -28,6 +28,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxinfra.atomic import check_output
 from jaxinfra.checkpoint import save_params_only
 from jaxinfra.config import Config, apply_overrides, from_dict, validate
 from jaxinfra.hf.families import HFError, from_hf, rope_interleaved
@@ -175,12 +176,14 @@ def check_unused(files: SafetensorsDir, cfg: ModelConfig, family: str) -> None:
 
 
 def import_hf(hf_dir: str | pathlib.Path, out: str | pathlib.Path, overrides: Sequence[str] = (),
-              devices: Sequence[jax.Device] | None = None, adapter: str | pathlib.Path | None = None) -> dict[str, Any]:
+              devices: Sequence[jax.Device] | None = None, adapter: str | pathlib.Path | None = None,
+              overwrite: bool = False) -> dict[str, Any]:
     """Convert and save; returns a report (family, params, bytes on disk, peak RSS, seconds). With a PEFT
     `adapter` dir the run is a LoRA run: the lora section from its adapter_config.json, its adapters loaded."""
     start = time.perf_counter()
     hf_dir, out = pathlib.Path(hf_dir), pathlib.Path(out)
     hf = read_hf_config(hf_dir)
+    check_output(out, overwrite, directory=True, inputs=[hf_dir])  # before reading any tensor
     family, model = from_hf(hf)
     devices = list(devices) if devices is not None else jax.devices()
     if adapter is not None:
@@ -202,11 +205,12 @@ def import_hf(hf_dir: str | pathlib.Path, out: str | pathlib.Path, overrides: Se
             "hf_architectures": hf.get("architectures"), "step": STEP}
     if adapter is not None:
         meta["peft_adapter"] = str(adapter.absolute())
-    meta["hf_files"] = copy_carried(hf_dir, out, carried_files(hf_dir))  # tokenizer, template, generation
+    meta["hf_files"] = carried_files(hf_dir)  # tokenizer, template, generation: copied into OUT's build dir
     if data and cfg.data.tokenizer == data["tokenizer"]:  # the run reads the copy in OUT, not the source dir
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str((out / "tokenizer.json")
                                                                                         .absolute())))
-    path = save_params_only(out, cfg, params, meta, STEP)
+    path = save_params_only(out, cfg, params, meta, STEP, overwrite=overwrite, inputs=[hf_dir],
+                            extra_files=lambda tmp: copy_carried(hf_dir, tmp, meta["hf_files"]))
     count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     return {"family": family, "checkpoint": str(path), "params": count, "bytes_on_disk": files.bytes_on_disk(),
             "peak_rss_bytes": peak_rss_bytes(), "seconds": time.perf_counter() - start, "hf_files": meta["hf_files"]}

@@ -23,6 +23,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from jaxinfra.atomic import atomic_file
 from jaxinfra.exits import CorruptFileError
 from jaxinfra.hf.families import HFError
 
@@ -214,7 +215,7 @@ def write_safetensors(path: pathlib.Path, specs: list[tuple[str, tuple[int, ...]
         offset += size
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
-    with open(path, "wb") as out:
+    with atomic_file(path, "wb", replace=True) as out:  # never a truncated file under the final name
         out.write(struct.pack("<Q", len(blob)))
         out.write(blob)
         for (name, shape, dtype), (got, array) in zip(specs, tensors, strict=True):

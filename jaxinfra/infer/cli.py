@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxinfra.compile_cache import configure as configure_compile_cache
+from jaxinfra.flags import INT64, number_flag
 
 
 def add_subcommands(sub: argparse._SubParsersAction,
@@ -37,11 +38,12 @@ def add_subcommands(sub: argparse._SubParsersAction,
                    "template (data.chat_template) with the generation prompt; prints only the reply, which "
                    "ends at the template's end-of-turn")
     p.add_argument("--system", help="with --chat: a system message before the user turn")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely ids (0 = off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    p.add_argument("--seed", type=int, default=0)
+    number_flag(p, "--max-new-tokens", lo=1, default=64)
+    number_flag(p, "--temperature", kind=float, lo=0, note="0 = greedy", default=0.0, help="0 = greedy (default)")
+    number_flag(p, "--top-k", lo=0, note="0 = off", default=0, help="sample from the k most likely ids (0 = off)")
+    number_flag(p, "--top-p", kind=float, lo=0, hi=1, lo_open=True, note="1 = off", default=1.0,
+                help="nucleus sampling mass (1 = off)")
+    number_flag(p, "--seed", lo=INT64[0], hi=INT64[1], default=0)
     p.add_argument("--stop-ids", default=None, help="comma-separated ids that end generation (kept as the last id; "
                    "default: the eos_token_id of a generation_config.json an `hf import` carried, else none)")
     p.add_argument("--no-absorb", action="store_true", help="MLA: reconstruct K/V from the latent cache instead "
@@ -59,9 +61,9 @@ def add_subcommands(sub: argparse._SubParsersAction,
                         "1-D array (as data.source=tokens reads) cut into rows of --seq-len + 1, the remainder dropped")
     source.add_argument("--text", help="a UTF-8 text file, encoded with the run's tokenizer (data.tokenizer: an "
                         "`hf import` carries the model's) and cut into rows like a 1-D --tokens file")
-    p.add_argument("--seq-len", type=int, help="1-D token files: predictions per row (default: the run's "
+    number_flag(p, "--seq-len", lo=1, help="1-D token files: predictions per row (default: the run's "
                    "train.seq_len)")
-    p.add_argument("--batch-size", type=int, default=8, help="rows per forward pass")
+    number_flag(p, "--batch-size", lo=1, default=8, help="rows per forward pass")
     p.set_defaults(func=cmd_eval)
     if extend_eval is not None:  # e.g. lm-eval tasks: another source of the same group (jaxinfra/harness/cli.py)
         extend_eval(p, source)
@@ -74,6 +76,21 @@ def _ids(text: str, what: str) -> list[int]:
         return [int(x) for x in text.replace(" ", "").split(",") if x]
     except ValueError:
         raise InferenceError(f"{what} must be comma-separated integers, got {text!r}") from None
+
+
+def _flag_override(flag: str, key: str, value: str | None) -> list[str]:
+    """`flag VALUE` as the override `key=VALUE`; a value the key does not allow is named by the flag the
+    user typed (an empty one would otherwise reach the config as YAML's null)."""
+    if value is None:
+        return []
+    from jaxinfra.config import ConfigError, apply_overrides, config_from_tree
+
+    override = f"{key}={value}"
+    try:
+        config_from_tree(apply_overrides({}, [override]))  # the key's type alone: the run's config comes later
+    except ConfigError as e:
+        raise ConfigError(f"{flag} {value!r} sets {e}") from None
+    return [override]
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -89,7 +106,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise InferenceError("--chat and --system take --prompt TEXT (one user turn), not --prompt-ids")
     if args.system is not None and not args.chat:
         raise InferenceError("--system needs --chat")
-    overrides = list(args.overrides) + ([f"quant.kv_cache={args.kv_cache}"] if args.kv_cache is not None else [])
+    overrides = list(args.overrides) + _flag_override("--kv-cache", "quant.kv_cache", args.kv_cache)
     cfg, params = load_model(args.ckpt, overrides)
     configure_compile_cache(cfg)  # the run's train.compile_cache (or an override): prefill/decode from the cache
     if stop_ids is None:
@@ -128,12 +145,8 @@ def _generate_chat(args: argparse.Namespace, cfg, params, sampling, stop_ids: li
 def cmd_eval(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from jaxinfra.infer import InferenceError, load_model, score, token_rows
+    from jaxinfra.infer import load_model, score, token_rows
 
-    if args.batch_size < 1:
-        raise InferenceError(f"--batch-size={args.batch_size} is invalid: must be >= 1")
-    if args.seq_len is not None and args.seq_len < 1:
-        raise InferenceError(f"--seq-len={args.seq_len} is invalid: must be >= 1")
     if args.tokens is not None:
         tokens = _token_file(args.tokens, args.seq_len)
     cfg, params = load_model(args.ckpt, args.overrides)

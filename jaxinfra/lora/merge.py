@@ -16,6 +16,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from jaxinfra.atomic import check_output
 from jaxinfra.checkpoint import CheckpointError, restore_params, save_params_only
 from jaxinfra.config import Config, load_config
 from jaxinfra.infer.loading import inference_mesh, resolve_checkpoint
@@ -54,7 +55,8 @@ def merge_variables(cfg: Config, variables: nnx.State, target: nnx.State) -> nnx
     return nnx.from_flat_state([(p, v.replace(values[p])) for p, v in nnx.to_flat_state(target)])
 
 
-def merge_lora(run: str, out: str, devices: Sequence[jax.Device] | None = None) -> pathlib.Path:
+def merge_lora(run: str, out: str, devices: Sequence[jax.Device] | None = None, overwrite: bool = False
+               ) -> pathlib.Path:
     """Write OUT (config.yaml with lora.rank=0 + a params-only checkpoint) from RUN's newest checkpoint
     (or RUN/checkpoints/N); returns the checkpoint step directory written."""
     run_dir, ckpt_dir, step = resolve_checkpoint(run)
@@ -63,6 +65,7 @@ def merge_lora(run: str, out: str, devices: Sequence[jax.Device] | None = None) 
         raise CheckpointError(f"{run} holds no LoRA adapters (lora.rank=0): nothing to merge")
     if pathlib.Path(out).resolve() == run_dir.resolve():
         raise CheckpointError(f"OUT {out} is the source run directory; choose a new directory")
+    check_output(out, overwrite, directory=True, inputs=[run_dir])  # before the restore: a refusal costs nothing
     mesh, rules = inference_mesh(cfg, devices)
     step, variables = restore_params(ckpt_dir, abstract_params(cfg.model, mesh, rules, cfg.quant, cfg.lora),
                                      step=step, config=cfg.to_dict())
@@ -73,4 +76,4 @@ def merge_lora(run: str, out: str, devices: Sequence[jax.Device] | None = None) 
         params = jax.jit(lambda v: merge_variables(cfg, v, target), out_shardings=shardings)(variables)
     meta = {"params_only": True, "merged_from": str(pathlib.Path(run).absolute()), "source_step": step, "step": 0,
             "lora": {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "targets": list(cfg.lora.targets)}}
-    return save_params_only(out, new, params, meta)
+    return save_params_only(out, new, params, meta, overwrite=overwrite, inputs=[run_dir])

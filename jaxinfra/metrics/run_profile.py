@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 
+from jaxinfra.atomic import atomic_write_text
 from jaxinfra.metrics.trace import StepProfile, load_events, op_events, summarize
 
 PROFILE_DIR = "profile"
@@ -69,9 +70,9 @@ class ProfileWindow:
         jax.block_until_ready(outputs)
         self.close()
         trace = _newest_trace(self.dir)
-        (self.dir / WINDOW_FILE).write_text(json.dumps({
+        atomic_write_text(self.dir / WINDOW_FILE, json.dumps({
             "start": self.start, "stop": self.stop, "steps": self.stop - self.start, "module": self.module,
-            "trace": str(trace.relative_to(self.dir)) if trace else None}, indent=1))
+            "trace": str(trace.relative_to(self.dir)) if trace else None}, indent=1), replace=True)
         return (f"profile: steps {self.start + 1}..{self.stop} traced into {self.dir} (tensorboard --logdir "
                 f"{self.dir}; `jaxinfra profile {self.dir.parent}` for the shares)")
 

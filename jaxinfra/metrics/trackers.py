@@ -30,6 +30,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
+from jaxinfra.atomic import atomic_write_text
 from jaxinfra.config_sections import MlflowConfig, WandbConfig
 
 STATE_FILE = "trackers.json"
@@ -256,9 +257,7 @@ class Trackers:
 
     def _save(self) -> None:
         state = {t.name: {**t.state(), "last_step": self.last.get(t.name, -1)} for t in self.trackers}
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(state, indent=1) + "\n")
-        os.replace(tmp, self.path)
+        atomic_write_text(self.path, json.dumps(state, indent=1) + "\n", replace=True)
 
 
 def _warn(text: str) -> None:

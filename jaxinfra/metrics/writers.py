@@ -13,11 +13,11 @@ import numbers
 import os
 import pathlib
 import sys
-import tempfile
 from typing import Any
 
 from tqdm import tqdm
 
+from jaxinfra.atomic import atomic_write_text
 from jaxinfra.metrics.trackers import Trackers, scalars_of
 
 
@@ -49,9 +49,7 @@ def _truncate_jsonl(path: pathlib.Path, resume_step: int) -> None:
     kept = [line for line in lines if resume_step and _line_step(line) <= resume_step]
     if len(kept) == len(lines):
         return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(kept), replace=True)
 
 
 def _line_step(line: str) -> float:
@@ -185,9 +183,10 @@ class ProgressBar:
         else:
             self._bar.refresh()
 
-    def write(self, message: str) -> None:
-        """Print a line to stdout without breaking the bar (printed even when the bar is disabled)."""
-        tqdm.write(message, file=sys.stdout)
+    def write(self, message: str, *, error: bool = False) -> None:
+        """Print a line without breaking the bar (printed even when the bar is disabled): to stdout, or with
+        `error` to stderr, where every `jaxinfra: error:` line goes (a log of stdout holds results only)."""
+        tqdm.write(message, file=sys.stderr if error else sys.stdout)
 
     @property
     def n(self) -> int:
@@ -205,17 +204,7 @@ def write_summary(run_dir: str | os.PathLike, summary: dict) -> pathlib.Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "summary.json"
     text = json.dumps(_json_value(summary), indent=2, sort_keys=True, allow_nan=False) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=".summary.", suffix=".tmp", dir=run_dir)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        pathlib.Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write_text(path, text, replace=True)
 
 
 def mfu(tokens_per_s_per_device: float, flops_per_token: float, peak_flops: float) -> float:

@@ -1,11 +1,13 @@
 """`jaxinfra plan` (registered by jaxinfra/cli.py's build_parser), and the pre-flight check of `jaxinfra train`.
 
     jaxinfra plan CONFIG [KEY=VALUE ...] [--devices N] [--device-kind KIND] [--hbm-gib G]
-                  [--efficiency E] [--links FILE] [--compile] [--search] [--top K] [--inference] [--json]
+                  [--efficiency E] [--links FILE] [--compile] [--search] [--top K] [--inference] [--json] [--report]
 
 Without --devices: the devices this process sees; without --device-kind: theirs. Bad input (an
 impossible device count or memory, a layout the config validation refuses, nothing fits under
---search) is one line and exit status 2, as everywhere.
+--search) is one line and exit status 2, as everywhere. A plan that does not fit (over the device
+memory by more than estimate.FIT_MARGIN, which `jaxinfra train` refuses) prints in full and then
+exits 2 the same way, unless --report asks for the report only.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import shlex
 from typing import Any
 
 from jaxinfra.config import Config, ConfigError, load_config
+from jaxinfra.flags import number_flag
 from jaxinfra.plan.devices import DEVICE_KINDS, DeviceSpec, device_spec, kind_of
 
 
@@ -24,10 +27,12 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                        "--search ranks layouts")
     p.add_argument("config", help="preset name or YAML path")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    p.add_argument("--devices", type=int, help="device count (default: the devices this process sees)")
+    number_flag(p, "--devices", lo=1, help="device count (default: the devices this process sees)")
     p.add_argument("--device-kind", choices=DEVICE_KINDS, help="default: the kind of this process's devices")
-    p.add_argument("--hbm-gib", type=float, help="memory per device in GiB (default: the device table's)")
-    p.add_argument("--efficiency", type=float, help="fraction of the peak the compute reaches (default: per kind)")
+    number_flag(p, "--hbm-gib", kind=float, lo=0, lo_open=True,
+                help="memory per device in GiB (default: the device table's)")
+    number_flag(p, "--efficiency", kind=float, lo=0, hi=1, lo_open=True,
+                help="fraction of the peak the compute reaches (default: per kind)")
     p.add_argument("--links", metavar="FILE", help="`jaxinfra bench collectives` output: measured bandwidths "
                    "replace the link table")
     p.add_argument("--compile", action="store_true", help="also compile the real train step (fake CPU devices "
@@ -35,15 +40,16 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--search", action="store_true", help="rank every layout of the devices that fits")
     p.add_argument("--inference", action="store_true", help="plan `jaxinfra generate` instead: params + KV cache "
                    "for train.batch_size rows x train.seq_len positions, and the decode step")
-    p.add_argument("--top", type=int, default=10, help="--search: layouts to print (default 10)")
+    number_flag(p, "--top", lo=1, default=10, help="--search: layouts to print (default 10)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.add_argument("--report", action="store_true", help="a report only: exit 0 even when the plan does not fit "
+                   "(by default a plan over the device memory by more than 10%%, which `jaxinfra train` refuses, "
+                   "prints in full and then exits 2)")
     p.set_defaults(func=cmd_plan)
 
 
 def resolve_spec(args: argparse.Namespace, cfg: Config) -> tuple[int, DeviceSpec]:
     """(device count, device spec) from the flags, or from this process's devices."""
-    if args.devices is not None and args.devices < 1:
-        raise ConfigError(f"--devices={args.devices} is invalid: must be a positive integer")
     if args.compile and args.devices:  # fake CPU devices must be asked for before the backend starts
         from jaxinfra.plan.compiled import request_cpu_devices
 
@@ -67,8 +73,6 @@ def resolve_spec(args: argparse.Namespace, cfg: Config) -> tuple[int, DeviceSpec
 def cmd_plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     count, spec = resolve_spec(args, cfg)
-    if args.top < 1:
-        raise ConfigError(f"--top={args.top} is invalid: must be a positive integer")
     if args.inference and (args.search or args.compile):
         raise ConfigError("--inference plans memory and decode speed only: drop --search and --compile")
     from jaxinfra.plan.links import read_measured
@@ -101,6 +105,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
             moved = [f"{key} {calls:g} calls {size(total)}" for key, (calls, total) in compiled["collectives"].items()]
             print("compiled collectives per step (op x devices per group; a permute: x pairs): "
                   + ("; ".join(moved) or "none"))
+    if plan.refused and not args.report:  # the same rule as train's pre-flight: printed in full, then refused
+        from jaxinfra.plan.report import refusal
+
+        raise ConfigError(refusal(plan))
     return 0
 
 
@@ -110,13 +118,12 @@ def train_command(args: argparse.Namespace, overrides: list[str]) -> str:
 
 def _search(args: argparse.Namespace, cfg: Config, count: int, spec: DeviceSpec, measured) -> int:
     from jaxinfra.plan.report import seconds, size
-    from jaxinfra.plan.search import overrides, search
+    from jaxinfra.plan.search import Rejections, overrides, search
 
-    ranked = search(cfg, count, spec, measured)
-    if not ranked:
-        raise ConfigError(f"no layout of {count} {spec.kind} devices fits {size(spec.memory_bytes)} per device "
-                          f"(mesh x strategy x remat x accumulation searched); use more devices, a smaller batch or "
-                          f"model.loss_chunk_size")
+    rejected = Rejections()
+    ranked = search(cfg, count, spec, measured, rejected)
+    if not ranked:  # memory, a size that divides nothing, or no mesh at all: the line names which
+        raise ConfigError(rejected.explain(count, spec.kind, size(spec.memory_bytes)))
     top = ranked[:args.top]
     if args.json:
         print(json.dumps({"candidates_fitting": len(ranked), "top": [
@@ -151,7 +158,7 @@ def preflight(cfg: Config, force: bool) -> None:
     plan = make_plan(cfg, len(devices), spec)
     if jax.process_index() == 0:
         print(one_line(plan), flush=True)
-    if plan.memory.total > 1.1 * spec.memory_bytes and not force:
+    if plan.refused and not force:
         raise ConfigError(f"the plan's analytic memory, {size(plan.memory.total)} per device, exceeds the "
                           f"{spec.kind} device's {size(spec.memory_bytes)} by more than 10% (see `jaxinfra plan`; "
                           f"--search finds layouts that fit); pass --force to train anyway")

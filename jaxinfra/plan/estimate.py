@@ -12,6 +12,10 @@ from jaxinfra.plan.links import Measured
 from jaxinfra.plan.memory import COMPONENTS, Fn, Memory, StateBytes, estimate
 from jaxinfra.plan.time import StepTime, step_time
 
+# The analytic estimate's margin of error: a plan up to 10% over the device's memory is still run by
+# `jaxinfra train` (its pre-flight) and passed by `jaxinfra plan`; beyond it both refuse (exit 2).
+FIT_MARGIN = 1.1
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -24,6 +28,12 @@ class Plan:
     @property
     def fits(self) -> bool:
         return self.memory.total <= self.spec.memory_bytes
+
+    @property
+    def refused(self) -> bool:
+        """Over the device's memory by more than FIT_MARGIN: `train` refuses it without --force, `plan`
+        exits 2 without --report (one rule for both)."""
+        return self.memory.total > FIT_MARGIN * self.spec.memory_bytes
 
     @property
     def tokens_per_step(self) -> int:
@@ -58,6 +68,7 @@ class Plan:
             "attention_impl": lay.attention_impl,  # what model.attention_impl runs as there (kernels/facts.py)
             "memory_bytes_per_device": self.memory.as_dict(), "memory_peak_phase": self.memory.peak_phase,
             "device_memory_bytes": int(self.spec.memory_bytes), "fits": self.fits,
+            "refused": self.refused,
             "step_time_s": t.step_s, "compute_s": t.compute_s, "bubble_s": t.bubble_s, "update_s": t.update_s,
             "accumulate_s": t.accumulate_s, "exposed_comm_s": t.exposed_s, "overlapped_comm_s": t.overlapped_s,
             "collectives": [{"what": c.what, "op": c.op, "axes": list(c.axes), "bytes_per_call": int(c.size),

@@ -5,7 +5,7 @@ its collectives, throughput, MFU, wall time and the bottleneck; and the one-line
 from __future__ import annotations
 
 from jaxinfra.metrics.table import Column, format_table
-from jaxinfra.plan.estimate import Plan
+from jaxinfra.plan.estimate import FIT_MARGIN, Plan
 from jaxinfra.plan.memory import PHASES
 
 
@@ -44,10 +44,8 @@ def memory_lines(plan: Plan, compiled: float | None = None) -> list[str]:
     head = ("memory per device (analytic, decoding)" if plan.inference else
             f"memory per device (analytic; total = resident + max(step + max(head, layer), update{rollout}))")
     table = format_table(rows, [Column("component"), Column("phase"), Column("bytes", align=">"), Column("note")])
-    room = cap - mem.total
-    lines = [head, table,
-             f"total {size(mem.total)} (peak in the {mem.peak_phase} phase) of {size(cap)} per device: "
-             + (f"headroom {size(room)} ({room / cap:.0%})" if room >= 0 else f"DOES NOT FIT by {size(-room)}")]
+    lines = [head, table, f"total {size(mem.total)} (peak in the {mem.peak_phase} phase) of {size(cap)} per device: "
+             + verdict(plan)]
     byname = {c.name: c.bytes for c in mem.components}
     if "frozen params" in byname:  # LoRA: the split that decides what a fine-tune costs
         lines.append(f"params: frozen base {size(byname['frozen params'])} (no gradients, no optimizer state) + "
@@ -57,6 +55,24 @@ def memory_lines(plan: Plan, compiled: float | None = None) -> list[str]:
         lines.append(f"compiled (XLA memory_analysis: arguments + temporaries + outputs - aliased): {size(compiled)}; "
                      f"analytic / compiled = {mem.total / compiled:.3f}")
     return lines
+
+
+def verdict(plan: Plan) -> str:
+    """Whether the plan fits, in the words `jaxinfra train` acts on (Plan.refused: exit 2 beyond the margin)."""
+    room, cap = plan.spec.memory_bytes - plan.memory.total, plan.spec.memory_bytes
+    if room >= 0:
+        return f"headroom {size(room)} ({room / cap:.0%})"
+    if not plan.refused:
+        return (f"over by {size(-room)} ({-room / cap:.0%}), within the estimate's {FIT_MARGIN - 1:.0%} margin "
+                f"(`jaxinfra train` runs it)")
+    return f"DOES NOT FIT by {size(-room)}"
+
+
+def refusal(plan: Plan) -> str:
+    """The one error line of a plan that does not fit (`jaxinfra plan` exits 2 with it unless --report)."""
+    return (f"the plan does not fit: {size(plan.memory.total)} per device (analytic) exceeds the {plan.spec.kind} "
+            f"device's {size(plan.spec.memory_bytes)} by more than {FIT_MARGIN - 1:.0%}, so `jaxinfra train` would "
+            f"refuse it; --search finds layouts that fit, --report prints the plan with exit status 0")
 
 
 def time_lines(plan: Plan) -> list[str]:

@@ -67,19 +67,46 @@ def variants(cfg: Config, sizes: dict[str, int]) -> Iterator[Config]:
         yield dataclasses.replace(cfg, mesh=mesh, model=model, train=train, parallelism=p)
 
 
-def search(cfg: Config, devices: int, spec: DeviceSpec, measured: Measured | None = None) -> list[Plan]:
-    """Every accepted layout that fits, fastest first (ties: fewer mesh axes, then less memory)."""
+@dataclasses.dataclass
+class Rejections:
+    """Why `search` kept nothing: so an empty result names the real cause (a size that divides nothing is
+    not a memory problem)."""
+
+    invalid: dict[str, str] = dataclasses.field(default_factory=dict)  # mesh -> its first validation refusal
+    too_big: int = 0  # layouts the validation accepted whose memory does not fit
+    meshes: int = 0
+
+    def explain(self, devices: int, kind: str, memory: str) -> str:
+        """The one line for an empty search."""
+        if self.too_big:
+            return (f"no layout of {devices} {kind} devices fits {memory} per device (mesh x strategy x remat x "
+                    f"accumulation searched); use more devices, a smaller batch or model.loss_chunk_size")
+        if not self.meshes:
+            return f"no mesh of {devices} devices: the count does not divide by the config's DCN slices (mesh.dcn_*)"
+        reasons = "; ".join(dict.fromkeys(self.invalid.values()))  # distinct, in the order found
+        return (f"no layout of {devices} {kind} devices passes the config validation (memory was never the "
+                f"limit): {reasons}; choose a device count these sizes divide, or change them")
+
+
+def search(cfg: Config, devices: int, spec: DeviceSpec, measured: Measured | None = None,
+           rejected: Rejections | None = None) -> list[Plan]:
+    """Every accepted layout that fits, fastest first (ties: fewer mesh axes, then less memory);
+    `rejected` (when given) collects why the others were dropped."""
     validate(cfg)  # the rest of the config once; each candidate then gets the layout checks
-    found = []
+    found, rejected = [], rejected if rejected is not None else Rejections()
     for sizes in meshes(cfg, devices, spec.domain):
+        rejected.meshes += 1
         for candidate in variants(cfg, sizes):
             try:
                 lay = Layout.of(candidate, devices, spec.platform, base_checked=True, target=spec.kernel_target)
-            except ConfigError:
+            except ConfigError as e:
+                rejected.invalid.setdefault(str(sizes), str(e))
                 continue
             memory = estimate(lay)
             if memory.total <= spec.memory_bytes:  # price only what fits
                 found.append(plan_layout(lay, spec, measured, memory=memory))
+            else:
+                rejected.too_big += 1
     # Ties (same predicted time) go to the simpler layout (fewer mesh axes in use), then less memory.
     found.sort(key=lambda p: (round(p.time.step_s, 9), sum(s > 1 for s in p.layout.sizes.values()), p.memory.total))
     return found

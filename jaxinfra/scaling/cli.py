@@ -18,6 +18,7 @@ import argparse
 import os
 
 from jaxinfra.config import ConfigError
+from jaxinfra.flags import INT64, number_flag
 from jaxinfra.scaling.runner import LAUNCHERS
 
 
@@ -80,26 +81,6 @@ def cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
-def _flops(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of FLOPs such as 5.76e23, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
     """Adds `sweep` and `scaling {collect,fit,predict}` to the jaxinfra parser."""
     p = sub.add_parser("sweep", help="expand a scaling-law sweep spec into runs; run them or write job files")
@@ -118,7 +99,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                         "times), then collect and fit; exit 1 if a run failed")
     p.add_argument("--status", action="store_true",
                    help="print one line per run of a submitted sweep (state, exit, attempts, job) and stop")
-    p.add_argument("--bootstrap", type=_count, default=100, help="bootstrap resamples of the fit (default 100)")
+    number_flag(p, "--bootstrap", lo=0, note="0: no bootstrap", default=100,
+                help="bootstrap resamples of the fit (default 100)")
     p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("scaling", help="scaling-law fits: collect results, fit, predict")
@@ -133,8 +115,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     q.add_argument("results", help="CSV or JSONL with at least the columns N, D and eval_loss (C, C_budget optional)")
     q.add_argument("--plot", metavar="DIR", help="write isoflop.png, frontier.png, predicted_vs_observed.png here")
     q.add_argument("--out", metavar="FIT.json", help="where to save the fit (default: fit.json beside RESULTS)")
-    q.add_argument("--bootstrap", type=_count, default=100, help="bootstrap resamples (default 100)")
-    q.add_argument("--seed", type=int, default=0)
+    number_flag(q, "--bootstrap", lo=0, note="0: no bootstrap", default=100, help="bootstrap resamples (default 100)")
+    number_flag(q, "--seed", lo=INT64[0], hi=INT64[1], default=0)
     q.add_argument("--n-column", default="N", help="the parameter-count column (default N; e.g. N_nonemb)")
     q.add_argument("--metric", metavar="NAME", help="fit this column (e.g. eval/<task>/<metric>, collected from "
                    "the runs' metrics.jsonl) in place of eval_loss")
@@ -144,5 +126,5 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
 
     q = ssub.add_parser("predict", help="compute-optimal N, D and loss at a compute budget from a saved fit")
     q.add_argument("--fit", required=True, metavar="FIT.json")
-    q.add_argument("--compute", required=True, type=_flops, metavar="C", help="FLOPs, e.g. 5.76e23")
+    number_flag(q, "--compute", kind=float, lo=0, lo_open=True, required=True, metavar="C", help="FLOPs, e.g. 5.76e23")
     q.set_defaults(func=cmd_predict)

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxinfra.atomic import atomic_file
 from jaxinfra.config import ConfigError
 from jaxinfra.scaling.fit import optimal_allocation
 
@@ -59,7 +60,8 @@ def plot_all(table: dict[str, np.ndarray], fit: dict[str, Any], out_dir: str | p
         if fig is None:
             continue
         path = out_dir / name
-        fig.savefig(path, dpi=110, bbox_inches="tight")
+        with atomic_file(path, "wb", replace=True) as f:  # redrawn by every fit
+            fig.savefig(f, format="png", dpi=110, bbox_inches="tight")
         plt.close(fig)
         paths.append(path)
     return paths

@@ -20,8 +20,9 @@ from typing import Any
 
 import numpy as np
 
+from jaxinfra.atomic import atomic_write_bytes, atomic_write_text
 from jaxinfra.cluster.attempts import run_finished
-from jaxinfra.config import ConfigError, load_config
+from jaxinfra.config import ConfigError, load_config, require_file
 from jaxinfra.metrics.flops import flops_per_token, param_counts
 from jaxinfra.storage import as_path, check_bucket, is_url
 
@@ -90,6 +91,8 @@ def collect(out_dir: str | pathlib.Path, metrics: Sequence[str] = ()) -> tuple[l
         runs = [(as_path(e["run_dir"]), e.get("C_budget")) for e in entries]
     elif out_dir.is_dir():
         runs = [(p.parent, None) for p in sorted(out_dir.glob("*/config.yaml"))]
+    elif out_dir.exists():  # a file is not "not found"
+        raise ConfigError(f"sweep directory {out_dir} is a file, not a directory (give the sweep's --out)")
     else:
         raise ConfigError(f"sweep directory not found: {out_dir}")
     rows, missing = [], []
@@ -114,10 +117,10 @@ def write_results(rows: list[dict[str, Any]], out_dir: str | pathlib.Path,
     writer.writeheader()
     for row in rows:
         writer.writerow({k: "" if row.get(k) is None else row.get(k) for k in columns})
-    csv_path.write_bytes(text.getvalue().encode())
-    with jsonl_path.open("w") as f:
-        for row in rows:
-            f.write(json.dumps({k: _json(row.get(k)) for k in columns}) + "\n")
+    # collected again from the run directories by every `scaling collect`: replaced, atomically
+    atomic_write_bytes(csv_path, text.getvalue().encode(), replace=True)
+    atomic_write_text(jsonl_path, "".join(json.dumps({k: _json(row.get(k)) for k in columns}) + "\n" for row in rows),
+                      replace=True)
     return csv_path, jsonl_path
 
 
@@ -133,8 +136,7 @@ def read_table(path: str | pathlib.Path, target: str = "eval_loss") -> tuple[dic
     is missing or non-finite, or whose N or D is not positive, are dropped (a note says how many).
     """
     path = as_path(path)
-    if not path.is_file():
-        raise ConfigError(f"results file not found: {path}")
+    require_file(path, "results file")
     text = path.read_text()
     if path.suffix in (".jsonl", ".json", ".ndjson"):
         records = []

@@ -26,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from jaxinfra.atomic import atomic_write_text
 from jaxinfra.cluster.attempts import FINISHED_SH, run_finished
 from jaxinfra.scaling.results import PLAN_FILE
 from jaxinfra.scaling.spec import Plan, RunPlan
@@ -44,9 +45,8 @@ def prepare(plan: Plan) -> list[str]:
     says so (delete the run directory to re-run it).
     """
     plan.out.mkdir(parents=True, exist_ok=True)
-    with (plan.out / PLAN_FILE).open("w") as f:
-        for run in plan.runs:
-            f.write(json.dumps(run.row()) + "\n")
+    # the sweep's own files, written again from the spec by every `sweep`: replaced, atomically
+    atomic_write_text(plan.out / PLAN_FILE, "".join(json.dumps(run.row()) + "\n" for run in plan.runs), replace=True)
     warnings = []
     for run in plan.runs:
         text = run.config.to_yaml()
@@ -56,7 +56,7 @@ def prepare(plan: Plan) -> list[str]:
                                 f"delete {run.run_dir} to re-run it")
             continue
         run.run_dir.mkdir(parents=True, exist_ok=True)
-        run.config_path.write_text(text)
+        atomic_write_text(run.config_path, text, replace=True)
     return warnings
 
 
@@ -193,7 +193,7 @@ def write_slurm(plan: Plan) -> pathlib.Path:
              _RUN_ONE_SLURM.replace("FINISHED_SH", FINISHED_SH)]
     path = plan.out / "sweep.sbatch"
     plan.out.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines))
+    atomic_write_text(path, "\n".join(lines), replace=True)
     return path
 
 
@@ -232,7 +232,7 @@ def write_k8s(plan: Plan) -> pathlib.Path:
     path = plan.out / "sweep-job.yaml"
     plan.out.mkdir(parents=True, exist_ok=True)
     header = f"# jaxinfra sweep '{plan.spec.name}': {n} runs, one per completion index. kubectl apply -f {path}\n"
-    path.write_text(header + yaml.dump(job, Dumper=_BlockDumper, sort_keys=False, width=10_000))
+    atomic_write_text(path, header + yaml.dump(job, Dumper=_BlockDumper, sort_keys=False, width=10_000), replace=True)
     return path
 
 
@@ -270,11 +270,12 @@ def write_jobsets(plan: Plan, manifests: list[tuple[RunPlan, dict[str, Any]]] | 
     paths = []
     for run, obj in manifests:
         paths.append(folder / f"{run.name}.yaml")
-        paths[-1].write_text(to_yaml([obj], f"jaxinfra sweep '{plan.spec.name}', run {run.name}"))
+        atomic_write_text(paths[-1], to_yaml([obj], f"jaxinfra sweep '{plan.spec.name}', run {run.name}"), replace=True)
     everything = plan.out / "sweep-jobsets.yaml"
-    everything.write_text(to_yaml([obj for _, obj in manifests],
-                                  f"jaxinfra sweep '{plan.spec.name}': {len(manifests)} JobSets, one per unfinished "
-                                  f"run ({len(plan.runs) - len(manifests)} complete). kubectl apply -f {everything}"))
+    atomic_write_text(everything, to_yaml([obj for _, obj in manifests],
+                                          f"jaxinfra sweep '{plan.spec.name}': {len(manifests)} JobSets, one per "
+                                          f"unfinished run ({len(plan.runs) - len(manifests)} complete). kubectl apply "
+                                          f"-f {everything}"), replace=True)
     return [everything, *paths]
 
 

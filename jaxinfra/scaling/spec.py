@@ -49,7 +49,16 @@ from typing import Any
 import yaml
 
 from jaxinfra.cluster.jobset import JobSetSpec, check_spec
-from jaxinfra.config import Config, ConfigError, apply_overrides, config_from_tree, from_dict, load_yaml, validate
+from jaxinfra.config import (
+    Config,
+    ConfigError,
+    apply_overrides,
+    config_from_tree,
+    from_dict,
+    load_yaml,
+    require_file,
+    validate,
+)
 from jaxinfra.metrics.flops import flops_per_token, param_counts
 from jaxinfra.metrics.table import Column, format_table
 from jaxinfra.scaling.sizes import (
@@ -192,8 +201,7 @@ def load_spec(source: str | pathlib.Path | dict[str, Any], overrides: list[str] 
         data, spec_dir = source, pathlib.Path.cwd()
     else:
         path = pathlib.Path(source)
-        if not path.is_file():
-            raise ConfigError(f"sweep spec not found: {source}")
+        require_file(path, "sweep spec", str(source))
         try:
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:

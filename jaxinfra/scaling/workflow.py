@@ -16,9 +16,10 @@ import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jaxinfra.atomic import atomic_write_bytes, atomic_write_text
 from jaxinfra.cluster import slurm
 from jaxinfra.cluster.attempts import RunStatus, format_status
-from jaxinfra.config import ConfigError
+from jaxinfra.config import ConfigError, require_file
 from jaxinfra.scaling import fit as fitting
 from jaxinfra.scaling.results import collect, read_table, write_results
 from jaxinfra.scaling.runner import (
@@ -164,8 +165,7 @@ def fit_results(results: str | pathlib.Path, *, plot_dir: str | pathlib.Path | N
     fit["notes"] = notes + dropped + fit["notes"]
     fit["source"] = str(results)
     out = as_path(out) if out else as_path(results).with_name("fit.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(fit, indent=2) + "\n")
+    atomic_write_text(out, json.dumps(fit, indent=2) + "\n", replace=True)  # a refit replaces the fit
     echo(format_fit(fit))
     echo(f"fit: saved {out}")
     if plot_dir is not None:
@@ -206,7 +206,7 @@ def _plot_all(table: dict[str, Any], fit: dict[str, Any], plot_dir: str | pathli
     with tempfile.TemporaryDirectory() as tmp:
         drawn = plot_all(table, fit, tmp)
         for path in drawn:
-            (remote / path.name).write_bytes(path.read_bytes())
+            atomic_write_bytes(remote / path.name, path.read_bytes(), replace=True)
     return [remote / path.name for path in drawn]
 
 
@@ -247,8 +247,7 @@ def format_fit(fit: dict[str, Any]) -> str:
 def predict_from_file(fit_path: str | pathlib.Path, compute: float, echo: Echo = print) -> dict[str, Any]:
     """N_opt, D_opt and the predicted loss at compute C from a saved fit.json."""
     path = as_path(fit_path)
-    if not path.is_file():
-        raise ConfigError(f"fit file not found: {fit_path}")
+    require_file(path, "fit file", str(fit_path))
     try:
         fit = json.loads(path.read_text())
     except json.JSONDecodeError:

@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from jaxinfra.atomic import atomic_write_text
+
 Row = dict[str, list[dict[str, str]]]
 
 
@@ -81,8 +83,7 @@ def exact_match(replies: Sequence[str], answers: Sequence[str]) -> float:
 
 def write_jsonl(rows: Sequence[Row], path: str | pathlib.Path) -> pathlib.Path:
     path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows), replace=True)
     return path
 
 
