@@ -63,9 +63,10 @@ def prepare(plan: Plan) -> list[str]:
 def set_aside_partial_metrics(run: RunPlan) -> None:
     """An interrupted run without a checkpoint restarts from step 0: keep its old metrics.jsonl
     under another name. (With a checkpoint, `jaxinfra train` resumes and appends to it.)"""
+    from jaxinfra.checkpoint import committed_steps  # jax and Orbax: loaded only when a sweep runs
+
     metrics = run.run_dir / "metrics.jsonl"
-    checkpoints = run.run_dir / "checkpoints"
-    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+    if committed_steps(run.run_dir / "checkpoints"):  # an uncommitted or temporary step dir resumes nothing
         return
     if metrics.is_file():
         k = 1
