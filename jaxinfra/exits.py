@@ -1,18 +1,19 @@
 """Exit statuses of every jaxinfra command, in one place, and which errors are bad input.
 
     0   done
-    2   bad input: a config, data, mesh, checkpoint or run-directory problem, or an output path that holds
-        something already (jaxinfra/atomic.py: `--overwrite` replaces it), told in one line
+    2   bad input: a config, data, mesh, checkpoint or run-directory problem, an output path that holds
+        something already (jaxinfra/atomic.py: `--overwrite` replaces it), or an input file that cannot
+        be decoded (a garbage model.safetensors: `CorruptFileError`), told in one line
     3   diverged: at a log step (every `log.every` steps), at least `train.max_bad_steps`
         consecutive steps were non-finite (flags are read only at log steps: no per-step sync)
     70  hung, or a peer process lost (the watchdog, a failed collective)
-    74  an I/O failure (BSD's EX_IOERR): a file could not be written or read, or holds corrupt data.
+    74  an I/O failure (BSD's EX_IOERR): the storage refused a write or a read.
         A checkpoint write (disk full, no permission, an object-store error: one line names the
         step and the path; the previous committed checkpoint is intact), the run dir's own files
         (read-only, a directory where a file belongs), no readable checkpoint in a run dir
-        (nothing is moved: rerun once the storage is back, or `train --allow-fresh-start`),
-        a corrupt input file (a garbage model.safetensors). Fix the storage or the file, then
-        rerun the same command (a training run resumes from its last committed checkpoint)
+        (nothing is moved: rerun once the storage is back, or `train --allow-fresh-start`).
+        Fix the storage or the path, then rerun the same command (a training run resumes from its
+        last committed checkpoint)
     75  preempted: SIGTERM/SIGINT, a checkpoint committed; rerun the same command to resume (with
         checkpoint.enabled=false nothing was saved, the line says so, and a rerun starts over)
     130 interrupted outside training (Ctrl-C)
@@ -22,7 +23,7 @@ A multi-process run gives every process the same meaning: a bad config or checkp
 exit 2 in each of them, and 70 is kept for real hangs and dead peers.
 
 Launchers that retry should rerun 75 and 70 and never 2, 3 or 74: 2 and 3 fail the same way
-again, and so does 74 until someone frees space or fixes the path or file (sysexits.h).
+again, and so does 74 until someone frees space or fixes the path (sysexits.h).
 
 Every command's errors end in `jaxinfra.cli.main`: bad input (`bad_input_errors`) is exit 2, and
 `io_failure_line` is the one place that says which other errors are I/O failures (exit 74) and
@@ -57,7 +58,8 @@ def bad_input_errors() -> tuple[type[Exception], ...]:
     from jaxinfra.storage import StorageError
     from sharding.mesh import MeshError
 
-    return (ConfigError, DataError, MeshError, DistributedError, CheckpointError, StorageError, OutputExistsError)
+    return (ConfigError, DataError, MeshError, DistributedError, CheckpointError, StorageError, OutputExistsError,
+            CorruptFileError)
 
 
 def write_errors() -> tuple[type[Exception], ...]:
@@ -79,14 +81,11 @@ _FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 _PERMISSION = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
 _KIND = frozenset({errno.EISDIR, errno.ENOTDIR, errno.EEXIST, errno.ENOTEMPTY})
 
-# Errors of file formats read from the user's files: their text is the one line (a header too
-# large, a truncated tensor). Named, not imported: safetensors is loaded only by the commands using it.
-_CORRUPT_FILE_ERRORS = frozenset({"SafetensorError", "HeaderTooLarge", "InvalidHeaderDeserialization"})
-
 
 class CorruptFileError(Exception):
-    """A file the user gave (or a run wrote) holds data that cannot be decoded: an I/O failure (exit 74),
-    named by its path; raise it `from` the format library's error."""
+    """An input file that holds data its format library cannot decode (a garbage or truncated
+    model.safetensors), named by its path: bad input (exit 2), like an input JSON, YAML or .npy file
+    that does not parse; raise it `from` the library's error."""
 
     def __init__(self, path: object, reason: str):
         self.path, self.reason = path, reason
@@ -115,11 +114,8 @@ def io_failure_line(error: BaseException) -> str | None:
     """The one line for an I/O failure (exit EXIT_IO_FAILED), or None if `error` is not one (a bug:
     its traceback is wanted). The one place that decides; `jaxinfra.cli.main` and multi-process
     training use it."""
-    if isinstance(error, (CorruptFileError, *write_errors())):
+    if isinstance(error, write_errors()):
         return str(error)
     if is_write_failure(error):
         return write_failure_line(error)  # type: ignore[arg-type]
-    if type(error).__name__ in _CORRUPT_FILE_ERRORS:
-        text = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
-        return f"a file could not be read ({text}); it is damaged or not in the expected format: replace it"
     return None

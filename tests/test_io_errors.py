@@ -1,5 +1,6 @@
 """I/O failures end in one stderr line and exit 74, decided in one place (jaxinfra/exits.py
-io_failure_line, used by jaxinfra.cli.main), with nothing of the user's lost (issue 35, found item 5).
+io_failure_line, used by jaxinfra.cli.main), with nothing of the user's lost (issue 35, found item 5);
+corrupt input files (a garbage model.safetensors, a shard with flipped bytes) are one line of bad input.
 
 The read-only cases use a real read-only directory: a tmpfs remounted read-only where this process
 may mount (root: EROFS), else a chmod'ed copy (EACCES). The full disk is RLIMIT_FSIZE in this process
@@ -72,12 +73,12 @@ def test_storage_errors_are_one_line_naming_the_path(code, fix):
     assert line.startswith(f"I/O failed ({os.strerror(code)}: /run/metrics.jsonl); {fix}")
 
 
-def test_corrupt_files_are_io_failures_and_bugs_are_not():
-    from safetensors import SafetensorError
+def test_corrupt_input_files_are_bad_input_and_bugs_are_not_io_failures():
+    from jaxinfra.exits import bad_input_errors
 
-    assert io_failure_line(CorruptFileError("/hf/model.safetensors", "header too large")).startswith(
-        "/hf/model.safetensors could not be read (header too large)")
-    assert "header too large" in io_failure_line(SafetensorError("Error while deserializing header: header too large"))
+    corrupt = CorruptFileError("/hf/model.safetensors", "header too large")
+    assert isinstance(corrupt, bad_input_errors()) and io_failure_line(corrupt) is None
+    assert str(corrupt).startswith("/hf/model.safetensors could not be read (header too large)")
     for bug in (ValueError("x"), KeyError("k"), TypeError("t"), TimeoutError("no errno"), FileNotFoundError(2, "x")):
         assert io_failure_line(bug) is None  # a traceback is wanted (a missing input path is bad input: exit 2)
 
@@ -163,7 +164,7 @@ def test_hf_import_of_a_garbage_safetensors_is_one_line_and_writes_nothing(tmp_p
     src = pathlib.Path(shutil.copytree(REPO / "tests" / "fixtures" / "hf" / "llama", tmp_path / "hf"))
     for garbage in (b"garbage" * 10, (src / "model.safetensors").read_bytes()[:5000]):  # junk, and truncated
         (src / "model.safetensors").write_bytes(garbage)
-        line = one_line(capsys, ["hf", "import", str(src), str(tmp_path / "out")], EXIT_IO_FAILED)
+        line = one_line(capsys, ["hf", "import", str(src), str(tmp_path / "out")], EXIT_BAD_INPUT)
         assert line.startswith(f"jaxinfra: error: {src}/model.safetensors could not be read (not a readable "
                                f"safetensors file: Error while deserializing header")
         assert not (tmp_path / "out").exists()
