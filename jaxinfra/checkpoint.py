@@ -130,11 +130,16 @@ def peer_lost(error: BaseException) -> bool:
     return False
 
 
+# What tensorstore's own errors say (its futures are awaited bare, so no Orbax frame is in their
+# traceback): array reads and writes go through Orbax alone in this stack.
+_TENSORSTORE_ERROR = re.compile(r"OCDBT database|\"zarr3?\" driver|tensorstore|os_error_code")
+
+
 class _DropOrphanWriteTasks(logging.Filter):
     """asyncio logs "<Task|_GatheringFuture> exception was never retrieved" for Orbax's array writes
-    that failed after the first one (asyncio.gather reported only that one), whenever the task or
-    future is collected: a page of traceback each. The failure itself is reported as
-    CheckpointWriteError; such records that do not come from Orbax's writes pass through."""
+    or reads that failed after the first one (asyncio.gather reported only that one), whenever the
+    task or future is collected: a page of traceback each. The failure itself is reported in one
+    line (CheckpointWriteError, an unreadable checkpoint); records from anything else pass through."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
@@ -142,7 +147,7 @@ class _DropOrphanWriteTasks(logging.Filter):
             return True
         error = record.exc_info[1] if record.exc_info else None
         trace = "".join(traceback.format_exception(error)) if error is not None else ""
-        return "orbax" not in message + trace
+        return "orbax" not in message + trace and not _TENSORSTORE_ERROR.search(message + trace)
 
     @classmethod
     def install(cls) -> None:

@@ -170,3 +170,20 @@ def test_cli_no_readable_checkpoint_is_one_line_exit_74(run_copy):
     assert proc.returncode == EXIT_IO_FAILED and len(lines) == 1, proc.stderr[-3000:]
     assert lines[0].startswith(f"jaxinfra: error: no checkpoint under {run_copy}/checkpoints could be read")
     assert md5s(run_copy) == before
+
+
+def test_orphan_read_tasks_of_tensorstore_are_dropped_and_others_kept():
+    """A failed read's other array tasks, collected later (intermittently a page each at exit in the
+    issue): their futures are tensorstore's, awaited bare, so no Orbax frame names them."""
+    import logging
+
+    from jaxinfra.checkpoint import _DropOrphanWriteTasks
+
+    read = ValueError('Error opening "zarr" driver: Error reading "step/.zarray" in OCDBT database at local file '
+                      '"/run/checkpoints/4/state/": Error reading Byte range [0, 2408)')
+    mine = ValueError("my own task failed")
+    for error, kept in ((read, False), (mine, True)):
+        record = logging.LogRecord("asyncio", logging.ERROR, "base_events.py", 1,
+                                   "Task exception was never retrieved\nfuture: <Task finished coro=<_wrap_awaitable()>>",
+                                   None, (ValueError, error, None))
+        assert _DropOrphanWriteTasks().filter(record) is kept
