@@ -618,6 +618,15 @@ class Checkpointer:
                         raise
                 finally:
                     logging.getLogger("absl").removeFilter(self._quiet)
+                    self._remove_failed_writes()
+
+    def _remove_failed_writes(self) -> None:
+        """After a failed save, its `<step>.orbax-checkpoint-tmp` (a full disk gets the space back). One
+        local process only, its threads closed; elsewhere (and if a late write races this) the next
+        start's cleanup removes it."""
+        if self._failed and not self.read_only and jax.process_count() == 1 and not storage.is_url(self.directory):
+            for partial in pathlib.Path(self.directory).glob("*.orbax-checkpoint-tmp*"):
+                shutil.rmtree(partial, ignore_errors=True)
 
 
 def _absolute(directory: str | os.PathLike) -> Any:

@@ -217,6 +217,7 @@ def test_no_step_runs_after_a_failed_async_save_and_the_summary_says_so(tmp_path
     assert max(steps) == 2  # step 3 never ran
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["exit_code"] == EXIT_IO_FAILED and summary["steps"] == 2 and "step 2" in summary["error"]
+    assert not list(tmp_path.glob("checkpoints/*"))  # the failed step's temporary directory removed
 
 
 def test_params_written_outside_training_fail_in_one_line_and_leave_no_partial_write(trained, tmp_path, capsys):
