@@ -167,12 +167,14 @@ MOE_MODEL = ModelConfig(vocab_size=64, d_model=32, num_layers=9, num_heads=4, nu
 # microbatches' sums back into exactly those.
 MOE_BATCH, MOE_ACCUM = 16, 2
 MOE_LAYOUTS = {
-    "moe-gpipe-stage2-expert2-fsdp2": (dict(stage=2, expert=2, fsdp=2), dict(microbatches=2), "capacity"),
     "moe-dropless-gpipe-stage2-expert2-data2": (dict(stage=2, expert=2, data=2), dict(microbatches=2), "dropless"),
 }
-# The other schedules with MoE, slower. Covered by default: their statistics plumbing (the
-# stats-sum test below runs circular and 1F1B's custom VJP) and the experts inside a stage (gpipe).
+# The other layouts with MoE, slower. Covered by default: their statistics plumbing (the
+# stats-sum test below runs circular and 1F1B's custom VJP), the experts inside a stage (the
+# dropless gpipe case above) and capacity routing under expert parallelism
+# (tests/test_expert_parallel.py capacity-expert4-fsdp2).
 SLOW_MOE_LAYOUTS = {
+    "moe-gpipe-stage2-expert2-fsdp2": (dict(stage=2, expert=2, fsdp=2), dict(microbatches=2), "capacity"),
     "moe-1f1b-stage2-expert2-data2": (dict(stage=2, expert=2, data=2),
                                       dict(pipeline_schedule="1f1b", microbatches=2), "capacity"),
     "moe-circular-stage2-expert2-fsdp2-repeats2": (
@@ -220,7 +222,7 @@ def test_moe_pipeline_with_capacity_drops():
     baseline; drops are per sequence, so the pipeline's row microbatches cannot change them)."""
     base = run(moe_cfg({}, capacity_factor=1.0), jax.devices()[:1])
     assert base["metrics"][-1]["moe_dropped_frac"] > 0.05
-    _check_moe(base, "moe-gpipe-stage2-expert2-fsdp2", MOE_LAYOUTS, capacity_factor=1.0)
+    _check_moe(base, "moe-gpipe-stage2-expert2-fsdp2", SLOW_MOE_LAYOUTS, capacity_factor=1.0)
 
 
 def test_moe_baseline_statistics_matter(moe_baseline):
@@ -264,7 +266,7 @@ def test_layer_stats_are_microbatch_sums_without_bubbles(schedule, stages, micro
     plan = ParallelPlan(mesh, rules_for("fsdp"), pipeline.PipelineSettings(schedule, micro, repeats))
     with jax.set_mesh(mesh):
         got = jax.jit(jax.value_and_grad(piped, argnums=(0, 1), has_aux=True))(params, h0)
-    want = jax.value_and_grad(sequential, argnums=(0, 1), has_aux=True)(params, h0)
+    want = jax.jit(jax.value_and_grad(sequential, argnums=(0, 1), has_aux=True))(params, h0)
     np.testing.assert_array_equal(got[0][1][1]["tokens"], np.full(layers, float(mask.sum())))
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
