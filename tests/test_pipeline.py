@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from parity import assert_matches, packed_batches, parity_config, run_steps
 
+from jaxinfra.checkpoint import abstract_with_shardings
 from jaxinfra.config import Config, ConfigError, OptimizerConfig, ParallelismConfig
 from jaxinfra.runtime import build_runtime
 from models import ModelConfig
@@ -92,8 +93,11 @@ def test_pipeline_matches_single_device(baseline, name):
 def _temp_bytes(schedule: str) -> int:
     cfg = make_cfg(dict(stage=4), batch=32, pipeline_schedule=schedule, microbatches=16)
     rt = build_runtime(cfg, jax.devices()[:4])
-    state = rt.init_state()
-    return rt.lower_train_step(state, rt.to_global(batches(32)[0])).compile().memory_analysis().temp_size_in_bytes
+    # Abstract state and batch carrying their shardings: the same program, lowered without compiling and
+    # running the init.
+    state = abstract_with_shardings(rt.abstract_state(), rt.state_shardings)
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rt.batch_sharding) for k, v in batches(32)[0].items()}
+    return rt.lower_train_step(state, batch).compile().memory_analysis().temp_size_in_bytes
 
 
 def test_1f1b_activation_memory_below_gpipe():
