@@ -160,16 +160,16 @@ def _reference_acc(cfg, variables, docs: list[dict]) -> float:
     an independent path: each choice's summed log-prob after its context's bytes."""
     from jaxinfra.infer.logprobs import policy_token_logps
 
+    # Every doc's choices in one call (right padding, `lengths`): one compiled program, not one per width.
+    rows = [list(doc["context"].encode()) + list(c.encode()) for doc in docs for c in doc["choices"]]
+    tokens = np.zeros((len(rows), max(map(len, rows))), np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, :len(r)] = r
+    logps = iter(policy_token_logps(cfg, variables, tokens, lengths=np.asarray([len(r) for r in rows])))
     hits = []
     for doc in docs:
-        rows = [list(doc["context"].encode()) + list(c.encode()) for c in doc["choices"]]
-        width = max(map(len, rows))
-        tokens = np.zeros((len(rows), width), np.int32)
-        for i, r in enumerate(rows):
-            tokens[i, :len(r)] = r
-        logps = policy_token_logps(cfg, variables, tokens, lengths=np.asarray([len(r) for r in rows]))
         n = len(doc["context"].encode())
-        sums = [logps[i, n - 1:len(r) - 1].sum() for i, r in enumerate(rows)]
+        sums = [next(logps)[n - 1:n + len(c.encode()) - 1].sum() for c in doc["choices"]]
         hits.append(int(np.argmax(sums)) == doc["answer"])
     return float(np.mean(hits))
 

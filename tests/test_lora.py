@@ -180,14 +180,30 @@ def test_dropout_changes_the_loss_and_dropout_zero_traces_no_random_numbers(trai
 # ---------------------------------------------------------------- merge and restore
 
 
+# The helpers below are jitted: one program each instead of op-by-op compiles (the cold-cache cost).
 def _logits(c, variables, tokens):
-    return nnx.merge(model_graphdef(c.model, c.quant, c.lora), variables)(tokens)
+    graphdef = model_graphdef(c.model, c.quant, c.lora)
+    return jax.jit(lambda v, t: nnx.merge(graphdef, v)(t))(variables, tokens)
 
 
 def _nonzero_b(variables, key=1):
     """B random instead of zeros, so the adapters change the output (a trained adapter)."""
-    return jax.tree.map(lambda v: v.replace(0.1 * jax.random.normal(jax.random.key(key), v.shape))
-                        if isinstance(v, LoraB) else v, variables, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.jit(lambda variables: jax.tree.map(
+        lambda v: v.replace(0.1 * jax.random.normal(jax.random.key(key), v.shape)) if isinstance(v, LoraB) else v,
+        variables, is_leaf=lambda x: isinstance(x, nnx.Variable)))(variables)
+
+
+def _init_adapted(c, seed: int = 0) -> nnx.State:
+    """init_params(c.model, key(seed), c.quant, c.lora), jitted."""
+    return jax.jit(lambda k: init_params(c.model, k, c.quant, c.lora))(jax.random.key(seed))
+
+
+def _merge(c, variables, plain) -> nnx.State:
+    """merge_variables into the merged config `plain`'s layout, jitted (as `lora merge` runs it)."""
+    from jaxinfra.lora.merge import merge_variables
+
+    target = abstract_params(plain.model, quant=plain.quant)
+    return jax.jit(lambda v: merge_variables(c, v, target))(variables)
 
 
 def test_merged_checkpoint_logits_equal_the_unmerged_model(trained, tmp_path):
@@ -211,11 +227,11 @@ def test_moe_experts_adapters_forward_equals_merged_and_a_step_trains(dispatch):
     c = load_config("mixtral-tiny", [*BASE, "model.d_model=32", "model.moe_mlp_dim=32", "model.moe_num_experts=4",
                                      f"model.moe_dispatch={dispatch}", "model.moe_capacity_factor=4.0",
                                      "lora.rank=2", "lora.targets=[q,experts.gate,experts.up,experts.down]"])
-    variables = _nonzero_b(init_params(c.model, jax.random.key(0), c.quant, c.lora))
-    from jaxinfra.lora.merge import merge_variables, merged_config
+    variables = _nonzero_b(_init_adapted(c))
+    from jaxinfra.lora.merge import merged_config
 
     plain = merged_config(c)
-    merged = merge_variables(c, variables, abstract_params(plain.model, quant=plain.quant))
+    merged = _merge(c, variables, plain)
     tokens = jnp.asarray(packed_batches(2, SEQ, VOCAB, 1)[0]["inputs"])
     want = _logits(plain, merged, tokens)
     np.testing.assert_allclose(_logits(c, variables, tokens), want, rtol=1e-5,
@@ -304,13 +320,12 @@ def test_qlora_trains_adapters_over_an_int8_base_from_quantize(trained):
         return state.replace(params=nnx.merge_state(base, nnx.split_state(state.params, ADAPTERS, ...)[0]))
 
     # Merging dequantizes the int8 base: the merged float model computes what the int8 + adapters one does.
-    from jaxinfra.lora.merge import merge_variables, merged_config
+    from jaxinfra.lora.merge import merged_config
 
-    adapted = _nonzero_b(nnx.merge_state(qparams, nnx.split_state(init_params(c.model, jax.random.key(0), c.quant,
-                                                                              c.lora), ADAPTERS, ...)[0]))
+    adapted = _nonzero_b(nnx.merge_state(qparams, nnx.split_state(_init_adapted(c), ADAPTERS, ...)[0]))
     plain = merged_config(q)
     assert plain.quant.weights == "none"
-    merged = merge_variables(q, adapted, abstract_params(plain.model, quant=plain.quant))
+    merged = _merge(q, adapted, plain)
     tokens = jnp.asarray(packed_batches(2, SEQ, VOCAB, 1)[0]["inputs"])
     want = _logits(q, adapted, tokens)
     np.testing.assert_allclose(_logits(plain, merged, tokens), want, rtol=1e-5,
@@ -326,13 +341,13 @@ def test_qlora_trains_adapters_over_an_int8_base_from_quantize(trained):
 def test_generate_from_an_unmerged_mla_run_equals_the_merged_model():
     """Inference builds the adapters too; MLA's absorbed decode slices kv_b, which merges it first."""
     from jaxinfra.infer.generation import Generator
-    from jaxinfra.lora.merge import merge_variables, merged_config
+    from jaxinfra.lora.merge import merged_config
 
     c = load_config("deepseek-tiny", [*BASE[:3], "model.num_layers=2", "mesh.data=1", "lora.rank=2",
                                       "lora.targets=[q_b,kv_a,kv_b,o]"])
-    variables = _nonzero_b(init_params(c.model, jax.random.key(0), c.quant, c.lora))
+    variables = _nonzero_b(_init_adapted(c))
     plain = merged_config(c)
-    merged = merge_variables(c, variables, abstract_params(plain.model, quant=plain.quant))
+    merged = _merge(c, variables, plain)
     prompts = [[1, 2, 3, 4], [5, 6]]
     got = Generator(c, variables, devices=jax.devices()[:1]).generate(prompts, max_new_tokens=6).tokens
     assert got == Generator(plain, merged, devices=jax.devices()[:1]).generate(prompts, max_new_tokens=6).tokens

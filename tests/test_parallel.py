@@ -142,6 +142,10 @@ def test_pallas_kernel_runs_per_shard_and_matches(baseline):
     assert "manual_computation" in text  # the kernel ran inside shard_map, not on gathered inputs
 
 
+# Slow: covered in the default run by tests/test_ring.py::test_ring_matches_reference[pallas_triton-*] (the Pallas
+# kernel per ring step, forward and gradients, manual over data x context) and the Gemma and sinks tests below
+# (training under this same context2-fsdp4 ring).
+@pytest.mark.slow
 def test_ring_runs_the_pallas_kernel_and_matches(baseline):
     """Ring attention calls the configured kernel per ring step (sharding/ring.py), here Pallas
     (interpreted), inside a shard_map manual over context and the batch axes: same training."""
@@ -149,15 +153,6 @@ def test_ring_runs_the_pallas_kernel_and_matches(baseline):
     cfg = dataclasses.replace(make_cfg(mesh, **parallelism),
                               model=dataclasses.replace(MODEL, attention_impl="pallas_triton"))
     assert_matches(run(cfg, jax.devices()), baseline, "context2-fsdp4-ring-pallas")
-
-
-def test_olmo2_block_trains_under_fsdp4_tensor2_like_one_device():
-    """OLMo 2's block (norms after the sub-layers, QK-norm over the whole q / k projection, whose mean
-    then reduces across the tensor-split heads) trains under fsdp=4 x tensor=2 as on one device."""
-    olmo2 = dataclasses.replace(MODEL, norm_placement="post", qk_norm=True, qk_norm_scope="full")
-    one = run(dataclasses.replace(make_cfg({}), model=olmo2), jax.devices()[:1])
-    split = run(dataclasses.replace(make_cfg(dict(fsdp=4, tensor=2)), model=olmo2), jax.devices())
-    assert_matches(split, one, "olmo2-fsdp4-tensor2")
 
 
 def test_gemma_block_trains_under_context2_ring_like_one_device():
@@ -171,7 +166,9 @@ def test_gemma_block_trains_under_context2_ring_like_one_device():
     assert_matches(split, one, "gemma-context2-fsdp4-ring")
 
 
-SINKS = dataclasses.replace(MODEL, attention_sinks=True)
+# OLMo 2's block with gpt-oss attention sinks: one model, so that both features' layout checks share one 1-device
+# baseline and one compile per layout (neither feature's point depends on the other being absent).
+SINKS = dataclasses.replace(MODEL, attention_sinks=True, norm_placement="post", qk_norm=True, qk_norm_scope="full")
 
 
 @pytest.fixture(scope="module")
@@ -179,14 +176,16 @@ def sinks_baseline():
     return run(dataclasses.replace(make_cfg({}), model=SINKS), jax.devices()[:1])
 
 
-def test_attention_sinks_train_under_fsdp4_tensor2_like_one_device(sinks_baseline):
-    """gpt-oss attention sinks (a [heads] logit per layer, split with the heads on `tensor`) train
-    under fsdp=4 x tensor=2 as on one device; they learn, and take no weight decay."""
+def test_olmo2_block_and_attention_sinks_train_under_fsdp4_tensor2_like_one_device(sinks_baseline):
+    """OLMo 2's block (norms after the sub-layers, QK-norm over the whole q / k projection, whose mean
+    then reduces across the tensor-split heads) and gpt-oss attention sinks (a [heads] logit per layer,
+    split with the heads on `tensor`) train under fsdp=4 x tensor=2 as on one device; the sinks learn,
+    and take no weight decay."""
     from jaxinfra.optim import decay_mask
 
     one = sinks_baseline
     split = run(dataclasses.replace(make_cfg(dict(fsdp=4, tensor=2)), model=SINKS), jax.devices())
-    assert_matches(split, one, "sinks-fsdp4-tensor2")
+    assert_matches(split, one, "olmo2-sinks-fsdp4-tensor2")
     learned = np.asarray(one["params"]["layers"]["attn"]["sinks"][...])
     assert learned.shape == (MODEL.num_layers, MODEL.num_heads) and np.abs(learned).min() > 0
     mask = decay_mask(one["state"].params, OPT)
@@ -197,7 +196,7 @@ def test_attention_sinks_train_under_context2_ring_like_one_device(sinks_baselin
     """Sinks under ring attention (context=2 x fsdp=4, balanced): they join once, after the ring's merge."""
     mesh, parallelism = LAYOUTS["context2-fsdp4-ring"]
     split = run(dataclasses.replace(make_cfg(mesh, **parallelism), model=SINKS), jax.devices())
-    assert_matches(split, sinks_baseline, "sinks-context2-fsdp4-ring")
+    assert_matches(split, sinks_baseline, "olmo2-sinks-context2-fsdp4-ring")
 
 
 def _imported_gemma3() -> ModelConfig:
