@@ -414,7 +414,7 @@ class Checkpointer:
         self._failed = False
         try:
             if read_only:
-                committed_steps(self.directory, warn=True)  # one line per uncommitted step dir, ignored
+                committed_steps(self.directory, warn=jax.process_index() == 0)  # a line per uncommitted dir
             else:
                 set_aside_uncommitted(self.directory)  # before Orbax lists them as steps
             with _quiet_orbax():  # read_only=True makes Orbax log "Given directory is read only"
