@@ -107,7 +107,7 @@ def write_failure_line(error: OSError) -> str:
            "fix the permissions or choose a writable path" if error.errno in _PERMISSION else
            "move what is there aside or choose another path" if error.errno in _KIND else "fix the path or the storage")
     return (f"I/O failed ({error.strerror or error}{where}); {fix}, then rerun the same command (a training run "
-            f"resumes from its last committed checkpoint)")
+            f"resumes from its last committed checkpoint, if it has one)")
 
 
 def io_failure_line(error: BaseException) -> str | None:
