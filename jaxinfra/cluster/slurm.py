@@ -8,7 +8,7 @@
 
 Each run is one index of OUT/sweep.sbatch (runner.write_slurm); a resubmission is the same
 script with `--array=<its index>` (several at once: `--array=1,3`), a new job whose task
-writes a new attempt record. 2 (bad input), 3 (diverged) and 74 (a write failed) are never
+writes a new attempt record. 2 (bad input), 3 (diverged) and 74 (an I/O failure) are never
 retried: rerunning fails the same way until a person acts.
 """
 
