@@ -299,3 +299,17 @@ def test_cli_output_into_a_closed_pipe_is_quiet():
     proc.stdout.close()  # the reader is gone before anything is printed
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 141 and b"Traceback" not in err, err.decode()[-2000:]
+
+
+def test_a_fresh_start_over_an_earlier_history_keeps_it_whole(tmp_path):
+    """A run dir whose checkpoints never committed starts from step 0: the metrics it had are moved
+    aside whole, never erased, and the new file holds only the new run's lines."""
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        for step in (1, 2, 3):
+            logger.log(step, {"loss": float(step)})
+    before = (tmp_path / "metrics.jsonl").read_text()
+    with MetricsLogger(tmp_path, tensorboard=False, resume_step=0) as logger:
+        logger.log(1, {"loss": 9.0})
+    (kept,) = tmp_path.glob("metrics.before-fresh-start-*.jsonl")
+    assert kept.read_text() == before
+    assert [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [9.0]

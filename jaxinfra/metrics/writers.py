@@ -13,6 +13,7 @@ import numbers
 import os
 import pathlib
 import sys
+import time
 from typing import Any
 
 from tqdm import tqdm
@@ -44,9 +45,15 @@ def _json_value(value: Any) -> Any:
 
 
 def _truncate_jsonl(path: pathlib.Path, resume_step: int) -> None:
-    """Keep the lines of steps <= resume_step (none when 0), rewriting the file atomically."""
+    """Keep the lines of steps <= resume_step, rewriting the file atomically. A start from step 0 over an
+    earlier history (a run dir whose checkpoints were never committed) keeps that history whole beside it,
+    as metrics.before-fresh-start-<time>.jsonl: a restart never erases what a run measured."""
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    kept = [line for line in lines if resume_step and _line_step(line) <= resume_step]
+    if not resume_step:
+        if any(line.strip() for line in lines):
+            path.rename(path.with_name(f"{path.stem}.before-fresh-start-{int(time.time())}{path.suffix}"))
+        return
+    kept = [line for line in lines if _line_step(line) <= resume_step]
     if len(kept) == len(lines):
         return
     atomic_write_text(path, "".join(kept), replace=True)
@@ -68,7 +75,8 @@ class MetricsLogger:
     The file is opened in append mode, so a resumed run continues the same file. With
     `resume_step=S` the lines a killed run wrote after its checkpoint at step S (which the
     resumed run writes again) are dropped first, and TensorBoard is told to purge its events
-    after S, so every step appears once in both (S=0, a fresh start: nothing old is kept).
+    after S, so every step appears once in both (S=0, a fresh start over an earlier history: that
+    history is kept whole as metrics.before-fresh-start-<time>.jsonl).
     `trackers` (W&B, MLflow; see trackers.py) get the same scalars as TensorBoard, `log_summary` the
     run summary's, and `close(outcome)` ends their runs as finished, failed or killed.
     """
