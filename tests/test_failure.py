@@ -29,7 +29,7 @@ import uuid
 import jax
 import orbax.checkpoint as ocp
 import pytest
-from subprocs import cli_env
+from subprocs import cli_env, file_size_limit_restored
 
 from jaxinfra.checkpoint import CheckpointWriteError, _DropLateWriteCallbacks, _write_reason
 from jaxinfra.config import load_config
@@ -112,15 +112,6 @@ def test_an_error_in_the_loop_is_raised_as_is_and_everything_is_closed(tmp_path,
 
 LIMIT = 200 * 1024  # bytes per file: a checkpoint's data file is ~400 KB; config.yaml and metrics lines fit
 
-
-@contextlib.contextmanager
-def file_size_limit_restored():
-    """Put this process's file size limit back afterwards (a soft limit may be raised again up to the hard one)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
 
 def test_an_async_write_failure_surfaces_at_the_next_save_naming_its_step(tmp_path, caller_handlers, monkeypatch):

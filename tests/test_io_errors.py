@@ -26,7 +26,7 @@ import uuid
 import jax
 import numpy as np
 import pytest
-from subprocs import REPO, cli_env
+from subprocs import REPO, cli_env, file_size_limit_restored
 
 from jaxinfra import cli
 from jaxinfra.checkpoint import CheckpointWriteError
@@ -186,14 +186,6 @@ def test_data_inspect_verify_reports_flipped_bytes_instead_of_crashing(tmp_path,
 
 # ------------------------------------------------------------------ a full disk during an async save
 
-
-@contextlib.contextmanager
-def file_size_limit_restored():
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
 
 def test_no_step_runs_after_a_failed_async_save_and_the_summary_says_so(tmp_path, monkeypatch):
