@@ -62,6 +62,7 @@ from kernels.config import IMPLEMENTATIONS, AttentionImpl  # jax-free: the run c
 from kernels.flash import FlashParams, flash_attention
 from kernels.logs import log_once
 from kernels.masks import Band, dense_mask, make_band, may_have_empty_rows
+from kernels.mixed import is_low_precision
 from kernels.reference import dense_attention, reference_attention
 
 __all__ = ["IMPLEMENTATIONS", "AttentionImpl", "apply_sinks", "attention", "attention_with_lse", "reference_attention",
@@ -238,7 +239,10 @@ def _flash_params(impl: str, q, v, band: Band, scale: float, softcap, block_size
 
 
 def _xla(q, k, v, band: Band, q_seg, kv_seg, causal: bool, scale: float, softcap, need_lse: bool, sinks=None):
-    if need_lse or softcap is not None or q.shape[-1] != v.shape[-1] or sinks is not None:
+    # bfloat16 inputs take the dense path too: jax.nn's dots up-convert their bf16 operands in the
+    # backward (and on CPU in the forward); ours stay bf16 x bf16 -> float32 (kernels/mixed.py).
+    if (need_lse or softcap is not None or q.shape[-1] != v.shape[-1] or sinks is not None
+            or is_low_precision(q.dtype)):
         out, lse = dense_attention(q, k, v, band, q_seg, kv_seg, scale, softcap, upcast=False, precision=None,
                                    sinks=sinks)
         return out.astype(q.dtype), lse

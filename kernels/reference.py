@@ -17,7 +17,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kernels import mixed
 from kernels.masks import Band, dense_mask, make_band
+from kernels.mixed import is_low_precision
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, band: Band, q_seg: jax.Array | None,
@@ -36,7 +38,7 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, band: Band, q_seg:
     if upcast:
         q, k, v = (x.astype(acc) for x in (q, k, v))
     qg = q.reshape(b, tq, hkv, hq // hkv, q.shape[-1])
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, precision=precision, preferred_element_type=acc)
+    s = _dot("btkgd,bskd->bkgts", qg, k, precision, acc)
     s = s * scale
     if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)
@@ -57,11 +59,18 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, band: Band, q_seg:
         l = l + jnp.exp(sink - m)  # denominator only: the sink has no value row
     empty = l == 0
     l_safe = jnp.where(empty, 1.0, l)
-    o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, precision=precision,
-                   preferred_element_type=acc)
+    o = _dot("bkgts,bskd->btkgd", p.astype(v.dtype), v, precision, acc)
     o = o / jnp.moveaxis(l_safe, -2, 1)  # l as [B, Tq, Hkv, G, 1]
     lse = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))[..., 0]  # [B, Hkv, G, Tq]
     return o.reshape(b, tq, hq, v.shape[-1]), lse.reshape(b, hq, tq)
+
+
+def _dot(spec: str, a: jax.Array, b: jax.Array, precision: lax.Precision | None, acc) -> jax.Array:
+    """A score or value dot accumulating in `acc`: bfloat16 operands stay bfloat16 in the backward
+    too (kernels/mixed.py), float32 ones are the plain einsum at `precision`."""
+    if is_low_precision(a.dtype) and is_low_precision(b.dtype):
+        return mixed.einsum(spec, a, b, dtype=a.dtype, out_dtype=acc)
+    return jnp.einsum(spec, a, b, precision=precision, preferred_element_type=acc)
 
 
 def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,

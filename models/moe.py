@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from kernels import mixed
 from models.config import ModelConfig
 from models.layers import DTYPES, MLP, GatedActivation, param, zeros_bias
 from models.lora_config import NO_LORA, LoraConfig
@@ -110,10 +111,10 @@ class MoE(nnx.Module):
             capacity = expert_capacity(t, k, cfg.moe_num_experts, cfg.moe_capacity_factor)
             dispatch, combine, dropped = capacity_assignment(experts, gates, mask, cfg.moe_num_experts, capacity,
                                                              order)
-            x_e = jnp.einsum("gsec,gsd->gecd", dispatch.astype(dt), x)
+            x_e = mixed.einsum("gsec,gsd->gecd", dispatch, x, dtype=dt)
             ffn = partial(_unflattened, partial(expert_swiglu, act=self.act), treedef, matmuls, dt)
             y_e = capacity_experts(x_e, leaves, ffn, plan=plan)
-            y = jnp.einsum("gsec,gecd->gsd", combine.astype(dt), y_e)
+            y = mixed.einsum("gsec,gecd->gsd", combine, y_e, dtype=dt)
             kept = jnp.sum(combine, axis=-1) if cfg.moe_expert_bias else None  # [B, T, E]: kept assignments' weights
         else:
             kinds = (GATE_NAMES, GATE_NAMES, DOWN_NAMES, BIAS_NAMES, BIAS_NAMES)
@@ -128,7 +129,7 @@ class MoE(nnx.Module):
                               gates.astype(jnp.float32)) if cfg.moe_expert_bias else None
         if cfg.moe_expert_bias:  # the down bias, weighted like its expert's output: added here, outside the
             # expert exchange, where no tensor-parallel partial sum would count it once per shard
-            y = y + jnp.einsum("bte,ed->btd", kept.astype(dt), self.b_down[...].astype(dt))
+            y = y + mixed.einsum("bte,ed->btd", kept, self.b_down[...], dtype=dt)
         if cfg.moe_shared_experts:
             y = y + self.shared(x, plan=plan)
         stats = {"counts": routing.counts, "dropped": dropped, "aux_loss": routing.aux_loss,

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kernels import mixed
 from models import qdot
 from models.lora_config import NO_LORA, LoraConfig, fan_in_bound, lora_targets
 from models.quant import dequantize, dequantize_grouped
@@ -253,8 +254,8 @@ def project(spec: str, x: jax.Array, w: Weight, matmul: MatmulQuant, *, dtype: A
     with jax.named_scope(matmul.name):
         if isinstance(w, Int8Weight):
             return _stored_int8_einsum(spec, x.astype(dtype), w, dtype, out_dtype)
-        if matmul.mode == "none":
-            return jnp.einsum(spec, x, w.astype(dtype), preferred_element_type=out_dtype)
+        if matmul.mode == "none":  # bf16 compute: bf16 x bf16 -> float32 dots, backward too (kernels/mixed.py)
+            return mixed.einsum(spec, x, w, dtype=dtype, out_dtype=out_dtype)
         xl, wl, ol = qdot.parse_einsum(spec, x.ndim, w.ndim)
         plan = qdot.EinsumPlan(xl, wl, ol, **_operands(names, out_dtype, x, w, matmul))
         if matmul.mode == "int8":
@@ -269,8 +270,8 @@ def project_ragged(rows: jax.Array, w: Weight, group_sizes: jax.Array, matmul: M
     if isinstance(w, Adapted):  # per group: rows @ A[e] @ B[e]
         out = project_ragged(rows, w.base, group_sizes, matmul, dtype=dtype, names=names)
         with jax.named_scope(f"{matmul.name}.lora"):
-            mid = jax.lax.ragged_dot(rows.astype(dtype), w.a.astype(dtype), group_sizes)
-            return out + jax.lax.ragged_dot(mid, w.b.astype(dtype), group_sizes)
+            mid = mixed.ragged_dot(rows, w.a, group_sizes, dtype=dtype)
+            return out + mixed.ragged_dot(mid, w.b, group_sizes, dtype=dtype)
     with jax.named_scope(matmul.name):
         if isinstance(w, Int8Weight):
             if w.scale.shape[1] != 1:  # group-wise: per-group partial sums do not fit ragged_dot
@@ -279,7 +280,7 @@ def project_ragged(rows: jax.Array, w: Weight, group_sizes: jax.Array, matmul: M
             gid = qdot.group_ids(group_sizes, rows.shape[0])
             return (out * w.scale[gid, 0]).astype(dtype)
         if matmul.mode == "none":
-            return jax.lax.ragged_dot(rows, w.astype(dtype), group_sizes)
+            return mixed.ragged_dot(rows, w, group_sizes, dtype=dtype)
         plan = qdot.RaggedPlan(**_operands(names, dtype, rows, w, matmul))
         fn = qdot.int8_ragged_dot if matmul.mode == "int8" else qdot.fp8_ragged_dot
         return fn(plan, rows, w, group_sizes)
@@ -295,9 +296,8 @@ def _lora_einsum(spec: str, x: jax.Array, w: Adapted, dtype: Any, out_dtype: Any
     outs = "".join(c for c in wl if c not in xl)
     r = next(c for c in "rstuvwxyzabcdefghijklmnopq" if c not in xl + wl + ol)
     ml = "".join(c for c in xl if c not in contracted) + r
-    mid = jnp.einsum(f"{xl},{batch}{contracted}{r}->{ml}", x.astype(dtype), w.a.astype(dtype),
-                     preferred_element_type=dtype)
-    return jnp.einsum(f"{ml},{batch}{r}{outs}->{ol}", mid, w.b.astype(dtype), preferred_element_type=out_dtype)
+    mid = mixed.einsum(f"{xl},{batch}{contracted}{r}->{ml}", x.astype(dtype), w.a, dtype=dtype)
+    return mixed.einsum(f"{ml},{batch}{r}{outs}->{ol}", mid, w.b, dtype=dtype, out_dtype=out_dtype)
 
 
 def _operands(names: tuple | None, out_dtype: Any, x: jax.Array, w: jax.Array, matmul: MatmulQuant) -> dict:

@@ -24,7 +24,6 @@ Inside the expert shard_maps a plan carries, per operand dim, the manual axes sp
 from __future__ import annotations
 
 import dataclasses
-import string
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -32,6 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from kernels.mixed import WEIGHT_GRAD, labels, like_primal
 from models.quant import INT8_MAX, absmax, fp8_scale, int8_scale, quantize_fp8
 from sharding.reductions import Split, complete_max
 
@@ -71,16 +71,7 @@ class EinsumPlan(Operands):
 
 def parse_einsum(spec: str, x_ndim: int, w_ndim: int) -> tuple[str, str, str]:
     """'...ecd,edf->...ecf' -> explicit labels (the ellipsis as fresh capital letters)."""
-    inputs, out = spec.replace(" ", "").split("->")
-    xl, wl = inputs.split(",")
-    if "..." in spec:
-        n = x_ndim - (len(xl) - 3) if "..." in xl else w_ndim - (len(wl) - 3)
-        fill = "".join([c for c in string.ascii_uppercase if c not in spec][:n])
-        xl, wl, out = (s.replace("...", fill) for s in (xl, wl, out))
-    for a, others in ((xl, wl + out), (wl, xl + out)):
-        if any(c not in others for c in a):
-            raise ValueError(f"einsum {spec!r}: a label summed in one operand alone is not a projection")
-    return xl, wl, out
+    return labels(spec, x_ndim, w_ndim)
 
 
 def broadcast_to(s: jax.Array, labels: str, out: str) -> jax.Array:
@@ -105,19 +96,6 @@ def quantize_int8_over(x: jax.Array, labels: str, over: str, split: Split) -> tu
 def tensor_amax(x: jax.Array, split: Split) -> jax.Array:
     """Per-tensor absmax (a float32 scalar), completed over every manual axis splitting x."""
     return complete_max(jnp.max(jnp.abs(x.astype(jnp.float32))), split, range(x.ndim))
-
-
-def _varying(x: jax.Array) -> frozenset:
-    """The manual mesh axes `x` varies over inside a shard_map (empty outside one)."""
-    return frozenset(getattr(getattr(jax.typeof(x), "manual_axis_type", None), "varying", ()))
-
-
-def like_primal(ct: jax.Array, primal: jax.Array) -> jax.Array:
-    """A cotangent summed over the manual axes it varies over and its primal does not: inside a
-    shard_map a VJP must return the primal's type, and a contraction split over a manual axis
-    leaves partial sums (the psum the float einsum's own transpose would insert)."""
-    extra = _varying(ct) - _varying(primal)
-    return jax.lax.psum(ct, tuple(sorted(extra))) if extra else ct
 
 
 def _dot(p: EinsumPlan, a_labels: str, b_labels: str, out: str, a: jax.Array, b: jax.Array, acc) -> jax.Array:
@@ -217,10 +195,6 @@ class RaggedPlan(Operands):
         return (self.x_split[0], self.w_split[2] if self.w_split else ())
 
 
-_WEIGHT_GRAD = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
-
-
 def group_ids(sizes: jax.Array, rows: int) -> jax.Array:
     """The group (expert) of each of `rows` sorted rows; rows past the groups get the last one."""
     return jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(rows), side="right"), sizes.shape[0] - 1)
@@ -229,7 +203,7 @@ def group_ids(sizes: jax.Array, rows: int) -> jax.Array:
 def _ragged(p: RaggedPlan, a, b, sizes, acc, weight_grad: bool = False) -> jax.Array:
     with jax.named_scope(p.name):
         if weight_grad:
-            return jax.lax.ragged_dot_general(a, b, sizes, _WEIGHT_GRAD, preferred_element_type=acc)
+            return jax.lax.ragged_dot_general(a, b, sizes, WEIGHT_GRAD, preferred_element_type=acc)
         return jax.lax.ragged_dot(a, b, sizes, preferred_element_type=acc)
 
 

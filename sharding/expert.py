@@ -88,7 +88,8 @@ def unpermute(y_sorted: jax.Array, order: jax.Array, gates: jax.Array) -> jax.Ar
     n, k = gates.shape
     inverse = jnp.argsort(order)
     y = y_sorted[inverse].reshape(n, k, -1)
-    return jnp.einsum("nkd,nk->nd", y, gates.astype(y.dtype))
+    # A weighted sum of k rows per token (k <= 8), not a matmul: in float32, as elementwise work.
+    return jnp.sum(y.astype(jnp.float32) * gates[..., None].astype(jnp.float32), axis=1).astype(y.dtype)
 
 
 def _exclusive_cumsum(x: jax.Array, axis: int) -> jax.Array:

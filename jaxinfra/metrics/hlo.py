@@ -52,6 +52,8 @@ _CALLED_ONE = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|f
 _CALLED_MANY = re.compile(r"\b(?:branch_computations|called_computations|calls)=\{([^}]*)\}")
 _OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_ELEMENT = re.compile(r"(\w+)\[")
+_OPERAND = re.compile(r"%([\w.\-]+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +65,8 @@ class Instruction:
     target: str = ""  # custom_call_target
     batched_dot: bool = False  # a dot with batch dimensions
     scalar: bool = False  # its result is a scalar (index arithmetic in a slicing fusion, loop counters)
+    dtype: str = ""  # the result's element type (`bf16`, `f32`; "" for a tuple)
+    operands: tuple[str, ...] = ()  # the instructions it reads, by name
 
 
 @dataclasses.dataclass
@@ -94,10 +98,13 @@ def _instruction(name: str, rest: str) -> Instruction:
         calls += [c.strip().lstrip("%") for c in group.split(",") if c.strip()]
     op_name = _OP_NAME.search(body)
     target = _TARGET.search(body)
+    args = body[len(opcode):].split(")", 1)[0]
     return Instruction(name=name, opcode=opcode, op_name=op_name.group(1) if op_name else "",
                        calls=tuple(calls), target=target.group(1) if target else "",
                        batched_dot=opcode == "dot" and "lhs_batch_dims={" in body,
-                       scalar=re.match(r"\w+\[\]", rest) is not None)
+                       scalar=re.match(r"\w+\[\]", rest) is not None,
+                       dtype=_ELEMENT.match(rest).group(1) if _ELEMENT.match(rest) else "",
+                       operands=tuple(_OPERAND.findall(args)))
 
 
 def parse_hlo(text: str) -> HloModule:
@@ -168,3 +175,14 @@ def classify(module: HloModule, name: str) -> str:
     if computing <= _MOVEMENT | CONTROL_FLOW | {"fusion", "custom-call"}:
         return OTHER
     return ELEMENTWISE
+
+
+def dots(module: HloModule) -> list[tuple[Instruction, tuple[str, ...]]]:
+    """Every dot and ragged dot of the program (inside fusions too) with its operands' element types, as
+    the compiler left them: an operand XLA converted up to float32 before the dot reads `f32` here."""
+    out = []
+    for inst in module.instructions.values():
+        if inst.opcode in ("dot", "ragged-dot"):
+            out.append((inst, tuple(module.instructions[o].dtype for o in inst.operands
+                                    if o in module.instructions)))
+    return out
