@@ -94,9 +94,12 @@ def test_grad_accumulation_equals_large_batch(single):
 @pytest.mark.parametrize("layout", [dict(fsdp=4, tensor=2),
                                     pytest.param(dict(data=8), marks=pytest.mark.slow)],  # data8: test_parallel.py
                          ids=["fsdp4-tensor2", "data8"])
-def test_sharded_matches_single_device(single, layout):
+def test_sharded_matches_single_device(single, layout, monkeypatch):
     assert jax.device_count() == 8, "conftest must give 8 fake CPU devices"
-    run = run_layout(layout)
+    with compile_log(monkeypatch) as compiles:
+        run = run_layout(layout)
+    # The step's outputs come back with the shardings its inputs have: step 2 reuses step 1's program.
+    assert [step for step, name in compiles.compiles if name == "jit(train_step)"] == [1], compiles.compiles
     assert_trees_close(run["initial"], single["initial"], rtol=0, atol=0)
     assert_series_close(run, single, ("loss", "grad_norm"), rtol=1e-5)
     assert_trees_close(run["params"], single["params"], rtol=1e-5, atol=PARAM_ATOL)
