@@ -167,12 +167,29 @@ def _report(caught: list[warnings.WarningMessage], events: CacheEvents) -> None:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
 
 
-def describe(trace_s: float, xla_s: float, events: CacheEvents, directory: str | None) -> str:
-    """The startup line's account of the step's compile."""
+@dataclasses.dataclass(frozen=True)
+class CompileTimes:
+    """The seconds of the train step's three compile phases (runtime.compile_train_step)."""
+
+    trace_s: float  # jax traces the Python step into a jaxpr (Python; every process, every run)
+    lower_s: float  # the jaxpr is emitted as StableHLO (Python; every run: not what the cache stores)
+    xla_s: float  # XLA compiles the StableHLO, or loads the executable from the persistent cache
+
+    @property
+    def total_s(self) -> float:
+        """summary.json's compile_s: the three phases, not the first step's run."""
+        return self.trace_s + self.lower_s + self.xla_s
+
+
+def describe(times: CompileTimes, events: CacheEvents, directory: str | None,
+             first_step_s: float | None = None) -> str:
+    """The startup line's account of the step's compile, and of its first run once that is known."""
     if directory is None:
         cache = "cache: off"
     elif events.hits:
         cache = f"cache: hit, {directory}"
     else:
         cache = f"cache: miss, wrote {directory}" if events.writes else f"cache: miss, {directory}"
-    return f"step compiled in {trace_s + xla_s:.1f} s (trace {trace_s:.1f} s, XLA {xla_s:.1f} s; {cache})"
+    line = (f"step compiled in {times.total_s:.1f} s (trace {times.trace_s:.1f} s, lower {times.lower_s:.1f} s, "
+            f"XLA {times.xla_s:.1f} s; {cache})")
+    return line if first_step_s is None else f"{line}; first step ran in {first_step_s:.2f} s"

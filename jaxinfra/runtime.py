@@ -18,6 +18,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxinfra.compile_cache import CompileTimes
 from jaxinfra.config import Config, pipeline_settings, validate
 from jaxinfra.extensions import (
     ModelStats,
@@ -104,19 +105,22 @@ class Runtime:
         with jax.set_mesh(self.mesh):
             return self._train_step.lower(state, batch, self.step_inputs() if inputs is None else inputs)
 
-    def compile_train_step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[Any, float, float]:
-        """Compile the train step ahead of its first call: (compiled, trace + lowering seconds, XLA seconds).
+    def compile_train_step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[Any, CompileTimes]:
+        """Compile the train step ahead of its first call: (compiled, the seconds of each phase).
 
         The jitted step reuses this executable on its first call (jax shares the lowering and the
         compiled program between `jit(...).trace(...).lower().compile()` and `jit(...)(...)` for the same
-        arguments), so the step compiles once and the two phases are timed apart: tracing and
-        lowering are Python work on every run, XLA's part is what the persistent cache saves."""
+        arguments; tests/test_step.py counts one compile), so the step compiles once and the phases are
+        timed apart: tracing and lowering are Python work on every run, XLA's part is what the
+        persistent cache saves."""
         with jax.set_mesh(self.mesh):
             start = time.perf_counter()
-            lowered = self._train_step.trace(state, batch, self.step_inputs()).lower()
-            traced = time.perf_counter()
+            traced = self._train_step.trace(state, batch, self.step_inputs())
+            after_trace = time.perf_counter()
+            lowered = traced.lower()
+            after_lower = time.perf_counter()
             compiled = lowered.compile()
-        return compiled, traced - start, time.perf_counter() - traced
+        return compiled, CompileTimes(after_trace - start, after_lower - after_trace, time.perf_counter() - after_lower)
 
     def eval_sums(self, params: nnx.State, batches: list[dict[str, np.ndarray]],
                   eval_step: Any = None) -> tuple[float, float]:

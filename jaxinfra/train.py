@@ -116,10 +116,9 @@ class _Loop:
     bad_in_a_row: int = 0
     skipped: int = 0
     started: float = 0.0
-    first_step_s: float | None = None  # the first step's wall time (its compile included)
-    compile_trace_s: float | None = None  # the train step's tracing + lowering (runtime.compile_train_step)
-    compile_xla_s: float | None = None  # XLA's compile, or the load from the persistent cache
-    compile_hit: bool | None = None
+    first_step_s: float | None = None  # the first step's run (dispatch to done), its compile not included
+    compile_times: compile_cache.CompileTimes | None = None  # the train step's trace, lower and XLA seconds
+    compile_events: compile_cache.CacheEvents | None = None  # what the persistent cache did for that compile
     window_start: float = 0.0
     window_steps: int = 0
     last: dict[str, float] = dataclasses.field(default_factory=dict)  # the newest metrics line
@@ -562,15 +561,14 @@ class Trainer:
             self._compile_step(loop, batch)
         self.window.before(step, loop.state)
         watchdog.progress(step, "step")
+        dispatched = time.perf_counter()
         loop.state, metrics = self.rt.train_step(loop.state, batch)
         self.state = loop.state  # what host.current_state() gives the next batch (the old one was donated)
         loop.pending_flags.append(metrics["nonfinite"])
         loop.window_steps += 1
-        if loop.first_step_s is None:  # the first step compiles; time the rest from its end
-            jax.block_until_ready(metrics)
-            loop.first_step_s = time.perf_counter() - loop.started
-            loop.window_start, loop.window_steps = time.perf_counter(), 0
-            watchdog.arm()
+        if loop.first_step_s is None:  # the first step runs the program compiled just before
+            jax.block_until_ready((loop.state, metrics))
+            self._first_step_ran(loop, time.perf_counter() - dispatched)
         profiled = self.window.after(step, (loop.state, metrics))
         if profiled:
             self._say(profiled)
@@ -602,17 +600,24 @@ class Trainer:
             self._say(f"step {step}: {shown or ', '.join(line)}")
 
     def _compile_step(self, loop: _Loop, batch: dict[str, jax.Array]) -> None:
-        """Compile the train step before its first call (the call reuses it), timed and checked against
-        the persistent cache; one startup line says how long and whether the cache served it."""
+        """Compile the train step before its first call (the call reuses it), each phase timed and the
+        compile checked against the persistent cache (said in the startup line after the first step)."""
         self.watchdog.progress(loop.step, "compile")
-        with compile_cache.watch() as cache:
-            compiled, loop.compile_trace_s, loop.compile_xla_s = self.rt.compile_train_step(loop.state, batch)
-        loop.compile_hit = bool(cache.hits)
+        with compile_cache.watch() as loop.compile_events:
+            compiled, loop.compile_times = self.rt.compile_train_step(loop.state, batch)
         self.window.keep_program(compiled)  # a profile window classifies its ops from this program's HLO
-        for note in cache.notes:
+        for note in loop.compile_events.notes:
             self._say(note)
-        self._say("jaxinfra: " + compile_cache.describe(loop.compile_trace_s, loop.compile_xla_s, cache,
-                                                        self.cache_dir))
+
+    def _first_step_ran(self, loop: _Loop, seconds: float) -> None:
+        """The startup line, once: the compile's phases and the first step's run, which only now is known
+        (one line rather than two; a bad cache entry's warning came at the compile). Step times of later
+        log points count from here, and the watchdog's step timeout starts."""
+        loop.first_step_s = seconds
+        self._say("jaxinfra: " + compile_cache.describe(loop.compile_times, loop.compile_events, self.cache_dir,
+                                                        seconds))
+        loop.window_start, loop.window_steps = time.perf_counter(), 0
+        self.watchdog.arm()
 
     def _log_point(self, loop: _Loop, step: int, metrics: dict[str, jax.Array]) -> None:
         """The loop's host sync: count skipped steps and write one metrics line."""
@@ -724,10 +729,13 @@ class Trainer:
 
 def _compile_fields(loop: _Loop, cache_dir: str | None) -> dict[str, Any]:
     """summary.json's account of the train step's compile (None: no step ran)."""
-    trace_s, xla_s = loop.compile_trace_s, loop.compile_xla_s
-    return {"compile_s": None if trace_s is None else trace_s + xla_s, "compile_trace_s": trace_s,
-            "compile_xla_s": xla_s, "compile_cache": cache_dir, "compile_cache_hit": loop.compile_hit,
-            "first_step_s": loop.first_step_s}
+    times, events = loop.compile_times, loop.compile_events
+    if times is None:
+        return {key: None for key in ("compile_s", "compile_trace_s", "compile_lower_s", "compile_xla_s",
+                                      "compile_cache_hit", "first_step_s")} | {"compile_cache": cache_dir}
+    return {"compile_s": times.total_s,  # trace + lower + XLA; the first step's run is first_step_s
+            "compile_trace_s": times.trace_s, "compile_lower_s": times.lower_s, "compile_xla_s": times.xla_s,
+            "compile_cache": cache_dir, "compile_cache_hit": bool(events.hits), "first_step_s": loop.first_step_s}
 
 
 def train(cfg: Config, run_dir: str | os.PathLike, devices: Sequence[jax.Device] | None = None,

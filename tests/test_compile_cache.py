@@ -50,9 +50,13 @@ def test_second_run_loads_the_step_from_the_cache(cold_then_warm):
     assert first["compile_cache"] == second["compile_cache"] == str(cache)
     assert first["compile_cache_hit"] is False and second["compile_cache_hit"] is True
     assert f"cache: miss, wrote {cache})" in out1 and f"cache: hit, {cache})" in out2
-    for s in (first, second):
-        assert s["compile_s"] == pytest.approx(s["compile_trace_s"] + s["compile_xla_s"])
-        assert s["first_step_s"] >= s["compile_s"] > 0  # the first step's wall time holds its compile
+    for s, out in ((first, out1), (second, out2)):
+        assert s["compile_s"] == pytest.approx(s["compile_trace_s"] + s["compile_lower_s"] + s["compile_xla_s"])
+        assert min(s["compile_trace_s"], s["compile_lower_s"], s["compile_xla_s"], s["first_step_s"]) > 0
+        line, = (x for x in out.splitlines() if "step compiled in" in x)  # once, after the first step ran
+        assert line.endswith(f"; first step ran in {s['first_step_s']:.2f} s"), line
+        assert f"(trace {s['compile_trace_s']:.1f} s, lower {s['compile_lower_s']:.1f} s, XLA " in line, line
+    assert first["first_step_s"] < first["compile_xla_s"]  # the run alone: the step's compile is not in it
     assert second["compile_xla_s"] < first["compile_xla_s"]  # a load, not a compile
     assert second["final_loss"] == first["final_loss"]  # the cached program computes the same
 

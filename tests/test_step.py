@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from compiles import assert_no_recompile, compile_log
 from parity import PARAM_ATOL, assert_series_close, assert_trees_close, parity_config, run_steps, series
 
 from jaxinfra.config import Config, OptimizerConfig, ScheduleConfig, load_config
@@ -93,9 +94,12 @@ def test_grad_accumulation_equals_large_batch(single):
 @pytest.mark.parametrize("layout", [dict(fsdp=4, tensor=2),
                                     pytest.param(dict(data=8), marks=pytest.mark.slow)],  # data8: test_parallel.py
                          ids=["fsdp4-tensor2", "data8"])
-def test_sharded_matches_single_device(single, layout):
+def test_sharded_matches_single_device(single, layout, monkeypatch):
     assert jax.device_count() == 8, "conftest must give 8 fake CPU devices"
-    run = run_layout(layout)
+    with compile_log(monkeypatch) as compiles:
+        run = run_layout(layout)
+    # The step's outputs come back with the shardings its inputs have: step 2 reuses step 1's program.
+    assert [step for step, name in compiles.compiles if name == "jit(train_step)"] == [1], compiles.compiles
     assert_trees_close(run["initial"], single["initial"], rtol=0, atol=0)
     assert_series_close(run, single, ("loss", "grad_norm"), rtol=1e-5)
     assert_trees_close(run["params"], single["params"], rtol=1e-5, atol=PARAM_ATOL)
@@ -244,18 +248,20 @@ def _get(tree, key):
 # ---------------------------------------------------------------- end to end
 
 
-def test_train_end_to_end(tmp_path):
-    cfg = load_config("tiny", [
-        "data.source=synthetic", "data.eval_batches=2",
-        "model.vocab_size=64", "model.d_model=32", "model.num_layers=2", "model.num_heads=4",
-        "model.num_kv_heads=2", "model.mlp_dim=64",
-        "train.steps=30", "train.batch_size=8", "train.seq_len=16", "train.eval_every=15",
-        "schedule.warmup_steps=5", "optimizer.lr=1e-2",
-        "log.every=5", "log.progress=false", "log.tensorboard=false", "mesh.data=1",
-    ])
+E2E = ["data.source=synthetic", "model.vocab_size=64", "model.d_model=32", "model.num_layers=2", "model.num_heads=4",
+       "model.num_kv_heads=2", "model.mlp_dim=64", "train.steps=30", "train.batch_size=8", "train.seq_len=16",
+       "schedule.warmup_steps=5", "optimizer.lr=1e-2", "log.progress=false", "log.tensorboard=false", "mesh.data=1"]
+
+
+def test_train_end_to_end(tmp_path, monkeypatch):
+    """30 steps with evaluation at 0, 15 and 30; no step recompiles (tests/compiles.py counts the compiles)."""
+    cfg = load_config("tiny", [*E2E, "data.eval_batches=2", "train.eval_every=15", "log.every=5"])
     from jaxinfra.train import train
 
-    summary = train(cfg, tmp_path, devices=jax.devices()[:1])
+    with compile_log(monkeypatch) as compiles:
+        summary = train(cfg, tmp_path, devices=jax.devices()[:1])
+    assert compiles.step == 30
+    assert_no_recompile(compiles)
 
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train_lines = [x for x in lines if "loss" in x]
@@ -286,6 +292,26 @@ def test_train_end_to_end(tmp_path):
     assert written["steps"] == 30
     assert written["final_eval_loss"] == pytest.approx(eval_lines[-1]["eval_loss"])
     assert summary["final_eval_loss"] == pytest.approx(written["final_eval_loss"])
+
+
+def test_recompile_check_sees_a_batch_of_another_shape(tmp_path, monkeypatch):
+    """The check above can fail: step 3 gets half-length sequences, its train step compiles anew, and the
+    compile log places it at step 3 (the run is the end-to-end one's program: a persistent-cache hit)."""
+    from jaxinfra.train import Trainer, train
+
+    batches = Trainer.batches
+
+    def halved_at_step_3(self, first_step: int = 1):
+        for step, batch in enumerate(batches(self, first_step), first_step):
+            yield {k: v[:, :8] for k, v in batch.items()} if step == 3 else batch
+
+    monkeypatch.setattr(Trainer, "batches", halved_at_step_3)
+    cfg = load_config("tiny", [*E2E, "data.eval_batches=0", "checkpoint.enabled=false", "log.every=30"])
+    with compile_log(monkeypatch) as compiles:
+        train(cfg, tmp_path, devices=jax.devices()[:1])
+    assert [step for step, name in compiles.compiles if name == "jit(train_step)"] == [0, 3]
+    with pytest.raises(AssertionError, match=r"train_step compiled at steps \[0, 3\]"):
+        assert_no_recompile(compiles)
 
 
 # ---------------------------------------------------------------- chunked loss
