@@ -20,12 +20,25 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+# What a remat policy that keeps dots keeps of these (models/remat.py): the rounded result, by name,
+# not the dot's float32 output (which would double the saved bytes).
+SAVED, SAVED_BATCHED = "mixed_dot", "mixed_batched_dot"
 
 WEIGHT_GRAD = jax.lax.RaggedDotDimensionNumbers(  # ragged_dot's weight gradient: rows x cotangent per group
     dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
 # The same with the rows transposed to [K, M] first (contracted dim last, as XLA:CPU's bf16 kernels want).
 WEIGHT_GRAD_T = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(((1,), (0,)), ((), ())), lhs_ragged_dimensions=[1], rhs_group_dimensions=[])
+
+
+def is_mixed_dot(prim: Any, *avals: Any, **params: Any) -> bool:
+    """Whether a traced primitive (as a remat policy sees it) is one of these dots: low-precision operands,
+    float32 result."""
+    if prim.name not in ("dot_general", "ragged_dot_general"):
+        return False
+    return params.get("preferred_element_type") == jnp.float32 and all(is_low_precision(a.dtype) for a in avals[:2])
 
 
 def is_low_precision(dtype: Any) -> bool:
@@ -69,7 +82,9 @@ def einsum(spec: str, a: jax.Array, b: jax.Array, *, dtype: Any, out_dtype: Any 
     if not is_low_precision(dtype):
         return jnp.einsum(spec, a, b.astype(dtype), preferred_element_type=out_dtype)
     al, bl, ol = labels(spec, a.ndim, b.ndim)
-    return _mixed_einsum((al, bl, ol, jnp.dtype(dtype), jnp.dtype(out_dtype), a.dtype, b.dtype), a, b)
+    y = _mixed_einsum((al, bl, ol, jnp.dtype(dtype), jnp.dtype(out_dtype), a.dtype, b.dtype), a, b)
+    batched = any(c in bl and c in ol for c in al)
+    return checkpoint_name(y, SAVED_BATCHED if batched else SAVED)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -154,7 +169,8 @@ def ragged_dot(rows: jax.Array, w: jax.Array, group_sizes: jax.Array, *, dtype: 
     out_dtype = dtype if out_dtype is None else out_dtype
     if not is_low_precision(dtype):
         return jax.lax.ragged_dot(rows, w.astype(dtype), group_sizes, preferred_element_type=out_dtype)
-    return _mixed_ragged((jnp.dtype(dtype), jnp.dtype(out_dtype), rows.dtype, w.dtype), rows, w, group_sizes)
+    y = _mixed_ragged((jnp.dtype(dtype), jnp.dtype(out_dtype), rows.dtype, w.dtype), rows, w, group_sizes)
+    return checkpoint_name(y, SAVED)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
