@@ -48,7 +48,9 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, band: Band, q_seg:
         s = softcap * jnp.tanh(s / softcap)
     mask = dense_mask(band, q_seg, kv_seg)  # [B|1, 1, Tq, Tkv]
     if mask is not None:
-        s = jnp.where(mask[:, :, None], s, -jnp.inf)
+        # An additive 0 / -inf bias, equal to where(mask, s, -inf): with the where, JAX hoists its
+        # -inf fill out of the layers' scan as a materialised [B, H, Tq, Tkv] buffer every layer reads.
+        s = s + jnp.where(mask, 0.0, -jnp.inf).astype(s.dtype)[:, :, None]
     # Shift by the row max; a row with no visible key has max -inf: shift by 0 instead so
     # exp gives exact zeros (not NaN), then l == 0 marks the row empty.
     m = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
