@@ -17,8 +17,8 @@ output 0, log-sum-exp -inf, and zero (finite) gradients through that row, in eve
 implementation. (jax.nn.dot_product_attention alone would average all values there.)
 
 Implementations (`impl`):
-* ``xla``: jax.nn.dot_product_attention; our dense jnp path where it lacks a feature
-  (softcap, d_qk != d_v, the log-sum-exp output).
+* ``xla``: our dense jnp path (kernels/reference.py `dense_attention`, input dtype, float32
+  accumulation): every feature (softcap, d_qk != d_v, sinks, the log-sum-exp output).
 * ``pallas_triton``: Pallas flash attention, Triton lowering (GPU). Interpret mode on CPU.
 * ``pallas_mosaic_tpu``: Pallas flash attention, Mosaic lowering (TPU). Interpret mode on CPU.
 * ``pallas_mosaic_gpu``: Pallas flash attention, Mosaic GPU lowering (Hopper: wgmma, TMA,
@@ -61,8 +61,7 @@ from kernels.block_sizes import BlockSizes
 from kernels.config import IMPLEMENTATIONS, AttentionImpl  # jax-free: the run config names them
 from kernels.flash import FlashParams, flash_attention
 from kernels.logs import log_once
-from kernels.masks import Band, dense_mask, make_band, may_have_empty_rows
-from kernels.mixed import is_low_precision
+from kernels.masks import Band, make_band
 from kernels.reference import dense_attention, reference_attention
 
 __all__ = ["IMPLEMENTATIONS", "AttentionImpl", "apply_sinks", "attention", "attention_with_lse", "reference_attention",
@@ -238,28 +237,14 @@ def _flash_params(impl: str, q, v, band: Band, scale: float, softcap, block_size
     return FlashParams(backend=backend, band=band, scale=scale, softcap=softcap, blocks=blocks, interpret=interpret)
 
 
-def _xla(q, k, v, band: Band, q_seg, kv_seg, causal: bool, scale: float, softcap, need_lse: bool, sinks=None):
-    # bfloat16 inputs take the dense path too: jax.nn's dots up-convert their bf16 operands in the
-    # backward (and on CPU in the forward); ours stay bf16 x bf16 -> float32 (kernels/mixed.py).
-    if (need_lse or softcap is not None or q.shape[-1] != v.shape[-1] or sinks is not None
-            or is_low_precision(q.dtype)):
-        out, lse = dense_attention(q, k, v, band, q_seg, kv_seg, scale, softcap, upcast=False, precision=None,
-                                   sinks=sinks)
-        return out.astype(q.dtype), lse
-    mask = None
-    if q_seg is not None:
-        mask = (q_seg[:, :, None] == kv_seg[:, None, :])[:, None]  # [B, 1, Tq, Tkv]
-    local = None
-    if band.left is not None or (band.right is not None and not causal):
-        unbounded = band.q_len + band.kv_len
-        local = (unbounded if band.left is None else band.left, unbounded if band.right is None else band.right)
-    out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=causal,
-                                       local_window_size=local, implementation="xla")
-    if may_have_empty_rows(band, has_segments=q_seg is not None and q_seg is not kv_seg):
-        # jax.nn averages the values of a row that sees no key; our convention is 0.
-        visible = jnp.any(dense_mask(band, q_seg, kv_seg), axis=-1)  # [B|1, 1, Tq]
-        out = out * jnp.moveaxis(visible, 1, 2)[..., None].astype(out.dtype)
-    return out, None
+def _xla(q, k, v, band: Band, q_seg, kv_seg, scale: float, softcap, need_lse: bool, sinks=None):
+    """Our dense jnp path for every call: in the input dtype with float32 accumulation, 4-D batched dots
+    in the heads-major layout (kernels/reference.py). It replaced jax.nn.dot_product_attention's xla
+    implementation here, whose 5-D grouped einsums and mask passes made the `small` step's attention
+    ~20% slower on XLA:CPU (benchmarks/RESULTS.md, 2026-12-03); rows with no visible key give 0 as it is."""
+    out, lse = dense_attention(q, k, v, band, q_seg, kv_seg, scale, softcap, upcast=False, precision=None,
+                               sinks=sinks)
+    return out.astype(q.dtype), (lse if need_lse else None)
 
 
 def _cudnn(q, k, v, band: Band, scale: float, segment_ids):
@@ -281,7 +266,7 @@ def _attention(q, k, v, *, causal, segment_ids, window, scale, softcap, impl, bl
     platform = platform or _platform()
     impl = _resolve(impl, q, v, band, q_seg, kv_seg, softcap, need_lse, platform, sinks is not None)
     if impl == "xla":
-        return _xla(q, k, v, band, q_seg, kv_seg, bool(causal), scale, softcap, need_lse, sinks)
+        return _xla(q, k, v, band, q_seg, kv_seg, scale, softcap, need_lse, sinks)
     if impl == "cudnn":
         reason = _cudnn_unsupported(q, v, band, q_seg, kv_seg, softcap, need_lse, platform, sinks is not None)
         if reason is not None:

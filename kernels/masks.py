@@ -96,15 +96,6 @@ def dense_mask(band: Band, q_seg: jax.Array | None, kv_seg: jax.Array | None) ->
     return mask
 
 
-def may_have_empty_rows(band: Band, has_segments: bool) -> bool:
-    """False when every query row provably sees at least one key (then no fix-up is needed)."""
-    if has_segments:
-        return True
-    # Windows are validated non-negative, so row i sees [max(0, i - left), ...] unless that
-    # start lies past the last key.
-    return band.left is not None and band.q_len - 1 - band.left >= band.kv_len
-
-
 # ---------------------------------------------------------------- block ranges
 
 

@@ -1,6 +1,5 @@
 """Dense jnp attention: the float32 HIGHEST-precision reference for tests, and (in the
-input dtype, float32 accumulation) the `xla` path's fallback for what
-`jax.nn.dot_product_attention` lacks (softcap, d_qk != d_v, log-sum-exp output).
+input dtype, float32 accumulation) the `xla` implementation itself (kernels/attention.py).
 
 Both materialise the [B, H, Tq, Tkv] scores: fine for references and short sequences,
 not a kernel. Empty rows (no visible key) give output 0 and lse -inf, like the kernels.
@@ -30,21 +29,30 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, band: Band, q_seg:
     sinks: optional [Hq] logits (any float dtype; used in the accumulation dtype) joining each row's denominator.
 
     GQA without repeating k/v: q heads are viewed as [kv_heads, group] (query head h reads
-    kv head h // group, the convention of jax.nn.dot_product_attention)."""
+    kv head h // group, the convention of jax.nn.dot_product_attention).
+
+    Layout: heads-major [B, Hkv, G * Tq, d] (a group's query rows stacked, one 4-D batched dot per
+    product) and [B, Hkv, Tkv, d]; elementwise work on the [B, Hkv, G, Tq, Tkv] view of the same
+    buffer. On XLA:CPU the 5-D [B, T, Hkv, G, d] einsums of the first version ran the attention's
+    forward and backward ~20% slower (benchmarks/RESULTS.md, 2026-12-03)."""
     b, tq, hq, _ = q.shape
     hkv = k.shape[2]
     # float32 accumulation, or float64 for float64 inputs (finite-difference tests under x64).
     acc = jnp.promote_types(jnp.float32, q.dtype)
     if upcast:
         q, k, v = (x.astype(acc) for x in (q, k, v))
-    qg = q.reshape(b, tq, hkv, hq // hkv, q.shape[-1])
-    s = _dot("btkgd,bskd->bkgts", qg, k, precision, acc)
-    s = s * scale
+    g = hq // hkv
+    qg = jnp.moveaxis(q.reshape(b, tq, hkv, g, q.shape[-1]), 1, 3).reshape(b, hkv, g * tq, q.shape[-1])
+    k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, Hkv, Tkv, d]
+    s = _dot("bktd,bksd->bkts", qg, k, precision, acc)
+    s = s.reshape(b, hkv, g, tq, k.shape[2]) * scale
     if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)
     mask = dense_mask(band, q_seg, kv_seg)  # [B|1, 1, Tq, Tkv]
     if mask is not None:
-        s = jnp.where(mask[:, :, None], s, -jnp.inf)
+        # An additive 0 / -inf bias, equal to where(mask, s, -inf): with the where, JAX hoists its
+        # -inf fill out of the layers' scan as a materialised [B, H, Tq, Tkv] buffer every layer reads.
+        s = s + jnp.where(mask, 0.0, -jnp.inf).astype(s.dtype)[:, :, None]
     # Shift by the row max; a row with no visible key has max -inf: shift by 0 instead so
     # exp gives exact zeros (not NaN), then l == 0 marks the row empty.
     m = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
@@ -59,10 +67,10 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, band: Band, q_seg:
         l = l + jnp.exp(sink - m)  # denominator only: the sink has no value row
     empty = l == 0
     l_safe = jnp.where(empty, 1.0, l)
-    o = _dot("bkgts,bskd->btkgd", p.astype(v.dtype), v, precision, acc)
-    o = o / jnp.moveaxis(l_safe, -2, 1)  # l as [B, Tq, Hkv, G, 1]
+    o = _dot("bkts,bksd->bktd", p.astype(v.dtype).reshape(b, hkv, g * tq, -1), v, precision, acc)
+    o = o.reshape(b, hkv, g, tq, -1) / l_safe
     lse = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))[..., 0]  # [B, Hkv, G, Tq]
-    return o.reshape(b, tq, hq, v.shape[-1]), lse.reshape(b, hq, tq)
+    return jnp.moveaxis(o, 3, 1).reshape(b, tq, hq, v.shape[-1]), lse.reshape(b, hq, tq)
 
 
 def _dot(spec: str, a: jax.Array, b: jax.Array, precision: lax.Precision | None, acc) -> jax.Array:

@@ -254,10 +254,13 @@ class Transformer(nnx.Module):
         """Final-normed hidden states [B, T, d] (or a chunk of T) -> float32 logits [B, T, vocab],
         soft-capped when configured."""
         cfg = self.cfg
+        b, t, d = h.shape
+        rows = h.reshape(b * t, d)  # a 2-D matmul, as models/layers.py MLP: no transposed copy of the logits' gradient
         if cfg.tie_embeddings:
-            logits = project_attr(self, "btd,vd->btv", h, "embed", out_dtype=jnp.float32)
+            logits = project_attr(self, "nd,vd->nv", rows, "embed", out_dtype=jnp.float32)
         else:
-            logits = project_attr(self, "btd,dv->btv", h, "unembed", out_dtype=jnp.float32)
+            logits = project_attr(self, "nd,dv->nv", rows, "unembed", out_dtype=jnp.float32)
+        logits = logits.reshape(b, t, -1)
         if cfg.logit_softcap is not None:
             logits = cfg.logit_softcap * jnp.tanh(logits / cfg.logit_softcap)
         return plan.constrain(logits, ("batch", "length", "vocab"))

@@ -260,11 +260,11 @@ def test_real_cpu_trace_maps_every_op_to_the_hlo(dry_run):
         by_category.setdefault(hlo.classify(module, name), set()).add(name)
     assert {hlo.MATMUL, hlo.ATTENTION, hlo.LOSS, hlo.OPTIMIZER, hlo.ELEMENTWISE, hlo.OTHER} <= set(by_category)
     # Independent of the classifier: the raw text. Every executed op whose own line or fused body
-    # names the optimizer scope is an optimizer op; the logits matmul (einsum btd,vd->btv) is loss.
+    # names the optimizer scope is an optimizer op; the logits matmul (einsum nd,vd->nv on [batch*length, d]) is loss.
     index = _raw_index(text)
     for name in by_category[hlo.OPTIMIZER]:
         assert _mentions(index, name, "optimizer_update")
-    logits = [n for n in {e.name for e in events} if _mentions(index, n, "btd,vd->btv/dot_general")]
+    logits = [n for n in {e.name for e in events} if _mentions(index, n, "nd,vd->nv/dot_general")]
     assert logits and all(hlo.classify(module, n) == hlo.LOSS for n in logits)
 
 
