@@ -118,12 +118,14 @@ def grad_dot(a_labels: str, b_labels: str, out: str, a: jax.Array, b: jax.Array)
     so the left operand is transposed into a real copy (`materialized`). Batched dots (attention's)
     are left to XLA, which lays those out itself."""
     contracted = [c for c in a_labels if c in b_labels and c not in out]
-    if any(c in b_labels and c in out for c in a_labels) or _ends_with(a_labels, contracted):
+    if any(c in b_labels and c in out for c in a_labels):
         return _dot(a_labels, b_labels, out, a, b)
-    if _ends_with(b_labels, contracted):
-        return _dot(b_labels, a_labels, out, b, a)
-    order = "".join(c for c in a_labels if c not in contracted) + "".join(contracted)
-    return _dot(order, b_labels, out, materialized(a, a_labels, order), b)
+    if out[0] in b_labels:  # the left operand is the one whose free dims lead the result (XLA orders it so)
+        a_labels, b_labels, a, b = b_labels, a_labels, b, a
+    if not _ends_with(a_labels, contracted):
+        order = "".join(c for c in a_labels if c not in contracted) + "".join(contracted)
+        a, a_labels = materialized(a, a_labels, order), order
+    return _dot(a_labels, b_labels, out, a, b)
 
 
 def _ends_with(labels: str, tail: list[str]) -> bool:
