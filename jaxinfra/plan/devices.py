@@ -25,6 +25,10 @@ from jaxinfra.metrics.peak import PEAK_FLOPS_PER_DEVICE, measure_matmul_flops
 from kernels.facts import Target
 
 GiB = 2**30
+# Bytes a memory-bound kind moves per element it counts when no probe measured it: a softmax reads
+# the scores for the max, again for the exponentials' sum, and writes the probabilities; the loss
+# does that over [tokens, vocab] and writes and reads its gradient (float32).
+BYTES_PER_ELEMENT = {"softmax": 3 * 4, "loss": 5 * 4}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +44,9 @@ class DeviceSpec:
     efficiency: float
     shared_host: int = 1  # CPU: devices sharing the host's cores and RAM
     compute_capability: str | None = None  # CUDA's, for GPUs (kernels/facts.py: Mosaic GPU needs 9.0)
+    # Per-device rates by kind measured at the step's shapes (jaxinfra/plan/probes.py; units there);
+    # a kind absent here is priced from the datasheet (rate()).
+    rates: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def platform(self) -> str:
@@ -60,6 +67,17 @@ class DeviceSpec:
     def throughput(self, dtype: str) -> float:
         """FLOP/s one device's share of the hardware delivers to a training step."""
         return self.peak(dtype) * self.efficiency / self.shared_host
+
+    def rate(self, kind: str, dtype: str) -> float:
+        """One device's rate for a kind of work (jaxinfra/plan/probes.py KINDS): the probe's when one
+        ran for this dtype, else the dense peak x efficiency for dots and the memory bandwidth for the
+        memory-bound kinds (softmax and loss elements at their bytes per element)."""
+        measured = self.rates.get(f"{kind}:{dtype}")
+        if measured:
+            return measured
+        if kind in ("matmul", "batched"):
+            return self.throughput(dtype)
+        return self.memory_bandwidth / BYTES_PER_ELEMENT.get(kind, 1)
 
 
 def _gpu(kind: str, key: str, memory_gib: float, bandwidth: float, fast: str, slow: str, cc: str) -> DeviceSpec:
@@ -151,6 +169,14 @@ def device_spec(kind: str, devices_on_host: int = 1, memory_gib: float | None = 
             raise ConfigError(f"--efficiency={efficiency} is invalid: must be in (0, 1]")
         spec = dataclasses.replace(spec, efficiency=efficiency)
     return spec
+
+
+def with_rates(spec: DeviceSpec, rates: dict[str, float], efficiency: float | None = None) -> DeviceSpec:
+    """`spec` with probe rates ("kind:dtype" -> per-device rate); a stated --efficiency keeps the
+    dots at peak x efficiency (the probes then price the memory-bound kinds only)."""
+    if efficiency is not None:
+        rates = {k: v for k, v in rates.items() if k.split(":")[0] not in ("matmul", "batched")}
+    return dataclasses.replace(spec, rates={**spec.rates, **rates})
 
 
 def kind_of(device) -> str:

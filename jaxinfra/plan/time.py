@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 from jaxinfra.metrics.flops import attention_keys, flops_per_token
+from jaxinfra.plan import work
 from jaxinfra.plan.activations import capacity_slots, effective_policy
 from jaxinfra.plan.devices import DeviceSpec
 from jaxinfra.plan.layout import Layout
@@ -104,15 +106,18 @@ RECOMPUTED = {  # forward pieces a remat policy runs again in the backward
 assert set(RECOMPUTED) == set(REMAT_POLICIES), "models/config.py has a remat policy the time model does not price"
 
 
-def _passes(lay: Layout, pieces: dict[str, float]) -> tuple[float, float]:
-    """(useful, executed) FLOPs per token of one layer over forward, backward and recompute;
-    executed adds the pipeline's bubble slots, which the SPMD pipeline computes.
+def _passes(lay: Layout, pieces: dict[str, float], recomputed: tuple[str, ...] | None = None) -> tuple[float, float]:
+    """(useful, executed) amounts per token of one layer over forward, backward and recompute (FLOPs,
+    or the work.py amounts: the backward is twice the forward for both); executed adds the
+    pipeline's bubble slots, which the SPMD pipeline computes. `recomputed`: the pieces run again
+    (default: the remat policy's RECOMPUTED).
 
     1F1B (sharding/pipeline.py) runs the forward once over M + S - 1 ticks, then per backward
     tick (M + 2S - 2 of them) the chunk's forward again, and its VJP (a forward, the policy's
     recompute, and the backward's two)."""
     forward = sum(pieces.values())
-    again = sum(v for k, v in pieces.items() if k in RECOMPUTED[effective_policy(lay)])
+    again_names = RECOMPUTED[effective_policy(lay)] if recomputed is None else recomputed
+    again = sum(v for k, v in pieces.items() if k in again_names)
     if lay.pp == 1:
         return 3 * forward + again, 3 * forward + again
     micro, repeats = lay.pipeline
@@ -122,6 +127,22 @@ def _passes(lay: Layout, pieces: dict[str, float]) -> tuple[float, float]:
         return useful, forward * (micro + s - 1) / micro + (4 * forward + again) * (micro + 2 * s - 2) / micro
     useful = 3 * forward + again
     return useful, useful * (repeats * micro + s - 1) / (repeats * micro)
+
+
+def _layers(lay: Layout, pieces_of: Callable[[bool], dict[str, float]],
+            recomputed: tuple[str, ...] | None = None) -> tuple[float, float, float]:
+    """(useful, executed, prefix) per device per step of per-token, per-layer forward amounts
+    `pieces_of(moe)`: the (pipelined) layers' passes, and a MoE pipeline's dense prefix, run
+    forward and backward on every stage."""
+    t, m = lay.cfg.train, lay.model
+    tokens = t.batch_size * t.seq_len / (lay.batch_shards * lay.cp)  # this device's tokens per step
+    outside, dense, sparse = lay.layer_counts
+    dense_pieces = pieces_of(False)
+    dense_pass = _passes(lay, dense_pieces, recomputed)
+    moe_pass = _passes(lay, pieces_of(True), recomputed) if m.is_moe else dense_pass
+    useful = tokens * (dense * dense_pass[0] + sparse * moe_pass[0])
+    executed = tokens * (dense * dense_pass[1] + sparse * moe_pass[1])
+    return useful, executed, tokens * outside * sum(dense_pieces.values()) * 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,17 +155,44 @@ class Flops:
 
 def step_flops(lay: Layout) -> Flops:
     t, m = lay.cfg.train, lay.model
-    tokens = t.batch_size * t.seq_len / (lay.batch_shards * lay.cp)  # this device's tokens per step
-    outside, dense, sparse = lay.layer_counts
-    dense_pass, moe_pass = _passes(lay, layer_flops(lay, False)), _passes(lay, layer_flops(lay, True) if m.is_moe
-                                                                          else layer_flops(lay, False))
-    useful = tokens * (dense * dense_pass[0] + sparse * moe_pass[0])
-    executed = tokens * (dense * dense_pass[1] + sparse * moe_pass[1])
-    prefix = tokens * outside * sum(layer_flops(lay, False).values()) * 3  # before the pipeline, on every stage
-    chunked = m.loss_chunk_size and m.loss_chunk_size < t.seq_len
-    head = tokens * 2 * m.vocab_size * m.d_model / lay.tp * (4 if chunked else 3)
+    useful, executed, prefix = _layers(lay, lambda moe: layer_flops(lay, moe))
+    head = _head_flops(lay)
     model = t.batch_size * t.seq_len * flops_per_token(m, t.seq_len) / lay.devices
     return Flops(executed + prefix + head, executed - useful, model, useful)
+
+
+def _head_flops(lay: Layout) -> float:
+    """The unembedding's FLOPs per device per step: forward, backward (and a chunked loss's recomputed logits)."""
+    t, m = lay.cfg.train, lay.model
+    tokens = t.batch_size * t.seq_len / (lay.batch_shards * lay.cp)
+    chunked = m.loss_chunk_size and m.loss_chunk_size < t.seq_len
+    return tokens * 2 * m.vocab_size * m.d_model / lay.tp * (4 if chunked else 3)
+
+
+# Pieces of layer_flops that are batched dots (attention's scores and weighted values, capacity
+# dispatch and combine); the rest are weight matmuls.
+BATCHED_PIECES = ("attention", "dispatch")
+
+
+def step_work(lay: Layout) -> dict[str, tuple[float, float]]:
+    """Per device per step, by kind (probes.KINDS): (executed, of which bubble-slot work). FLOPs
+    for matmul and batched, bytes for elementwise (the pipeline's slot copies included), elements
+    for softmax and loss (jaxinfra/plan/work.py). The FLOP kinds add up to step_flops' executed."""
+    out = {}
+    for kind, keep in (("matmul", False), ("batched", True)):
+        useful, executed, prefix = _layers(lay, lambda moe, keep=keep: {
+            k: v for k, v in layer_flops(lay, moe).items() if (k in BATCHED_PIECES) == keep})
+        out[kind] = (executed + prefix, executed - useful)
+    out["matmul"] = (out["matmul"][0] + _head_flops(lay), out["matmul"][1])
+    # Under any remat policy but none the backward runs the layer's elementwise work again (only
+    # dots, or named tensors, are saved).
+    again = () if effective_policy(lay) == "none" else work.ELEMENTWISE_PIECES
+    useful, executed, prefix = _layers(lay, lambda moe: work.layer_elementwise(lay, moe), again)
+    out["elementwise"] = (executed + prefix + work.pipeline_buffer_bytes(lay, pipeline_ticks(lay)), executed - useful)
+    useful, executed, prefix = _layers(lay, lambda moe: {"attention": work.layer_softmax(lay)})
+    out["softmax"] = (executed + prefix, executed - useful)
+    out["loss"] = (work.loss_elements(lay), 0.0)
+    return out
 
 
 # ---------------------------------------------------------------- communication
@@ -325,6 +373,7 @@ class StepTime:
     peak: float  # per-device peak MFU divides by
     update_s: float = 0.0  # the optimizer update, memory-bound
     accumulate_s: float = 0.0  # gradient sums over pipeline ticks and accumulation microbatches, memory-bound
+    compute_by_kind: dict[str, float] = dataclasses.field(default_factory=dict)  # compute_s split by kind
 
     @property
     def exposed_s(self) -> float:
@@ -374,8 +423,11 @@ UPDATE_TRAFFIC = 10
 
 def step_time(lay: Layout, state: StateBytes, spec: DeviceSpec, measured: Measured | None = None) -> StepTime:
     flops = step_flops(lay)
-    rate = spec.throughput(lay.model.dtype)
-    compute, bubble = (flops.executed - flops.bubble) / rate, flops.bubble / rate
+    amounts = step_work(lay)
+    dtype = lay.model.dtype
+    by_kind = {kind: (executed - bubble) / spec.rate(kind, dtype) for kind, (executed, bubble) in amounts.items()}
+    bubble = sum(b / spec.rate(kind, dtype) for kind, (_, b) in amounts.items())
+    compute = sum(by_kind.values())
     update = UPDATE_TRAFFIC * state.opt_params / spec.memory_bandwidth
     accumulate = accumulate_bytes(lay, state) / spec.memory_bandwidth
     priced = tuple(price(c, lay, spec, measured) for c in collectives(lay, state))
@@ -386,7 +438,7 @@ def step_time(lay: Layout, state: StateBytes, spec: DeviceSpec, measured: Measur
     else:
         step = max(compute + bubble, overlapped) + exposed + update + accumulate
     return StepTime(compute, bubble, priced, step, _bottleneck(compute, bubble, update, accumulate, priced, spec),
-                    flops, spec.peak(lay.model.dtype), update, accumulate)
+                    flops, spec.peak(dtype), update, accumulate, by_kind)
 
 
 def _bottleneck(compute: float, bubble: float, update: float, accumulate: float, priced: tuple[Collective, ...],
