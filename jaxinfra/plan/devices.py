@@ -7,7 +7,9 @@ training step's matmuls reach, stated rather than measured: 0.45 for GPUs (our 1
 an H200 reached MFU 0.41, benchmarks/RESULTS.md; large published runs report 0.38-0.45),
 0.55 for TPUs (MaxText's reported MFUs on v5p), 0.8 for CPU (the `small` step's matmul work
 runs at ~0.8 of the same-process 2048^2 matmul probe, benchmarks/RESULTS.md). `--efficiency`
-overrides it. The memory bandwidth prices the optimizer update, which is memory-bound.
+overrides it. The memory bandwidth prices the optimizer update, which is memory-bound, and the
+memory-bound kinds of the step (elementwise, softmax, loss) when no probe measured them. On this
+machine's CPU, jaxinfra/plan/probes.py measures each kind at the step's shapes (`rates`).
 
 On CPU the "device" is a share of the host: fake devices (--xla_force_host_platform_device_count)
 split the host's cores, memory bandwidth and RAM, so the matmul and bandwidth probes (which use

@@ -1,7 +1,9 @@
 """Step time, analytic: compute at the device's throughput, communication per mesh axis, overlap,
 the pipeline bubble, and the bottleneck.
 
-    compute   = executed FLOPs per device / (peak x efficiency)        (jaxinfra/plan/devices.py)
+    compute   = sum over kinds (step_work: matmul and batched FLOPs, elementwise bytes, softmax and
+                loss elements) of the work per device / the kind's rate: probed at the step's shapes
+                on this CPU (probes.py), else peak x efficiency or the memory bandwidth (devices.py)
     comm      = sum over collectives of calls x (latency + bytes x f / bandwidth)   (links.py)
     update    = optimizer traffic per device / memory bandwidth            (memory-bound, after the backward)
     accumulate = gradient-sum traffic per device / memory bandwidth      (pipeline ticks, accumulation)
@@ -106,31 +108,31 @@ RECOMPUTED = {  # forward pieces a remat policy runs again in the backward
 assert set(RECOMPUTED) == set(REMAT_POLICIES), "models/config.py has a remat policy the time model does not price"
 
 
-def _passes(lay: Layout, pieces: dict[str, float], recomputed: tuple[str, ...] | None = None) -> tuple[float, float]:
+def _passes(lay: Layout, pieces: dict[str, float], recomputed: tuple[str, ...] | None = None,
+            backward: float = 2.0) -> tuple[float, float]:
     """(useful, executed) amounts per token of one layer over forward, backward and recompute (FLOPs,
-    or the work.py amounts: the backward is twice the forward for both); executed adds the
-    pipeline's bubble slots, which the SPMD pipeline computes. `recomputed`: the pieces run again
-    (default: the remat policy's RECOMPUTED).
+    or the work.py amounts); executed adds the pipeline's bubble slots, which the SPMD pipeline
+    computes. `recomputed`: the pieces run again (default: the remat policy's RECOMPUTED);
+    `backward`: the backward's cost in forwards (2 for a matmul: two matmuls of the same size).
 
     1F1B (sharding/pipeline.py) runs the forward once over M + S - 1 ticks, then per backward
     tick (M + 2S - 2 of them) the chunk's forward again, and its VJP (a forward, the policy's
-    recompute, and the backward's two)."""
+    recompute, and the backward)."""
     forward = sum(pieces.values())
     again_names = RECOMPUTED[effective_policy(lay)] if recomputed is None else recomputed
     again = sum(v for k, v in pieces.items() if k in again_names)
+    once = (1 + backward) * forward + again
     if lay.pp == 1:
-        return 3 * forward + again, 3 * forward + again
+        return once, once
     micro, repeats = lay.pipeline
     s = lay.pp
     if lay.cfg.parallelism.pipeline_schedule == "1f1b":
-        useful = 5 * forward + again
-        return useful, forward * (micro + s - 1) / micro + (4 * forward + again) * (micro + 2 * s - 2) / micro
-    useful = 3 * forward + again
-    return useful, useful * (repeats * micro + s - 1) / (repeats * micro)
+        return once + 2 * forward, forward * (micro + s - 1) / micro + (once + forward) * (micro + 2 * s - 2) / micro
+    return once, once * (repeats * micro + s - 1) / (repeats * micro)
 
 
 def _layers(lay: Layout, pieces_of: Callable[[bool], dict[str, float]],
-            recomputed: tuple[str, ...] | None = None) -> tuple[float, float, float]:
+            recomputed: tuple[str, ...] | None = None, backward: float = 2.0) -> tuple[float, float, float]:
     """(useful, executed, prefix) per device per step of per-token, per-layer forward amounts
     `pieces_of(moe)`: the (pipelined) layers' passes, and a MoE pipeline's dense prefix, run
     forward and backward on every stage."""
@@ -138,11 +140,11 @@ def _layers(lay: Layout, pieces_of: Callable[[bool], dict[str, float]],
     tokens = t.batch_size * t.seq_len / (lay.batch_shards * lay.cp)  # this device's tokens per step
     outside, dense, sparse = lay.layer_counts
     dense_pieces = pieces_of(False)
-    dense_pass = _passes(lay, dense_pieces, recomputed)
-    moe_pass = _passes(lay, pieces_of(True), recomputed) if m.is_moe else dense_pass
+    dense_pass = _passes(lay, dense_pieces, recomputed, backward)
+    moe_pass = _passes(lay, pieces_of(True), recomputed, backward) if m.is_moe else dense_pass
     useful = tokens * (dense * dense_pass[0] + sparse * moe_pass[0])
     executed = tokens * (dense * dense_pass[1] + sparse * moe_pass[1])
-    return useful, executed, tokens * outside * sum(dense_pieces.values()) * 3
+    return useful, executed, tokens * outside * sum(dense_pieces.values()) * (1 + backward)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +191,8 @@ def step_work(lay: Layout) -> dict[str, tuple[float, float]]:
     again = () if effective_policy(lay) == "none" else work.ELEMENTWISE_PIECES
     useful, executed, prefix = _layers(lay, lambda moe: work.layer_elementwise(lay, moe), again)
     out["elementwise"] = (executed + prefix + work.pipeline_buffer_bytes(lay, pipeline_ticks(lay)), executed - useful)
-    useful, executed, prefix = _layers(lay, lambda moe: {"attention": work.layer_softmax(lay)})
+    # The softmax's backward (p x (dy - sum(p dy))) costs about one forward here: no exponentials.
+    useful, executed, prefix = _layers(lay, lambda moe: {"attention": work.layer_softmax(lay)}, backward=1.0)
     out["softmax"] = (executed + prefix, executed - useful)
     out["loss"] = (work.loss_elements(lay), 0.0)
     return out
