@@ -77,7 +77,7 @@ class DeviceSpec:
         measured = self.rates.get(f"{kind}:{dtype}")
         if measured:
             return measured
-        if kind in ("matmul", "batched"):
+        if kind in ("matmul", "head", "batched"):
             return self.throughput(dtype)
         return self.memory_bandwidth / BYTES_PER_ELEMENT.get(kind, 1)
 
@@ -177,7 +177,7 @@ def with_rates(spec: DeviceSpec, rates: dict[str, float], efficiency: float | No
     """`spec` with probe rates ("kind:dtype" -> per-device rate); a stated --efficiency keeps the
     dots at peak x efficiency (the probes then price the memory-bound kinds only)."""
     if efficiency is not None:
-        rates = {k: v for k, v in rates.items() if k.split(":")[0] not in ("matmul", "batched")}
+        rates = {k: v for k, v in rates.items() if k.split(":")[0] not in ("matmul", "head", "batched")}
     return dataclasses.replace(spec, rates={**spec.rates, **rates})
 
 

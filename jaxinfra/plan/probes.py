@@ -2,6 +2,7 @@
 
     kind         probe (per device, jitted, on this process's devices at once)         rate unit
     matmul       [tokens, d] x [d, mlp] in the model dtype, float32 accumulation          FLOP/s
+    head         the unembedding, [tokens, d] x [d, vocab], likewise                     FLOP/s
     batched      attention's [rows x heads, seq, dh] x [rows x heads, dh, keys]           FLOP/s
     elementwise  an RMSNorm + residual add over [tokens, d] float32                      bytes/s (read + written)
     softmax      softmax over [rows x heads, seq, keys] float32                          elements/s
@@ -32,7 +33,8 @@ from typing import Any
 from jaxinfra.atomic import atomic_write_text
 from jaxinfra.plan.layout import Layout
 
-KINDS = ("matmul", "batched", "elementwise", "softmax", "loss")
+KINDS = ("matmul", "head", "batched", "elementwise", "softmax", "loss")
+DOTS = ("matmul", "head", "batched")  # FLOP kinds, probed in the model dtype
 MAX_ELEMENTS = 2**24  # per probe array: 64 MiB of float32
 MAX_FLOPS = 16e9  # per probe call (~0.1 s at this host's peak)
 
@@ -42,13 +44,16 @@ def probe_shapes(lay: Layout) -> dict[str, tuple[int, ...]]:
     m = lay.model
     d, tokens, batch = m.d_model, lay.tokens, lay.rows * lay.heads
     dh = m.qk_nope_head_dim + m.qk_rope_head_dim if m.is_mla else m.resolved_head_dim
-    shapes = {"matmul": (tokens, d, lay.mlp), "batched": (batch, lay.seq, lay.kv_seq, dh),
+    loss_tokens = lay.accum_rows * lay.seq
+    shapes = {"matmul": (tokens, d, lay.mlp), "head": (loss_tokens, d, lay.vocab),
+              "batched": (batch, lay.seq, lay.kv_seq, dh),
               "elementwise": (tokens, d), "softmax": (batch, lay.seq, lay.kv_seq),
-              "loss": (lay.accum_rows * lay.seq, lay.vocab)}
+              "loss": (loss_tokens, lay.vocab)}
     # Per row of the leading dimension: the largest array's elements, and the FLOPs.
-    row = {"matmul": max(d, lay.mlp), "batched": max(lay.seq, lay.kv_seq) * max(dh, lay.kv_seq),
+    row = {"matmul": max(d, lay.mlp), "head": max(d, lay.vocab),
+           "batched": max(lay.seq, lay.kv_seq) * max(dh, lay.kv_seq),
            "elementwise": d, "softmax": lay.seq * lay.kv_seq, "loss": lay.vocab}
-    flops = {"matmul": 2 * d * lay.mlp, "batched": 2 * lay.seq * lay.kv_seq * dh}
+    flops = {"matmul": 2 * d * lay.mlp, "head": 2 * d * lay.vocab, "batched": 2 * lay.seq * lay.kv_seq * dh}
     out = {}
     for kind, shape in shapes.items():
         lead = min(shape[0], max(1, MAX_ELEMENTS // row[kind]))
@@ -93,7 +98,7 @@ def build(kind: str, shape: tuple[int, ...], dtype: str, devices: list) -> Probe
         return jax.jit(lambda: jnp.full((n, *dims), 0.5, dt), out_shardings=sharding)()
 
     f32 = jnp.float32
-    if kind == "matmul":
+    if kind in ("matmul", "head"):
         t, d, f = shape
         args, work = (make(t, d, dt=low), make(d, f, dt=low)), 2.0 * t * d * f
         fn = lambda x, w: jnp.dot(x, w, preferred_element_type=f32)  # noqa: E731
@@ -151,7 +156,7 @@ _PEAKS: dict[str, float] = {}  # once per process, as metrics.peak's probe
 def probe_dtype(kind: str, dtype: str) -> str:
     """The dtype a kind's probe runs in: the model's for the dots, float32 for the rest (norms,
     softmax and the loss compute in float32 whatever the model dtype)."""
-    return dtype if kind in ("matmul", "batched") else "float32"
+    return dtype if kind in DOTS else "float32"
 
 
 def build_all(lay: Layout, devices: list) -> list[Probe]:

@@ -178,14 +178,15 @@ BATCHED_PIECES = ("attention", "dispatch")
 
 def step_work(lay: Layout) -> dict[str, tuple[float, float]]:
     """Per device per step, by kind (probes.KINDS): (executed, of which bubble-slot work). FLOPs
-    for matmul and batched, bytes for elementwise (the pipeline's slot copies included), elements
-    for softmax and loss (jaxinfra/plan/work.py). The FLOP kinds add up to step_flops' executed."""
+    for matmul (the layers' weight matmuls), head (the unembedding) and batched, bytes for
+    elementwise (the pipeline's slot copies included), elements for softmax and loss
+    (jaxinfra/plan/work.py). The FLOP kinds add up to step_flops' executed."""
     out = {}
     for kind, keep in (("matmul", False), ("batched", True)):
         useful, executed, prefix = _layers(lay, lambda moe, keep=keep: {
             k: v for k, v in layer_flops(lay, moe).items() if (k in BATCHED_PIECES) == keep})
         out[kind] = (executed + prefix, executed - useful)
-    out["matmul"] = (out["matmul"][0] + _head_flops(lay), out["matmul"][1])
+    out["head"] = (_head_flops(lay), 0.0)  # the unembedding, at its own (wide) shape
     # Under any remat policy but none the backward runs the layer's elementwise work again (only
     # dots, or named tensors, are saved).
     again = () if effective_policy(lay) == "none" else work.ELEMENTWISE_PIECES
