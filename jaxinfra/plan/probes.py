@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import platform
 import sys
@@ -36,7 +37,7 @@ from jaxinfra.plan.layout import Layout
 KINDS = ("matmul", "head", "batched", "elementwise", "softmax", "loss")
 DOTS = ("matmul", "head", "batched")  # FLOP kinds, probed in the model dtype
 MAX_ELEMENTS = 2**24  # per probe array: 64 MiB of float32
-MAX_FLOPS = 16e9  # per probe call (~0.1 s at this host's peak)
+MAX_FLOPS = 8e9  # per dot of a probe step (two dots chained)
 
 
 def probe_shapes(lay: Layout) -> dict[str, tuple[int, ...]]:
@@ -83,6 +84,47 @@ class Probe:
         return time.perf_counter() - start
 
 
+# Work of one probe call summed over its devices, by unit: the op is chained in a loop inside one
+# program (as in the step: no dispatch between ops) until a call is ~10-50 ms here.
+CALL_WORK = {"flops": 4e9, "bytes": 4e8, "elements": 3e7}
+
+
+def _body(kind: str, shape: tuple[int, ...], low: Any) -> tuple[Callable, list, float, str]:
+    """(carry -> carry step given the constants, [(shape, dtype, fill)] of carry then constants,
+    work of one step, its unit). The dots chain the step's pair (up then down projection; the
+    unembedding and its input gradient; attention's scores then weighted values) with constant
+    weights that keep the values bounded."""
+    import jax
+    import jax.numpy as jnp
+
+    f32 = jnp.float32
+    if kind in ("matmul", "head"):
+        t, d, f = shape
+
+        def step(x, w1, w2):
+            h = jnp.dot(x, w1, preferred_element_type=f32).astype(low)
+            return jnp.dot(h, w2, preferred_element_type=f32).astype(low)
+        return step, [((t, d), low, 0.5), ((d, f), low, 1 / d), ((f, d), low, 1 / f)], 4.0 * t * d * f, "flops"
+    if kind == "batched":
+        b, s, k, dh = shape
+
+        def step(q, kk, v):
+            scores = jnp.einsum("bqd,bkd->bqk", q, kk, preferred_element_type=f32).astype(low)
+            return jnp.einsum("bqk,bkd->bqd", scores, v, preferred_element_type=f32).astype(low)
+        return step, [((b, s, dh), low, 0.5), ((b, k, dh), low, 1 / dh), ((b, k, dh), low, 1 / k)], \
+            4.0 * b * s * k * dh, "flops"
+    if kind == "elementwise":
+        t, d = shape
+        step = lambda x, r: r + x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)  # noqa: E731
+        return step, [((t, d), f32, 0.5), ((t, d), f32, 0.5)], 3.0 * t * d * 4, "bytes"
+    if kind == "softmax":
+        return (lambda x: jax.nn.softmax(x, axis=-1)), [(shape, f32, 0.5)], float(_prod(shape)), "elements"
+    if kind == "loss":
+        step = jax.grad(lambda x: jnp.sum(jax.nn.logsumexp(x, -1) - x[..., 0]))
+        return step, [(shape, f32, 0.5)], float(_prod(shape)), "elements"
+    raise ValueError(f"unknown probe kind {kind!r}: one of {KINDS}")
+
+
 def build(kind: str, shape: tuple[int, ...], dtype: str, devices: list) -> Probe:
     """A compiled, warmed-up probe of `kind` at the per-device `shape`, on `devices` at once."""
     import jax
@@ -90,40 +132,20 @@ def build(kind: str, shape: tuple[int, ...], dtype: str, devices: list) -> Probe
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    n = len(devices)
-    sharding = NamedSharding(Mesh(np.array(devices), ("p",)), PartitionSpec("p"))
-    low = jnp.dtype(dtype)
+    n, spec = len(devices), PartitionSpec("p")
+    mesh = Mesh(np.array(devices), ("p",))
+    step, arrays, work, unit = _body(kind, shape, jnp.dtype(dtype))
+    repeats = max(1, math.ceil(CALL_WORK[unit] / (n * work)))
+    args = [jax.jit(lambda dims=dims, dt=dt, fill=fill: jnp.full((n, *dims), fill, dt),
+                    out_shardings=NamedSharding(mesh, spec))() for dims, dt, fill in arrays]
 
-    def make(*dims: int, dt=jnp.float32):
-        return jax.jit(lambda: jnp.full((n, *dims), 0.5, dt), out_shardings=sharding)()
+    def local(carry, *consts):  # each device on its own shard (shard_map: no partitioner in between)
+        out = jax.lax.fori_loop(0, repeats, lambda i, x: step(x, *(c[0] for c in consts)), carry[0])
+        return out[None]
 
-    f32 = jnp.float32
-    if kind in ("matmul", "head"):
-        t, d, f = shape
-        args, work = (make(t, d, dt=low), make(d, f, dt=low)), 2.0 * t * d * f
-        fn = lambda x, w: jnp.dot(x, w, preferred_element_type=f32)  # noqa: E731
-    elif kind == "batched":
-        b, s, k, dh = shape
-        args, work = (make(b, s, dh, dt=low), make(b, k, dh, dt=low)), 2.0 * b * s * k * dh
-        fn = lambda q, kk: jnp.einsum("bqd,bkd->bqk", q, kk, preferred_element_type=f32)  # noqa: E731
-    elif kind == "elementwise":
-        t, d = shape
-        args, work = (make(t, d), make(t, d)), 3.0 * t * d * 4
-        fn = lambda x, r: r + x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)  # noqa: E731
-    elif kind == "softmax":
-        args, work = (make(*shape),), float(_prod(shape))
-        fn = lambda x: jax.nn.softmax(x, axis=-1)  # noqa: E731
-    elif kind == "loss":
-        args, work = (make(*shape),), float(_prod(shape))
-        fn = jax.grad(lambda x: jnp.sum(jax.nn.logsumexp(x, -1) - x[..., 0]))
-    else:
-        raise ValueError(f"unknown probe kind {kind!r}: one of {KINDS}")
-    # Each device runs the per-device shape on its own (shard_map: no partitioner in between).
-    spec = PartitionSpec("p")
-    step = jax.jit(jax.shard_map(lambda *xs: fn(*(x[0] for x in xs))[None], mesh=sharding.mesh,
-                                 in_specs=(spec,) * len(args), out_specs=spec))
-    jax.block_until_ready(step(*args))  # compile and a first run
-    return Probe(kind, shape, work, lambda: jax.block_until_ready(step(*args)))
+    run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec,) * len(args), out_specs=spec))
+    jax.block_until_ready(run(*args))  # compile and a first run
+    return Probe(kind, shape, work * repeats, lambda: jax.block_until_ready(run(*args)))
 
 
 def measure(probe: Probe, budget_s: float = 0.3, least: int = 3) -> float:
