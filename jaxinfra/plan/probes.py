@@ -139,8 +139,17 @@ def build(kind: str, shape: tuple[int, ...], dtype: str, devices: list) -> Probe
     args = [jax.jit(lambda dims=dims, dt=dt, fill=fill: jnp.full((n, *dims), fill, dt),
                     out_shardings=NamedSharding(mesh, spec))() for dims, dt, fill in arrays]
 
+    def meet(x):
+        """The devices meet once per step of the chain, as the train step's devices do at its
+        per-layer collectives: on a shared host a descheduled device holds up the others there,
+        which free-running probes would not see. One scalar psum written into the carry."""
+        if n == 1 or kind not in DOTS:  # a layer's pair of dots per step; elementwise ops come 10 to a layer
+            return x
+        corner = (0,) * x.ndim
+        return x.at[corner].set((jax.lax.psum(x[corner].astype(jnp.float32), "p") / n).astype(x.dtype))
+
     def local(carry, *consts):  # each device on its own shard (shard_map: no partitioner in between)
-        out = jax.lax.fori_loop(0, repeats, lambda i, x: step(x, *(c[0] for c in consts)), carry[0])
+        out = jax.lax.fori_loop(0, repeats, lambda i, x: meet(step(x, *(c[0] for c in consts))), carry[0])
         return out[None]
 
     run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec,) * len(args), out_specs=spec))
