@@ -8,8 +8,9 @@ an H200 reached MFU 0.41, benchmarks/RESULTS.md; large published runs report 0.3
 0.55 for TPUs (MaxText's reported MFUs on v5p), 0.8 for CPU (the `small` step's matmul work
 runs at ~0.8 of the same-process 2048^2 matmul probe, benchmarks/RESULTS.md). `--efficiency`
 overrides it. The memory bandwidth prices the optimizer update, which is memory-bound, and the
-memory-bound kinds of the step (elementwise, softmax, loss) when no probe measured them. On this
-machine's CPU, jaxinfra/plan/probes.py measures each kind at the step's shapes (`rates`).
+On this machine's CPU, jaxinfra/plan/probes.py measures each kind of the step's work at its own
+shapes (`rates`), the memory-bound kinds (elementwise, softmax, loss) included; without probes
+those are inside the stated efficiency.
 
 On CPU the "device" is a share of the host: fake devices (--xla_force_host_platform_device_count)
 split the host's cores, memory bandwidth and RAM, so the matmul and bandwidth probes (which use
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 
 from jaxinfra.config import ConfigError
@@ -27,10 +29,6 @@ from jaxinfra.metrics.peak import PEAK_FLOPS_PER_DEVICE, measure_matmul_flops
 from kernels.facts import Target
 
 GiB = 2**30
-# Bytes a memory-bound kind moves per element it counts when no probe measured it: a softmax reads
-# the scores for the max, again for the exponentials' sum, and writes the probabilities; the loss
-# does that over [tokens, vocab] and writes and reads its gradient (float32).
-BYTES_PER_ELEMENT = {"softmax": 3 * 4, "loss": 5 * 4}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,14 +70,15 @@ class DeviceSpec:
 
     def rate(self, kind: str, dtype: str) -> float:
         """One device's rate for a kind of work (jaxinfra/plan/probes.py KINDS): the probe's when one
-        ran for this dtype, else the dense peak x efficiency for dots and the memory bandwidth for the
-        memory-bound kinds (softmax and loss elements at their bytes per element)."""
+        ran for this dtype, else the datasheet path: dots at the dense peak x efficiency, and the
+        memory-bound kinds free (inf), because the stated efficiency is an end-to-end figure (a
+        real step's MFU) that already holds their time."""
         measured = self.rates.get(f"{kind}:{dtype}")
         if measured:
             return measured
         if kind in ("matmul", "head", "batched"):
             return self.throughput(dtype)
-        return self.memory_bandwidth / BYTES_PER_ELEMENT.get(kind, 1)
+        return math.inf
 
 
 def _gpu(kind: str, key: str, memory_gib: float, bandwidth: float, fast: str, slow: str, cc: str) -> DeviceSpec:
