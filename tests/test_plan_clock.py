@@ -66,7 +66,7 @@ def test_a_flash_kernel_has_no_separate_softmax():
 
 def test_each_kind_is_priced_at_its_rate():
     lay = small()
-    rates = {"matmul": 1e11, "head": 8e10, "batched": 5e10, "elementwise": 2e10, "softmax": 1e9, "loss": 5e8}
+    rates = {"matmul": 1e11, "head": 8e10, "batched": 5e10, "dispatch": 1e10, "elementwise": 2e10, "softmax": 1e9, "loss": 5e8}
     spec = with_rates(device_spec("cpu", 1, matmul_flops=2e11, bandwidth=1e10),
                       {f"{k}:float32": v for k, v in rates.items()})
     plan = make_plan(lay.cfg, 1, spec)
@@ -89,7 +89,7 @@ def test_the_dtype_peak_prices_bfloat16_dots(cache_path):
     asked = []
     probes.rates(small(["model.dtype=bfloat16"]), [_FakeDevice()], 1, use_cache=False,
                  measure_fn=lambda kind, shape, dtype, devs: asked.append((kind, dtype)) or 1.0)
-    assert dict(asked) == {"matmul": "bfloat16", "head": "bfloat16", "batched": "bfloat16", "elementwise": "float32",
+    assert dict(asked) == {"matmul": "bfloat16", "head": "bfloat16", "batched": "bfloat16",  # dense: no dispatch "elementwise": "float32",
                            "softmax": "float32", "loss": "float32"}
 
 
@@ -112,7 +112,7 @@ def test_probe_cache_is_read_back_and_remeasured_when_corrupt_or_keyed_elsewhere
     lay, dev = small(), [_FakeDevice()]
     calls, fn = _counting()
     first = probes.rates(lay, dev, 1, measure_fn=fn)
-    n = len(probes.KINDS)
+    n = len(probes.probe_shapes(lay))
     assert len(calls) == n and cache_path.exists()
     assert probes.rates(lay, dev, 1, measure_fn=fn) == first and len(calls) == n  # read from the file
     assert probes.rates(lay, dev, 2, measure_fn=fn) == {k: v / 2 for k, v in first.items()}  # shared by 2
@@ -137,5 +137,5 @@ def test_plan_json_splits_compute_by_kind_with_the_probe_rates(cache_path, capsy
     out = json.loads(capsys.readouterr().out)
     assert set(out["compute_by_kind"]) == set(probes.KINDS)
     assert out["compute_s"] == pytest.approx(sum(out["compute_by_kind"].values()))
-    assert out["probe_rates"] == {f"{k}:float32": 2e9 for k in probes.KINDS}
+    assert out["probe_rates"] == {f"{k}:float32": 2e9 for k in probes.KINDS if k != "dispatch"}  # dense
     assert cache_path.exists()

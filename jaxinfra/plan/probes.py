@@ -5,6 +5,7 @@
     head         the unembedding, [tokens, d] x [d, vocab], likewise                     FLOP/s
     batched      attention's [rows x heads, seq, dh] x [rows x heads, dh, keys]           FLOP/s
     elementwise  an RMSNorm + residual add over [tokens, d] float32                      bytes/s (read + written)
+    dispatch     the same over MoE capacity routing's [tokens, E x C] (capacity MoE only) bytes/s
     softmax      softmax over [rows x heads, seq, keys] float32                          elements/s
     loss         logsumexp cross-entropy and its gradient over [tokens, vocab] float32   elements/s
 
@@ -34,7 +35,7 @@ from typing import Any
 from jaxinfra.atomic import atomic_write_text
 from jaxinfra.plan.layout import Layout
 
-KINDS = ("matmul", "head", "batched", "elementwise", "softmax", "loss")
+KINDS = ("matmul", "head", "batched", "elementwise", "dispatch", "softmax", "loss")
 DOTS = ("matmul", "head", "batched")  # FLOP kinds, probed in the model dtype
 MAX_ELEMENTS = 2**24  # per probe array: 64 MiB of float32
 MAX_FLOPS = 8e9  # per dot of a probe step (two dots chained)
@@ -55,6 +56,11 @@ def probe_shapes(lay: Layout) -> dict[str, tuple[int, ...]]:
            "batched": max(lay.seq, lay.kv_seq) * max(dh, lay.kv_seq),
            "elementwise": d, "softmax": lay.seq * lay.kv_seq, "loss": lay.vocab}
     flops = {"matmul": 2 * d * lay.mlp, "head": 2 * d * lay.vocab, "batched": 2 * lay.seq * lay.kv_seq * dh}
+    if m.is_moe and m.moe_dispatch == "capacity":
+        from jaxinfra.plan.activations import capacity_slots
+
+        slots = int(capacity_slots(lay))
+        shapes["dispatch"], row["dispatch"] = (tokens, slots), slots
     out = {}
     for kind, shape in shapes.items():
         lead = min(shape[0], max(1, MAX_ELEMENTS // row[kind]))
@@ -113,7 +119,7 @@ def _body(kind: str, shape: tuple[int, ...], low: Any) -> tuple[Callable, list, 
             return jnp.einsum("bqk,bkd->bqd", scores, v, preferred_element_type=f32).astype(low)
         return step, [((b, s, dh), low, 0.5), ((b, k, dh), low, 1 / dh), ((b, k, dh), low, 1 / k)], \
             4.0 * b * s * k * dh, "flops"
-    if kind == "elementwise":
+    if kind in ("elementwise", "dispatch"):
         t, d = shape
         step = lambda x, r: r + x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)  # noqa: E731
         return step, [((t, d), f32, 0.5), ((t, d), f32, 0.5)], 3.0 * t * d * 4, "bytes"

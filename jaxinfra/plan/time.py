@@ -192,6 +192,8 @@ def step_work(lay: Layout) -> dict[str, tuple[float, float]]:
     again = () if effective_policy(lay) == "none" else work.ELEMENTWISE_PIECES
     useful, executed, prefix = _layers(lay, lambda moe: work.layer_elementwise(lay, moe), again)
     out["elementwise"] = (executed + prefix + work.pipeline_buffer_bytes(lay, pipeline_ticks(lay)), executed - useful)
+    useful, executed, prefix = _layers(lay, lambda moe: work.layer_dispatch(lay, moe), again)
+    out["dispatch"] = (executed + prefix, executed - useful)
     # The softmax's backward (p x (dy - sum(p dy))) costs about one forward here: no exponentials.
     useful, executed, prefix = _layers(lay, lambda moe: {"attention": work.layer_softmax(lay)}, backward=1.0)
     out["softmax"] = (executed + prefix, executed - useful)

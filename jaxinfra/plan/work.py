@@ -7,7 +7,8 @@ each at the step's own shapes):
 
     elementwise  bytes, each input read once and each output written once: the two RMSNorms
                  (float32 inside), the residual adds, RoPE on q and k, the q/k norms and MLA's
-                 latent norms, SwiGLU's activation, MoE routing masks or the dropless gather
+                 latent norms, SwiGLU's activation, MoE routing or the dropless gather
+    dispatch     bytes of MoE capacity routing's [tokens, E x C] float32 masks and their copies
     softmax      score elements of XLA attention's softmax ([heads, keys] per query; a flash
                  kernel does it inside its own batched dots)
     loss         [tokens, vocab] elements of the cross-entropy (logsumexp and its gradient),
@@ -22,7 +23,7 @@ from jaxinfra.plan.activations import capacity_slots
 from jaxinfra.plan.layout import F32_BYTES, Layout
 
 ELEMENTWISE_PIECES = ("norm", "residual", "latent_norm", "qk_norm", "rope", "act", "router", "dispatch_masks",
-                      "gather")
+                      "gather")  # all run again in the backward under any remat policy but none
 
 
 def layer_elementwise(lay: Layout, moe: bool) -> dict[str, float]:
@@ -47,11 +48,24 @@ def layer_elementwise(lay: Layout, moe: bool) -> dict[str, float]:
     width = (_routed_rows(lay) * m.expert_dim + m.moe_shared_experts * m.expert_dim) / lay.tp
     pieces["act"] = 3 * width * cb
     pieces["router"] = 3 * m.moe_num_experts * F32_BYTES  # logits, probabilities, top-k
-    if m.moe_dispatch == "capacity":
-        pieces["dispatch_masks"] = 2 * capacity_slots(lay) * F32_BYTES  # one-hot dispatch and combine
-    else:
+    if m.moe_dispatch != "capacity":
         pieces["gather"] = 4 * m.moe_top_k * m.d_model * cb  # sort, gather in, scatter out, weight
     return pieces
+
+
+# Passes over a token's [E x C] float32 row of capacity routing, forward, as compiled: the one-hot
+# dispatch and the combine weights written, and a transposed copy of each (written and read) for
+# the einsums' [rows, E x C, seq] layout. Large ([tokens, E x C]: 25 MB a layer for qwen3-moe-tiny at
+# d 256, seq 256): they run at their own, memory-bound rate (probes.py kind `dispatch`).
+DISPATCH_PASSES = 6
+
+
+def layer_dispatch(lay: Layout, moe: bool) -> dict[str, float]:
+    """Forward bytes per token of one layer's capacity-routing tensors (none for dense layers and
+    dropless routing)."""
+    if not moe or lay.model.moe_dispatch != "capacity":
+        return {}
+    return {"dispatch_masks": DISPATCH_PASSES * capacity_slots(lay) * F32_BYTES}
 
 
 def layer_softmax(lay: Layout) -> float:
