@@ -89,8 +89,8 @@ def test_the_dtype_peak_prices_bfloat16_dots(cache_path):
     asked = []
     probes.rates(small(["model.dtype=bfloat16"]), [_FakeDevice()], 1, use_cache=False,
                  measure_fn=lambda kind, shape, dtype, devs: asked.append((kind, dtype)) or 1.0)
-    assert dict(asked) == {"matmul": "bfloat16", "head": "bfloat16", "batched": "bfloat16",  # dense: no dispatch "elementwise": "float32",
-                           "softmax": "float32", "loss": "float32"}
+    assert dict(asked) == {"matmul": "bfloat16", "head": "bfloat16", "batched": "bfloat16",  # dense: no dispatch
+                           "elementwise": "float32", "softmax": "float32", "loss": "float32"}
 
 
 class _FakeDevice:
