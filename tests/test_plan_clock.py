@@ -17,7 +17,7 @@ from jaxinfra.plan import time as plan_time
 from jaxinfra.plan.devices import device_spec, with_rates
 from jaxinfra.plan.estimate import make_plan
 from jaxinfra.plan.layout import Layout
-from jaxinfra.plan.work import layer_elementwise, layer_softmax, loss_elements
+from jaxinfra.plan.work import layer_dispatch, layer_elementwise, layer_softmax, loss_elements
 
 # `small`'s shapes: 6 layers, d 512, 8 heads of 64, SwiGLU 2048, vocab 8192, seq 256, batch 8, float32.
 SMALL = ["mesh.data=1", "data.source=synthetic"]
@@ -56,6 +56,15 @@ def test_elementwise_bytes_of_one_layer_match_a_hand_count():
     none, full = (plan_time.step_work(small([f"model.remat_policy={p}"]))["elementwise"][0]
                   for p in ("none", "full"))
     assert full / none == pytest.approx(4 / 3)
+
+
+def test_capacity_routing_tensors_are_their_own_kind():
+    lay = Layout.of(load_config("qwen3-moe-tiny", ["train.seq_len=256", "mesh.data=1"]), 1, "cpu")
+    # 16 experts x capacity 1.5 x 256 x top-4 / 16 = 96 slots each: a [E x C] = 1,536 float32 row per
+    # token, six passes forward (dispatch and combine written, each transposed: written and read).
+    assert layer_dispatch(lay, True) == {"dispatch_masks": 6 * 16 * 96 * 4}
+    assert layer_dispatch(lay, False) == {} and "dispatch_masks" not in layer_elementwise(lay, True)
+    assert probes.probe_shapes(lay)["dispatch"] == (16 * 256, 16 * 96)
 
 
 def test_a_flash_kernel_has_no_separate_softmax():
