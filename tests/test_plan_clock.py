@@ -14,6 +14,7 @@ from jaxinfra import cli
 from jaxinfra.config import load_config
 from jaxinfra.plan import probes
 from jaxinfra.plan import time as plan_time
+from jaxinfra.plan.activations import saved_per_layer
 from jaxinfra.plan.devices import device_spec, with_rates
 from jaxinfra.plan.estimate import make_plan
 from jaxinfra.plan.layout import Layout
@@ -80,8 +81,12 @@ def test_each_kind_is_priced_at_its_rate():
                       {f"{k}:float32": v for k, v in rates.items()})
     plan = make_plan(lay.cfg, 1, spec)
     work = plan_time.step_work(lay)
-    assert plan.time.compute_by_kind == pytest.approx({k: work[k][0] / rates[k] for k in rates})
+    by_kind = dict(plan.time.compute_by_kind)
+    # The scan's stacked residuals (measured plans only): 4 passes over what each of the 6 layers keeps.
+    assert by_kind.pop("residuals") == pytest.approx(4 * 6 * saved_per_layer(lay, False) / 1e10)
+    assert by_kind == pytest.approx({k: work[k][0] / rates[k] for k in rates})
     assert plan.time.compute_s == pytest.approx(sum(plan.time.compute_by_kind.values()))
+    assert "residuals" not in make_plan(lay.cfg, 1, device_spec("h100")).time.compute_by_kind  # datasheet path
     # --efficiency keeps the dots at peak x efficiency; the memory-bound kinds stay probed.
     stated = with_rates(device_spec("cpu", 1, matmul_flops=2e11, bandwidth=1e10, efficiency=0.5),
                         {f"{k}:float32": v for k, v in rates.items()}, efficiency=0.5)
@@ -144,7 +149,7 @@ def test_plan_json_splits_compute_by_kind_with_the_probe_rates(cache_path, capsy
     monkeypatch.setattr(probes, "peak_flops", lambda device, dtype: 4e9)
     assert cli.main(["plan", "tiny", "--devices", "1", "mesh.data=1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out["compute_by_kind"]) == set(probes.KINDS)
+    assert set(out["compute_by_kind"]) == {*probes.KINDS, "residuals"}
     assert out["compute_s"] == pytest.approx(sum(out["compute_by_kind"].values()))
     assert out["probe_rates"] == {f"{k}:float32": 2e9 for k in probes.KINDS if k != "dispatch"}  # dense
     assert cache_path.exists()

@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 from jaxinfra.metrics.flops import attention_keys, flops_per_token
 from jaxinfra.plan import work
-from jaxinfra.plan.activations import capacity_slots, effective_policy
+from jaxinfra.plan.activations import capacity_slots, effective_policy, saved_per_layer
 from jaxinfra.plan.devices import DeviceSpec
 from jaxinfra.plan.layout import Layout
 from jaxinfra.plan.links import LINKS, Link, Measured, axis_link, collective_seconds
@@ -420,6 +420,25 @@ def accumulate_bytes(lay: Layout, state: StateBytes) -> float:
     return ACCUMULATE_TRAFFIC * accum * (piped + summed)
 
 
+# Passes over the residuals a scanned layer saves for its backward: the stacked [layers, ...]
+# buffers zero-filled once a step (`wrapped_broadcast`), each layer's slice written in by a
+# dynamic-update-slice (read and written), and read back in the backward.
+RESIDUAL_PASSES = 4
+
+
+def residual_stack_bytes(lay: Layout) -> float:
+    """Memory traffic per step on this device of the scan's stacked residuals (model.scan_layers):
+    what each layer keeps under the remat policy (activations.saved_per_layer, the memory model's
+    figure), per layer call. Large buffers: priced at the memory bandwidth probe's rate."""
+    if not lay.model.scan_layers:
+        return 0.0
+    _, dense, sparse = lay.layer_counts
+    if dense + sparse == 0:
+        return 0.0
+    kept = (dense * saved_per_layer(lay, False) + sparse * saved_per_layer(lay, True)) / (dense + sparse)
+    return RESIDUAL_PASSES * kept * _layer_calls(lay)
+
+
 # Bytes the optimizer step moves per byte of one params-shaped tree in the optimizer's sharding:
 # AdamW reads params, gradients and both moments and writes params and moments (7), the gradient
 # norm and the NaN guard's all-finite check read the gradients and new params once more (2), and
@@ -433,6 +452,8 @@ def step_time(lay: Layout, state: StateBytes, spec: DeviceSpec, measured: Measur
     dtype = lay.model.dtype
     by_kind = {kind: (executed - bubble) / spec.rate(kind, dtype) for kind, (executed, bubble) in amounts.items()}
     bubble = sum(b / spec.rate(kind, dtype) for kind, (_, b) in amounts.items())
+    if spec.rates:  # measured: the scan's residual stacks too (datasheet efficiencies already hold them)
+        by_kind["residuals"] = residual_stack_bytes(lay) / spec.memory_bandwidth
     compute = sum(by_kind.values())
     update = UPDATE_TRAFFIC * state.opt_params / spec.memory_bandwidth
     accumulate = accumulate_bytes(lay, state) / spec.memory_bandwidth
