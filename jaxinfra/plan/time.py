@@ -80,22 +80,13 @@ def layer_flops(lay: Layout, moe: bool) -> dict[str, float]:
     if not moe:
         return {**pieces, "ffn_up": 4 * d * m.mlp_dim / tp, "ffn_down": 2 * m.mlp_dim * d / tp}
     fe = m.expert_dim
-    routed = _routed_rows(lay)  # expert rows computed per token
+    routed = work.routed_rows(lay)  # expert rows computed per token
     shared = m.moe_shared_experts * fe
     pieces.update(ffn_up=4 * d * (routed * fe + shared) / tp, ffn_down=2 * d * (routed * fe + shared) / tp,
                   router=2 * d * m.moe_num_experts)
     if m.moe_dispatch == "capacity":
         pieces["dispatch"] = 2 * 2 * capacity_slots(lay) * d  # dispatch + combine: E x C x d MACs per token each
     return pieces
-
-
-def _routed_rows(lay: Layout) -> float:
-    """Expert FFN rows per token: top-k, or the capacity slots (padding computes too), or on CPU's
-    dropless path every expert (XLA:CPU's ragged_dot is a dense matmul per group)."""
-    m = lay.model
-    if m.moe_dispatch == "capacity":
-        return capacity_slots(lay) / lay.seq
-    return m.moe_num_experts if lay.backend == "cpu" else m.moe_top_k
 
 
 RECOMPUTED = {  # forward pieces a remat policy runs again in the backward

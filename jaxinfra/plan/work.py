@@ -43,14 +43,21 @@ def layer_elementwise(lay: Layout, moe: bool) -> dict[str, float]:
     if not moe:
         pieces["act"] = 3 * lay.mlp * cb  # read gate and up, write the hidden
         return pieces
-    from jaxinfra.plan.time import _routed_rows
-
-    width = (_routed_rows(lay) * m.expert_dim + m.moe_shared_experts * m.expert_dim) / lay.tp
+    width = (routed_rows(lay) * m.expert_dim + m.moe_shared_experts * m.expert_dim) / lay.tp
     pieces["act"] = 3 * width * cb
     pieces["router"] = 3 * m.moe_num_experts * F32_BYTES  # logits, probabilities, top-k
     if m.moe_dispatch != "capacity":
         pieces["gather"] = 4 * m.moe_top_k * m.d_model * cb  # sort, gather in, scatter out, weight
     return pieces
+
+
+def routed_rows(lay: Layout) -> float:
+    """Expert FFN rows per token: top-k, or the capacity slots (padding computes too), or on CPU's
+    dropless path every expert (XLA:CPU's ragged_dot is a dense matmul per group)."""
+    m = lay.model
+    if m.moe_dispatch == "capacity":
+        return capacity_slots(lay) / lay.seq
+    return m.moe_num_experts if lay.backend == "cpu" else m.moe_top_k
 
 
 # Passes over a token's [E x C] float32 row of capacity routing, forward, as compiled: the one-hot
