@@ -30,8 +30,9 @@ from benchmarks.step_cpu import random_batch
 from jaxinfra.config import Config, ConfigError, load_config
 from jaxinfra.metrics.peak import measure_matmul_flops
 from jaxinfra.metrics.table import format_table
+from jaxinfra.plan import probes
 from jaxinfra.plan.compiled import analyse
-from jaxinfra.plan.devices import device_spec, measure_memory_bandwidth
+from jaxinfra.plan.devices import device_spec, measure_memory_bandwidth, with_rates
 from jaxinfra.plan.estimate import make_plan
 from jaxinfra.plan.layout import Layout
 from jaxinfra.plan.links import Measured, read_measured
@@ -40,20 +41,31 @@ from jaxinfra.plan.report import size
 from jaxinfra.plan.search import overrides, search
 from jaxinfra.runtime import build_runtime
 
-TIME_CONFIGS = [  # (name, preset, overrides, devices): the CPU reference model under four layouts
+MLA = ["model.attention_type=mla", "model.head_dim=null", "model.q_lora_rank=128", "model.kv_lora_rank=64",
+       "model.qk_nope_head_dim=32", "model.qk_rope_head_dim=32", "model.v_head_dim=64"]
+MOE = ["model.d_model=256", "train.seq_len=256", "data.source=synthetic"]
+TIME_CONFIGS = [  # (name, preset, overrides, devices): dense MHA / GQA / MLA and MoE over the layouts
     ("small, 1 device", "small", ["mesh.data=1"], 1),
     ("small, fsdp=8", "small", ["mesh.data=1", "mesh.fsdp=8"], 8),
     ("small, data=2 x tensor=4", "small", ["mesh.data=2", "mesh.tensor=4"], 8),
     ("small, data=4 x stage=2 gpipe", "small", ["mesh.data=4", "mesh.stage=2", "parallelism.microbatches=2"], 8),
+    ("small GQA kv 2, dp data=8", "small", ["model.num_kv_heads=2", "mesh.data=8", "parallelism.strategy=dp"], 8),
+    ("small, zero1 data=8", "small", ["mesh.data=8", "parallelism.strategy=zero1"], 8),
+    ("small MLA, fsdp=8", "small", [*MLA, "mesh.data=1", "mesh.fsdp=8"], 8),
+    ("mixtral-tiny d256, expert=4 x data=2", "mixtral-tiny", [*MOE, "train.batch_size=32", "mesh.data=2",
+                                                              "mesh.expert=4"], 8),
+    ("qwen3-moe-tiny d256, 1 device", "qwen3-moe-tiny", [*MOE, "mesh.data=1"], 1),
 ]
 
 
-def probe_once() -> tuple[float, float]:
-    """One run each of the matmul and memory-bandwidth probes (FLOP/s, bytes/s)."""
-    return measure_matmul_flops(repeats=1), measure_memory_bandwidth.__wrapped__(repeats=1)
+def probe_once(kinds: list[probes.Probe] | None = None) -> tuple[float, float, dict[str, float]]:
+    """One run each of the matmul and memory-bandwidth probes (FLOP/s, bytes/s) and of the per-kind
+    probes at the row's shapes (jaxinfra/plan/probes.py: per-device rate by kind)."""
+    return (measure_matmul_flops(repeats=1), measure_memory_bandwidth.__wrapped__(repeats=1),
+            {p.kind: p.work / p.seconds() for p in kinds or ()})
 
 
-def measure_step(cfg: Config, devices: int, steps: int) -> tuple[float, tuple[float, float]]:
+def measure_step(cfg: Config, devices: int, steps: int) -> tuple[float, tuple[float, float, dict[str, float]]]:
     """(median seconds of `steps` train steps after a compile + warm-up step, the probes' medians).
 
     This host's speed drifts by tens of percent over seconds (the 2048^3 probe ranged 183-397
@@ -62,28 +74,33 @@ def measure_step(cfg: Config, devices: int, steps: int) -> tuple[float, tuple[fl
     rt = build_runtime(cfg, jax.devices()[:devices])
     state, batch = rt.init_state(), rt.to_global(random_batch(cfg, np.random.default_rng(0)))
     state, metrics = rt.train_step(state, batch)
-    jax.block_until_ready(metrics)
-    samples, times = [probe_once() for _ in range(3)], []
+    jax.block_until_ready((state, metrics))
+    kinds = probes.build_all(Layout.of(cfg, devices, "cpu"), jax.devices()[:devices])
+    samples, times = [probe_once(kinds) for _ in range(3)], []
     for _ in range(steps):
         t0 = time.perf_counter()
         state, metrics = rt.train_step(state, batch)
-        jax.block_until_ready(metrics)
+        jax.block_until_ready((state, metrics))  # the update too: the probes must not run beside it
         times.append(time.perf_counter() - t0)
-        samples += [probe_once() for _ in range(2)]
-    samples += [probe_once() for _ in range(3)]
-    flops, bandwidth = zip(*samples, strict=True)
-    return float(np.median(times)), (float(np.median(flops)), float(np.median(bandwidth)))
+        samples += [probe_once(kinds) for _ in range(2)]
+    samples += [probe_once(kinds) for _ in range(3)]
+    rates = {k: float(np.median([s[2][k] for s in samples])) for k in samples[0][2]}
+    return float(np.median(times)), (float(np.median([s[0] for s in samples])),
+                                     float(np.median([s[1] for s in samples])), rates)
 
 
 def probe() -> tuple[float, float]:
     """(matmul FLOP/s, memory bytes/s) as medians of 7 runs: on a loaded machine the probes' usual
     best-of-5 catches a quiet moment the following steps do not get; the median sees what they see."""
     samples = [probe_once() for _ in range(7)]
-    return float(np.median([f for f, _ in samples])), float(np.median([b for _, b in samples]))
+    return float(np.median([s[0] for s in samples])), float(np.median([s[1] for s in samples]))
 
 
-def cpu(devices: int, probes: tuple[float, float]):
-    return device_spec("cpu", devices, matmul_flops=probes[0], bandwidth=probes[1])
+def cpu(devices: int, sampled: tuple, dtype: str = "float32"):
+    """The CPU spec of `devices` fake devices from sampled (matmul, bandwidth[, per-kind rates])."""
+    spec = device_spec("cpu", devices, matmul_flops=sampled[0], bandwidth=sampled[1])
+    kinds = sampled[2] if len(sampled) > 2 else {}
+    return with_rates(spec, {f"{kind}:{dtype}": rate for kind, rate in kinds.items()})
 
 
 def memory_layouts() -> list[tuple[str, Config]]:
@@ -141,23 +158,29 @@ def measured_links(mesh_overrides: list[str]) -> Measured | None:
     return read_measured(f.name)
 
 
-def time_table(steps: int) -> None:
+def time_table(steps: int, only: str = "") -> None:
     """Each config: measure its mesh's collectives, then its steps with the probes sampled between
     them; the prediction uses the probes' medians and the measured links."""
     rows = []
     for name, preset, extra, devices in TIME_CONFIGS:
+        if only not in name:
+            continue
         cfg = load_config(preset, [*extra, "data.source=synthetic"])
         links = measured_links(extra)
-        measured, probes = measure_step(cfg, devices, steps)
-        plan = make_plan(cfg, devices, cpu(devices, probes), links)
-        rows.append((name, devices, f"{probes[0] / 1e9:.0f}", f"{probes[1] / 1e9:.2f}", f"{plan.time.step_s:.3f}",
-                     f"{measured:.3f}", f"{plan.time.step_s / measured:.3f}", plan.bottleneck,
-                     f"{os.getloadavg()[0]:.1f}"))
-        print(format_table(rows[-1:], ["config", "devices", "probe GFLOP/s", "probe GB/s", "predicted s",
-                                       "measured s", "ratio", "bottleneck", "load"], style="markdown",
-                           header=len(rows) == 1), flush=True)
-    worst = max(abs(float(r[6]) - 1) for r in rows)
-    print(f"\n{len(rows)} configs, largest |predicted/measured - 1| = {worst:.3f}")
+        measured, sampled = measure_step(cfg, devices, steps)
+        plan = make_plan(cfg, devices, cpu(devices, sampled, cfg.model.dtype), links)
+        kinds = " ".join(f"{k[:4]} {v:.2f}" for k, v in plan.time.compute_by_kind.items())
+        rows.append((name, devices, f"{sampled[0] / 1e9:.0f}", f"{sampled[2]['matmul'] * devices / 1e9:.0f}",
+                     f"{sampled[1] / 1e9:.2f}",
+                     f"{plan.time.step_s:.3f}", kinds, f"{measured:.3f}", f"{measured / plan.time.step_s:.3f}",
+                     plan.bottleneck, f"{os.getloadavg()[0]:.1f}"))
+        print(format_table(rows[-1:], ["config", "devices", "2048^3 GFLOP/s", "step's matmul GFLOP/s (host)",
+                                       "probe GB/s",
+                                       "predicted s", "compute by kind s", "measured s", "measured / predicted",
+                                       "bottleneck", "load"], style="markdown", header=len(rows) == 1), flush=True)
+    ratios = [float(r[8]) for r in rows]
+    print(f"\n{len(rows)} configs, {sum(0.8 <= r <= 1.25 for r in ratios)} with measured / predicted in "
+          f"[0.8, 1.25]; range {min(ratios):.3f}-{max(ratios):.3f}")
 
 
 def interleaved_steps(cfgs: list[Config], steps: int) -> list[float]:
@@ -183,11 +206,11 @@ def interleaved_steps(cfgs: list[Config], steps: int) -> list[float]:
 def search_table(preset: str, top: int, steps: int) -> None:
     """--search's top layouts measured in one run (interleaved), with the preset's own layout and
     fsdp=8 as references."""
-    probes = probe()
+    sampled = probe()
     cfg = load_config(preset, ["data.source=synthetic"])
-    spec = cpu(8, probes)
+    spec = cpu(8, sampled)
     ranked = search(cfg, 8, spec)[:top]
-    print(f"{preset}: probes {probes[0] / 1e9:.1f} GFLOP/s, {probes[1] / 1e9:.2f} GB/s, load "
+    print(f"{preset}: probes {sampled[0] / 1e9:.1f} GFLOP/s, {sampled[1] / 1e9:.2f} GB/s, load "
           f"{os.getloadavg()[0]:.1f}", flush=True)
     references = [make_plan(load_config(preset, ["data.source=synthetic", *extra]), 8, spec)
                   for extra in (["mesh.data=8"], ["mesh.data=1", "mesh.fsdp=8"])]
@@ -245,12 +268,12 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=5)
     parser.add_argument("--presets", help="search: presets to search (default small,mixtral-tiny); presets: the "
                         "full-size presets to price (default all of PRESETS)")
-    parser.add_argument("--rows", default="", help="memory: only the layouts whose name contains this")
+    parser.add_argument("--rows", default="", help="memory, time: only the rows whose name contains this")
     args = parser.parse_args()
     if args.what == "memory":
         memory_table(args.rows)
     elif args.what == "time":
-        time_table(args.steps)
+        time_table(args.steps, args.rows)
     elif args.what == "search":
         for preset in (args.presets or "small,mixtral-tiny").split(","):
             search_table(preset, args.top, args.steps)

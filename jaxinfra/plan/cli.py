@@ -35,6 +35,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                 help="fraction of the peak the compute reaches (default: per kind)")
     p.add_argument("--links", metavar="FILE", help="`jaxinfra bench collectives` output: measured bandwidths "
                    "replace the link table")
+    p.add_argument("--no-probe-cache", action="store_true", help="CPU: measure the per-kind probes again instead "
+                   "of reading them from the probe cache ($XDG_CACHE_HOME/jaxinfra/plan-probes.json), and rewrite it")
     p.add_argument("--compile", action="store_true", help="also compile the real train step (fake CPU devices "
                    "when there are too few) and print XLA's memory and FLOPs beside the analytic ones")
     p.add_argument("--search", action="store_true", help="rank every layout of the devices that fits")
@@ -62,12 +64,17 @@ def resolve_spec(args: argparse.Namespace, cfg: Config) -> tuple[int, DeviceSpec
         devices = jax.devices()
     count = args.devices or len(devices)
     kind = args.device_kind or kind_of(devices[0])
-    probe = None
-    if kind == "cpu":
-        from jaxinfra.metrics.peak import peak_flops_per_device
+    if kind != "cpu":  # planning a GPU/TPU (from here or there): the datasheet, no probes
+        return count, device_spec(kind, count, args.hbm_gib, args.efficiency)
+    from jaxinfra.plan import probes
+    from jaxinfra.plan.devices import with_rates
+    from jaxinfra.plan.layout import Layout
 
-        probe = peak_flops_per_device(jax.devices("cpu")[0], cfg.model.dtype)[0]
-    return count, device_spec(kind, count, args.hbm_gib, args.efficiency, probe)  # CPU: + the bandwidth probe
+    cpus = jax.devices("cpu")
+    peak = probes.peak_flops(cpus[0], cfg.model.dtype)
+    spec = device_spec(kind, count, args.hbm_gib, args.efficiency, peak)  # + the bandwidth probe
+    lay = Layout.of(cfg, count, "cpu")  # the step's shapes (a refused layout: the trainer's one-line error)
+    return count, with_rates(spec, probes.rates(lay, cpus, count, use_cache=not args.no_probe_cache), args.efficiency)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -7,7 +7,10 @@ training step's matmuls reach, stated rather than measured: 0.45 for GPUs (our 1
 an H200 reached MFU 0.41, benchmarks/RESULTS.md; large published runs report 0.38-0.45),
 0.55 for TPUs (MaxText's reported MFUs on v5p), 0.8 for CPU (the `small` step's matmul work
 runs at ~0.8 of the same-process 2048^2 matmul probe, benchmarks/RESULTS.md). `--efficiency`
-overrides it. The memory bandwidth prices the optimizer update, which is memory-bound.
+overrides it. The memory bandwidth prices the optimizer update, which is memory-bound, and the
+On this machine's CPU, jaxinfra/plan/probes.py measures each kind of the step's work at its own
+shapes (`rates`), the memory-bound kinds (elementwise, softmax, loss) included; without probes
+those are inside the stated efficiency.
 
 On CPU the "device" is a share of the host: fake devices (--xla_force_host_platform_device_count)
 split the host's cores, memory bandwidth and RAM, so the matmul and bandwidth probes (which use
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 
 from jaxinfra.config import ConfigError
@@ -40,6 +44,9 @@ class DeviceSpec:
     efficiency: float
     shared_host: int = 1  # CPU: devices sharing the host's cores and RAM
     compute_capability: str | None = None  # CUDA's, for GPUs (kernels/facts.py: Mosaic GPU needs 9.0)
+    # Per-device rates by kind measured at the step's shapes (jaxinfra/plan/probes.py; units there);
+    # a kind absent here is priced from the datasheet (rate()).
+    rates: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def platform(self) -> str:
@@ -60,6 +67,18 @@ class DeviceSpec:
     def throughput(self, dtype: str) -> float:
         """FLOP/s one device's share of the hardware delivers to a training step."""
         return self.peak(dtype) * self.efficiency / self.shared_host
+
+    def rate(self, kind: str, dtype: str) -> float:
+        """One device's rate for a kind of work (jaxinfra/plan/probes.py KINDS): the probe's when one
+        ran for this dtype, else the datasheet path: dots at the dense peak x efficiency, and the
+        memory-bound kinds free (inf), because the stated efficiency is an end-to-end figure (a
+        real step's MFU) that already holds their time."""
+        measured = self.rates.get(f"{kind}:{dtype}")
+        if measured:
+            return measured
+        if kind in ("matmul", "head", "batched"):
+            return self.throughput(dtype)
+        return math.inf
 
 
 def _gpu(kind: str, key: str, memory_gib: float, bandwidth: float, fast: str, slow: str, cc: str) -> DeviceSpec:
@@ -151,6 +170,14 @@ def device_spec(kind: str, devices_on_host: int = 1, memory_gib: float | None = 
             raise ConfigError(f"--efficiency={efficiency} is invalid: must be in (0, 1]")
         spec = dataclasses.replace(spec, efficiency=efficiency)
     return spec
+
+
+def with_rates(spec: DeviceSpec, rates: dict[str, float], efficiency: float | None = None) -> DeviceSpec:
+    """`spec` with probe rates ("kind:dtype" -> per-device rate); a stated --efficiency keeps the
+    dots at peak x efficiency (the probes then price the memory-bound kinds only)."""
+    if efficiency is not None:
+        rates = {k: v for k, v in rates.items() if k.split(":")[0] not in ("matmul", "head", "batched")}
+    return dataclasses.replace(spec, rates={**spec.rates, **rates})
 
 
 def kind_of(device) -> str:

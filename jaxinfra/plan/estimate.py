@@ -69,7 +69,8 @@ class Plan:
             "memory_bytes_per_device": self.memory.as_dict(), "memory_peak_phase": self.memory.peak_phase,
             "device_memory_bytes": int(self.spec.memory_bytes), "fits": self.fits,
             "refused": self.refused,
-            "step_time_s": t.step_s, "compute_s": t.compute_s, "bubble_s": t.bubble_s, "update_s": t.update_s,
+            "step_time_s": t.step_s, "compute_s": t.compute_s, "compute_by_kind": t.compute_by_kind,
+            "probe_rates": self.spec.rates, "bubble_s": t.bubble_s, "update_s": t.update_s,
             "accumulate_s": t.accumulate_s, "exposed_comm_s": t.exposed_s, "overlapped_comm_s": t.overlapped_s,
             "collectives": [{"what": c.what, "op": c.op, "axes": list(c.axes), "bytes_per_call": int(c.size),
                              "calls": c.calls, "seconds": c.seconds, "overlapped": c.overlapped}

@@ -75,13 +75,20 @@ def refusal(plan: Plan) -> str:
             f"refuse it; --search finds layouts that fit, --report prints the plan with exit status 0")
 
 
+def _compute_basis(plan: Plan) -> str:
+    """What priced the compute: the probes by kind (jaxinfra/plan/probes.py), or peak x efficiency."""
+    t = plan.time
+    if plan.spec.rates:
+        return "probed rates by kind: " + ", ".join(f"{k} {seconds(v)}" for k, v in t.compute_by_kind.items() if v)
+    return f"peak {t.peak / 1e12:.4g} TFLOP/s x efficiency {plan.spec.efficiency}"
+
+
 def time_lines(plan: Plan) -> list[str]:
     t = plan.time
     if plan.inference:
         return [f"decode step {seconds(t.step_s)} (one token for each of {plan.tokens_per_step} rows): "
                 f"{plan.tokens_per_s:,.0f} tokens/s, MFU {plan.mfu:.3f}; bound by {plan.bottleneck}"]
-    lines = [f"step time {seconds(t.step_s)}: compute {seconds(t.compute_s)} (peak {t.peak / 1e12:.4g} TFLOP/s x "
-             f"efficiency {plan.spec.efficiency}"
+    lines = [f"step time {seconds(t.step_s)}: compute {seconds(t.compute_s)} (" + _compute_basis(plan)
              + (f", shared by {plan.spec.shared_host} devices" if plan.spec.shared_host > 1 else "")
              + f"), bubble {seconds(t.bubble_s)}, optimizer update {seconds(t.update_s)}"
              + (f", gradient sums {seconds(t.accumulate_s)}" if t.accumulate_s else "") + ", exposed comm "

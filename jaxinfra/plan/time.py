@@ -1,7 +1,9 @@
 """Step time, analytic: compute at the device's throughput, communication per mesh axis, overlap,
 the pipeline bubble, and the bottleneck.
 
-    compute   = executed FLOPs per device / (peak x efficiency)        (jaxinfra/plan/devices.py)
+    compute   = sum over kinds (step_work: matmul and batched FLOPs, elementwise bytes, softmax and
+                loss elements) of the work per device / the kind's rate: probed at the step's shapes
+                on this CPU (probes.py), else peak x efficiency or the memory bandwidth (devices.py)
     comm      = sum over collectives of calls x (latency + bytes x f / bandwidth)   (links.py)
     update    = optimizer traffic per device / memory bandwidth            (memory-bound, after the backward)
     accumulate = gradient-sum traffic per device / memory bandwidth      (pipeline ticks, accumulation)
@@ -26,9 +28,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 from jaxinfra.metrics.flops import attention_keys, flops_per_token
-from jaxinfra.plan.activations import capacity_slots, effective_policy
+from jaxinfra.plan import work
+from jaxinfra.plan.activations import capacity_slots, effective_policy, saved_per_layer
 from jaxinfra.plan.devices import DeviceSpec
 from jaxinfra.plan.layout import Layout
 from jaxinfra.plan.links import LINKS, Link, Measured, axis_link, collective_seconds
@@ -76,22 +80,13 @@ def layer_flops(lay: Layout, moe: bool) -> dict[str, float]:
     if not moe:
         return {**pieces, "ffn_up": 4 * d * m.mlp_dim / tp, "ffn_down": 2 * m.mlp_dim * d / tp}
     fe = m.expert_dim
-    routed = _routed_rows(lay)  # expert rows computed per token
+    routed = work.routed_rows(lay)  # expert rows computed per token
     shared = m.moe_shared_experts * fe
     pieces.update(ffn_up=4 * d * (routed * fe + shared) / tp, ffn_down=2 * d * (routed * fe + shared) / tp,
                   router=2 * d * m.moe_num_experts)
     if m.moe_dispatch == "capacity":
         pieces["dispatch"] = 2 * 2 * capacity_slots(lay) * d  # dispatch + combine: E x C x d MACs per token each
     return pieces
-
-
-def _routed_rows(lay: Layout) -> float:
-    """Expert FFN rows per token: top-k, or the capacity slots (padding computes too), or on CPU's
-    dropless path every expert (XLA:CPU's ragged_dot is a dense matmul per group)."""
-    m = lay.model
-    if m.moe_dispatch == "capacity":
-        return capacity_slots(lay) / lay.seq
-    return m.moe_num_experts if lay.backend == "cpu" else m.moe_top_k
 
 
 RECOMPUTED = {  # forward pieces a remat policy runs again in the backward
@@ -104,24 +99,43 @@ RECOMPUTED = {  # forward pieces a remat policy runs again in the backward
 assert set(RECOMPUTED) == set(REMAT_POLICIES), "models/config.py has a remat policy the time model does not price"
 
 
-def _passes(lay: Layout, pieces: dict[str, float]) -> tuple[float, float]:
-    """(useful, executed) FLOPs per token of one layer over forward, backward and recompute;
-    executed adds the pipeline's bubble slots, which the SPMD pipeline computes.
+def _passes(lay: Layout, pieces: dict[str, float], recomputed: tuple[str, ...] | None = None,
+            backward: float = 2.0) -> tuple[float, float]:
+    """(useful, executed) amounts per token of one layer over forward, backward and recompute (FLOPs,
+    or the work.py amounts); executed adds the pipeline's bubble slots, which the SPMD pipeline
+    computes. `recomputed`: the pieces run again (default: the remat policy's RECOMPUTED);
+    `backward`: the backward's cost in forwards (2 for a matmul: two matmuls of the same size).
 
     1F1B (sharding/pipeline.py) runs the forward once over M + S - 1 ticks, then per backward
     tick (M + 2S - 2 of them) the chunk's forward again, and its VJP (a forward, the policy's
-    recompute, and the backward's two)."""
+    recompute, and the backward)."""
     forward = sum(pieces.values())
-    again = sum(v for k, v in pieces.items() if k in RECOMPUTED[effective_policy(lay)])
+    again_names = RECOMPUTED[effective_policy(lay)] if recomputed is None else recomputed
+    again = sum(v for k, v in pieces.items() if k in again_names)
+    once = (1 + backward) * forward + again
     if lay.pp == 1:
-        return 3 * forward + again, 3 * forward + again
+        return once, once
     micro, repeats = lay.pipeline
     s = lay.pp
     if lay.cfg.parallelism.pipeline_schedule == "1f1b":
-        useful = 5 * forward + again
-        return useful, forward * (micro + s - 1) / micro + (4 * forward + again) * (micro + 2 * s - 2) / micro
-    useful = 3 * forward + again
-    return useful, useful * (repeats * micro + s - 1) / (repeats * micro)
+        return once + 2 * forward, forward * (micro + s - 1) / micro + (once + forward) * (micro + 2 * s - 2) / micro
+    return once, once * (repeats * micro + s - 1) / (repeats * micro)
+
+
+def _layers(lay: Layout, pieces_of: Callable[[bool], dict[str, float]],
+            recomputed: tuple[str, ...] | None = None, backward: float = 2.0) -> tuple[float, float, float]:
+    """(useful, executed, prefix) per device per step of per-token, per-layer forward amounts
+    `pieces_of(moe)`: the (pipelined) layers' passes, and a MoE pipeline's dense prefix, run
+    forward and backward on every stage."""
+    t, m = lay.cfg.train, lay.model
+    tokens = t.batch_size * t.seq_len / (lay.batch_shards * lay.cp)  # this device's tokens per step
+    outside, dense, sparse = lay.layer_counts
+    dense_pieces = pieces_of(False)
+    dense_pass = _passes(lay, dense_pieces, recomputed, backward)
+    moe_pass = _passes(lay, pieces_of(True), recomputed, backward) if m.is_moe else dense_pass
+    useful = tokens * (dense * dense_pass[0] + sparse * moe_pass[0])
+    executed = tokens * (dense * dense_pass[1] + sparse * moe_pass[1])
+    return useful, executed, tokens * outside * sum(dense_pieces.values()) * (1 + backward)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,17 +148,48 @@ class Flops:
 
 def step_flops(lay: Layout) -> Flops:
     t, m = lay.cfg.train, lay.model
-    tokens = t.batch_size * t.seq_len / (lay.batch_shards * lay.cp)  # this device's tokens per step
-    outside, dense, sparse = lay.layer_counts
-    dense_pass, moe_pass = _passes(lay, layer_flops(lay, False)), _passes(lay, layer_flops(lay, True) if m.is_moe
-                                                                          else layer_flops(lay, False))
-    useful = tokens * (dense * dense_pass[0] + sparse * moe_pass[0])
-    executed = tokens * (dense * dense_pass[1] + sparse * moe_pass[1])
-    prefix = tokens * outside * sum(layer_flops(lay, False).values()) * 3  # before the pipeline, on every stage
-    chunked = m.loss_chunk_size and m.loss_chunk_size < t.seq_len
-    head = tokens * 2 * m.vocab_size * m.d_model / lay.tp * (4 if chunked else 3)
+    useful, executed, prefix = _layers(lay, lambda moe: layer_flops(lay, moe))
+    head = _head_flops(lay)
     model = t.batch_size * t.seq_len * flops_per_token(m, t.seq_len) / lay.devices
     return Flops(executed + prefix + head, executed - useful, model, useful)
+
+
+def _head_flops(lay: Layout) -> float:
+    """The unembedding's FLOPs per device per step: forward, backward (and a chunked loss's recomputed logits)."""
+    t, m = lay.cfg.train, lay.model
+    tokens = t.batch_size * t.seq_len / (lay.batch_shards * lay.cp)
+    chunked = m.loss_chunk_size and m.loss_chunk_size < t.seq_len
+    return tokens * 2 * m.vocab_size * m.d_model / lay.tp * (4 if chunked else 3)
+
+
+# Pieces of layer_flops that are batched dots (attention's scores and weighted values, capacity
+# dispatch and combine); the rest are weight matmuls.
+BATCHED_PIECES = ("attention", "dispatch")
+
+
+def step_work(lay: Layout) -> dict[str, tuple[float, float]]:
+    """Per device per step, by kind (probes.KINDS): (executed, of which bubble-slot work). FLOPs
+    for matmul (the layers' weight matmuls), head (the unembedding) and batched, bytes for
+    elementwise (the pipeline's slot copies included), elements for softmax and loss
+    (jaxinfra/plan/work.py). The FLOP kinds add up to step_flops' executed."""
+    out = {}
+    for kind, keep in (("matmul", False), ("batched", True)):
+        useful, executed, prefix = _layers(lay, lambda moe, keep=keep: {
+            k: v for k, v in layer_flops(lay, moe).items() if (k in BATCHED_PIECES) == keep})
+        out[kind] = (executed + prefix, executed - useful)
+    out["head"] = (_head_flops(lay), 0.0)  # the unembedding, at its own (wide) shape
+    # Under any remat policy but none the backward runs the layer's elementwise work again (only
+    # dots, or named tensors, are saved).
+    again = () if effective_policy(lay) == "none" else work.ELEMENTWISE_PIECES
+    useful, executed, prefix = _layers(lay, lambda moe: work.layer_elementwise(lay, moe), again)
+    out["elementwise"] = (executed + prefix + work.pipeline_buffer_bytes(lay, pipeline_ticks(lay)), executed - useful)
+    useful, executed, prefix = _layers(lay, lambda moe: work.layer_dispatch(lay, moe), again)
+    out["dispatch"] = (executed + prefix, executed - useful)
+    # The softmax's backward (p x (dy - sum(p dy))) costs about one forward here: no exponentials.
+    useful, executed, prefix = _layers(lay, lambda moe: {"attention": work.layer_softmax(lay)}, backward=1.0)
+    out["softmax"] = (executed + prefix, executed - useful)
+    out["loss"] = (work.loss_elements(lay), 0.0)
+    return out
 
 
 # ---------------------------------------------------------------- communication
@@ -325,6 +370,7 @@ class StepTime:
     peak: float  # per-device peak MFU divides by
     update_s: float = 0.0  # the optimizer update, memory-bound
     accumulate_s: float = 0.0  # gradient sums over pipeline ticks and accumulation microbatches, memory-bound
+    compute_by_kind: dict[str, float] = dataclasses.field(default_factory=dict)  # compute_s split by kind
 
     @property
     def exposed_s(self) -> float:
@@ -365,6 +411,25 @@ def accumulate_bytes(lay: Layout, state: StateBytes) -> float:
     return ACCUMULATE_TRAFFIC * accum * (piped + summed)
 
 
+# Passes over the residuals a scanned layer saves for its backward: the stacked [layers, ...]
+# buffers zero-filled once a step (`wrapped_broadcast`), each layer's slice written in by a
+# dynamic-update-slice (read and written), and read back in the backward.
+RESIDUAL_PASSES = 4
+
+
+def residual_stack_bytes(lay: Layout) -> float:
+    """Memory traffic per step on this device of the scan's stacked residuals (model.scan_layers):
+    what each layer keeps under the remat policy (activations.saved_per_layer, the memory model's
+    figure), per layer call. Large buffers: priced at the memory bandwidth probe's rate."""
+    if not lay.model.scan_layers:
+        return 0.0
+    _, dense, sparse = lay.layer_counts
+    if dense + sparse == 0:
+        return 0.0
+    kept = (dense * saved_per_layer(lay, False) + sparse * saved_per_layer(lay, True)) / (dense + sparse)
+    return RESIDUAL_PASSES * kept * _layer_calls(lay)
+
+
 # Bytes the optimizer step moves per byte of one params-shaped tree in the optimizer's sharding:
 # AdamW reads params, gradients and both moments and writes params and moments (7), the gradient
 # norm and the NaN guard's all-finite check read the gradients and new params once more (2), and
@@ -374,8 +439,13 @@ UPDATE_TRAFFIC = 10
 
 def step_time(lay: Layout, state: StateBytes, spec: DeviceSpec, measured: Measured | None = None) -> StepTime:
     flops = step_flops(lay)
-    rate = spec.throughput(lay.model.dtype)
-    compute, bubble = (flops.executed - flops.bubble) / rate, flops.bubble / rate
+    amounts = step_work(lay)
+    dtype = lay.model.dtype
+    by_kind = {kind: (executed - bubble) / spec.rate(kind, dtype) for kind, (executed, bubble) in amounts.items()}
+    bubble = sum(b / spec.rate(kind, dtype) for kind, (_, b) in amounts.items())
+    if spec.rates:  # measured: the scan's residual stacks too (datasheet efficiencies already hold them)
+        by_kind["residuals"] = residual_stack_bytes(lay) / spec.memory_bandwidth
+    compute = sum(by_kind.values())
     update = UPDATE_TRAFFIC * state.opt_params / spec.memory_bandwidth
     accumulate = accumulate_bytes(lay, state) / spec.memory_bandwidth
     priced = tuple(price(c, lay, spec, measured) for c in collectives(lay, state))
@@ -386,7 +456,7 @@ def step_time(lay: Layout, state: StateBytes, spec: DeviceSpec, measured: Measur
     else:
         step = max(compute + bubble, overlapped) + exposed + update + accumulate
     return StepTime(compute, bubble, priced, step, _bottleneck(compute, bubble, update, accumulate, priced, spec),
-                    flops, spec.peak(lay.model.dtype), update, accumulate)
+                    flops, spec.peak(dtype), update, accumulate, by_kind)
 
 
 def _bottleneck(compute: float, bubble: float, update: float, accumulate: float, priced: tuple[Collective, ...],
