@@ -103,11 +103,14 @@ def _dot(a_labels: str, b_labels: str, out: str, a: jax.Array, b: jax.Array) -> 
     contracted = "".join(c for c in a_labels if c in b_labels and c not in out)
     a_free = "".join(c for c in a_labels if c not in batch + contracted)
     b_free = "".join(c for c in b_labels if c not in batch + contracted)
-    a = materialized(a, a_labels, batch + a_free + contracted)
-    b = materialized(b, b_labels, batch + contracted + b_free)
+    a_order = batch + a_free + contracted
+    a, a_labels = materialized(a, a_labels, a_order), a_order
+    if b_labels not in (batch + contracted + b_free, batch + b_free + contracted):  # either is a library form
+        b, b_labels = materialized(b, b_labels, batch + contracted + b_free), batch + contracted + b_free
+    else:  # no transpose needed, but the layout still pinned
+        b = row_major(b)
     natural = batch + a_free + b_free
-    y = jnp.einsum(f"{batch + a_free + contracted},{batch + contracted + b_free}->{natural}", a, b,
-                   preferred_element_type=jnp.float32)
+    y = jnp.einsum(f"{a_labels},{b_labels}->{natural}", a, b, preferred_element_type=jnp.float32)
     return jnp.transpose(row_major(y), [natural.index(c) for c in out])
 
 
