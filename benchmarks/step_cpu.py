@@ -6,12 +6,17 @@ Prints, for each remat policy: tokens/s, achieved TFLOP/s (model FLOPs, PaLM con
 and its ratio to a float32 jnp.dot 4096^2 measured in the same process; then the
 compile time of a 2-layer vs a 32-layer scanned model. Ratios, not absolute times,
 are the figures to compare across machines.
+
+With --rounds R the policies' steps and the matmul peak are timed in turn R times (each
+policy compiled once): the table gives the medians and the range of the per-round ratios,
+so a peak sampled at one unlucky moment cannot make or break the ratio.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import resource
 import time
 
 import jax
@@ -45,18 +50,21 @@ def time_steps(cfg: Config, steps: int) -> tuple[float, float]:
     return time_runtime(rt, state, rt.to_global(random_batch(cfg, np.random.default_rng(0))), steps)
 
 
-def time_runtime(rt: Runtime, state: TrainState, batch: dict, steps: int) -> tuple[float, float]:
-    """(first step seconds, compile included; median of `steps` more) for a built runtime."""
-    t0 = time.perf_counter()
-    state, metrics = rt.train_step(state, batch)
-    jax.block_until_ready(metrics)
-    first = time.perf_counter() - t0
+def run_steps(rt: Runtime, state: TrainState, batch: dict, steps: int) -> tuple[TrainState, list[float]]:
+    """Run `steps` steps, each timed to completion; the new state (the old one is donated) and the seconds."""
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         state, metrics = rt.train_step(state, batch)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - t0)
+    return state, times
+
+
+def time_runtime(rt: Runtime, state: TrainState, batch: dict, steps: int) -> tuple[float, float]:
+    """(first step seconds, compile included; median of `steps` more) for a built runtime."""
+    state, (first,) = run_steps(rt, state, batch, 1)
+    _, times = run_steps(rt, state, batch, steps)
     return first, float(np.median(times))
 
 
@@ -74,10 +82,41 @@ def compile_seconds(cfg: Config) -> float:
     return time.perf_counter() - t0
 
 
+def timed_rounds(base: Config, policies: list[str], steps: int,
+                 rounds: int) -> dict[str, list[tuple[float, float, float]]]:
+    """Per policy, per round: (median step seconds, the matmul peak FLOP/s measured just before,
+    minor page faults per step).
+
+    The faults are the process's first touches of freshly mapped memory: XLA:CPU allocates the
+    step's temporary buffer anew at every execution, and with glibc's malloc a buffer that large is
+    a fresh mmap each time (docs/profiling.md: a caching allocator such as tcmalloc avoids it).
+
+    Each policy's runtime is built and compiled once; the rounds alternate peak, policy 1,
+    policy 2, ... so that load on a shared machine hits every figure alike."""
+    built = {}
+    for policy in policies:
+        cfg = dataclasses.replace(base, model=dataclasses.replace(base.model, remat_policy=policy))
+        rt, state = build_step(cfg)
+        batch = rt.to_global(random_batch(cfg, np.random.default_rng(0)))
+        state, (first,) = run_steps(rt, state, batch, 1)
+        print(f"{policy}: first step (compile included) {first:.2f}s")
+        built[policy] = [rt, state, batch]
+    samples: dict[str, list[tuple[float, float, float]]] = {policy: [] for policy in policies}
+    for _ in range(rounds):
+        for policy, entry in built.items():
+            peak = measure_matmul_flops(4096, jnp.float32)
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            entry[1], times = run_steps(*entry, steps)
+            faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / max(steps, 1)
+            samples[policy].append((float(np.median(times)), peak, faults))
+    return samples
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="small")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=1, help="peak and steps timed in turn this many times")
     parser.add_argument("--policies", default="none,save_dots_no_batch,save_qkv_attn_mlp,full")
     parser.add_argument("--skip-compile", action="store_true")
     parser.add_argument("--compile-reps", type=int, default=3, help="compiles per depth, alternating; min is kept")
@@ -85,21 +124,22 @@ def main() -> None:
     args = parser.parse_args()
     jax.config.update("jax_compilation_cache_dir", None)  # compile times must be real
     base = load_config(args.config, args.overrides)
-    matmul = measure_matmul_flops(4096, jnp.float32)
     fpt = flops_per_token(base.model, base.train.seq_len)
     tokens = base.train.batch_size * base.train.seq_len
-    print(f"device: {jax.devices()[0].device_kind}; jnp.dot 4096^2 float32: {matmul / 1e12:.3f} TFLOP/s")
-    print(f"config {args.config}: {fpt / 1e6:.1f} MFLOP/token (train, PaLM form), {tokens} tokens/step")
-    columns = (Column("remat", width=20), Column("first step s", ".2f", ">", 12), Column("step s", ".3f", ">", 8),
-               Column("tokens/s", ".0f", ">", 9), Column("TFLOP/s", ".3f", ">", 8), Column("/matmul", ".2f", ">", 8))
-    print(format_table([], columns, sep=" "))
-    for policy in args.policies.split(","):
-        cfg = dataclasses.replace(base, model=dataclasses.replace(base.model, remat_policy=policy))
-        first, step_s = time_steps(cfg, args.steps)
-        tps = tokens / step_s
-        achieved = tps * fpt
-        print(format_table([(policy, first, step_s, tps, achieved / 1e12, achieved / matmul)], columns, sep=" ",
-                           header=False))
+    print(f"device: {jax.devices()[0].device_kind}; config {args.config}: {fpt / 1e6:.1f} MFLOP/token "
+          f"(train, PaLM form), {tokens} tokens/step; peak = float32 jnp.dot 4096^2 before each policy's steps")
+    samples = timed_rounds(base, args.policies.split(","), args.steps, args.rounds)
+    columns = (Column("remat", width=20), Column("step s", ".3f", ">", 8), Column("tokens/s", ".0f", ">", 9),
+               Column("TFLOP/s", ".3f", ">", 8), Column("peak TFLOP/s", ".3f", ">", 12),
+               Column("/matmul", ".2f", ">", 8), Column("rounds' /matmul", width=16),
+               Column("faults/step", ".0f", ">", 11))
+    rows = []
+    for policy, runs in samples.items():
+        step_s, peak, faults = (float(np.median([run[i] for run in runs])) for i in (0, 1, 2))
+        ratios = [tokens / s * fpt / p for s, p, _ in runs]
+        rows.append((policy, step_s, tokens / step_s, tokens / step_s * fpt / 1e12, peak / 1e12,
+                     tokens / step_s * fpt / peak, f"{min(ratios):.2f}-{max(ratios):.2f}", faults))
+    print(format_table(rows, columns, sep=" "))
     if args.skip_compile:
         return
     times: dict[tuple[int, bool], float] = {}

@@ -74,8 +74,11 @@ def test_dockerfile_layers_and_defaults():
     assert tuple(map(int, args["PYTHON_VERSION"].split("."))) >= tuple(map(int, low.split(".")))
     copies = [a for k, a in steps if k == "COPY"]
     assert copies[0] == "pyproject.toml docker/requirements.py ./"  # the dependency layer: nothing else
-    install = kinds.index("RUN")
-    assert '"${VARIANT}"' in steps[install][1] and "-r requirements.txt" in steps[install][1]
+    install = next(i for i, (k, a) in enumerate(steps) if k == "RUN" and "-r requirements.txt" in a)
+    assert '"${VARIANT}"' in steps[install][1]
+    # the allocator it preloads is the one a RUN installs and links to that path
+    (preload,) = re.findall(r"LD_PRELOAD=(\S+)", " ".join(a for k, a in steps if k == "ENV"))
+    assert any(k == "RUN" and "libtcmalloc-minimal4" in a and a.endswith(preload) for k, a in steps)
     at = [i for i, k in enumerate(kinds) if k == "COPY"]
     assert at[0] < install < at[1]  # the source comes after the dependencies are installed
     packages = {p.rstrip("*") for p in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]}
